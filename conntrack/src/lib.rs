@@ -1,0 +1,2 @@
+//! kxp's per-worker connection table.
+#![forbid(unsafe_code)]

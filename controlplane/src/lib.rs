@@ -1,0 +1,2 @@
+//! kxp's control plane.
+#![forbid(unsafe_code)]

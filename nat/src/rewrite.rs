@@ -1,0 +1,1 @@
+//! Header rewrite (being written).

@@ -1,0 +1,1 @@
+//! Helpers for kxp end-to-end tests.
