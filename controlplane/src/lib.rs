@@ -1,2 +1,9 @@
-//! kxp's control plane.
+//! kxp's control plane: kube-proxy's configuration and inputs, snapshot building, and the
+//! `kxp` command line.
 #![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod config;
+pub mod settings;
+pub mod state;
+pub mod trace;

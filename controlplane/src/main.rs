@@ -1,1 +1,6 @@
-fn main() {}
+//! The `kxp` binary.
+#![forbid(unsafe_code)]
+
+fn main() {
+    std::process::exit(controlplane::cli::main());
+}

@@ -2,10 +2,25 @@
 //!
 //! Pure logic in the manner of quinn-proto: no I/O, no clock (time is an argument), no
 //! threads, no unsafe. The dataplane feeds it packets and a snapshot; the control plane
-//! builds the snapshot from Kubernetes objects.
+//! builds the snapshot from Kubernetes objects ([`k8s::build`]).
+//!
+//! - [`model`]: Service ports, endpoints and the node, per IP family, as kube-proxy holds them;
+//! - [`topology`]: which endpoints each traffic policy may use (`CategorizeEndpoints`);
+//! - [`snapshot`]: the immutable, indexed view a worker decides with;
+//! - [`decide`]: forward / reject / drop / pass and masquerade, check by check;
+//! - [`select`]: random, affinity, Maglev and the IPVS schedulers;
+//! - [`rewrite`]: the header rewrite with incremental checksums.
 #![forbid(unsafe_code)]
 
+pub mod decide;
+pub mod k8s;
+pub mod model;
 pub mod rewrite;
+pub mod select;
+pub mod snapshot;
+pub mod topology;
 pub mod tuple;
 
+pub use decide::{Decision, DropReason, Forward, NewPacket, Policy, RejectReason, decide};
+pub use snapshot::{FrontendKind, Snapshot};
 pub use tuple::{Protocol, Tuple};

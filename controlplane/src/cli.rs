@@ -1,0 +1,150 @@
+//! The `kxp` command line: subcommands, their flags, and exit statuses (0 success, 2 any
+//! error the user can fix, with a message saying what was wrong).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use nat::tuple::Protocol;
+
+use crate::config::KubeProxyConfiguration;
+use crate::settings::{NodeFlags, node_settings};
+use crate::state::load_state;
+use crate::trace::{TraceInput, render_text, trace};
+
+/// kxp: kube-proxy's Service semantics on a userspace AF_XDP dataplane.
+#[derive(Debug, Parser)]
+#[command(name = "kxp", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Explain what kxp does with the first packet of a connection.
+    Trace(TraceArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Output {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+#[value(rename_all = "UPPER")]
+pub enum ProtoArg {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TraceArgs {
+    /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML (several documents or a
+    /// `kind: List`, e.g. `kubectl get svc,endpointslices,nodes,servicecidrs -A -o yaml`).
+    #[arg(long, value_name = "STATE.yaml")]
+    pub state: PathBuf,
+    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).
+    #[arg(long, value_name = "KUBE-PROXY-CONFIG.yaml")]
+    pub config: Option<PathBuf>,
+    /// This node's name (wins over the config file's hostnameOverride).
+    #[arg(long, value_name = "NODE")]
+    pub hostname_override: Option<String>,
+    /// A local address of the node (repeat for each; the first of each family is the
+    /// primary). Without any, the Node object's status.addresses are used.
+    #[arg(long = "node-ip", value_name = "IP")]
+    pub node_ips: Vec<IpAddr>,
+    /// Source address of the packet.
+    #[arg(long, value_name = "IP")]
+    pub src: IpAddr,
+    /// Destination address of the packet.
+    #[arg(long, value_name = "IP")]
+    pub dst: IpAddr,
+    /// Destination port of the packet.
+    #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    pub dport: u16,
+    /// Transport protocol.
+    #[arg(long, value_enum, ignore_case = true, default_value = "TCP")]
+    pub protocol: ProtoArg,
+    /// Interface the packet arrives on (for detectLocalMode BridgeInterface or
+    /// InterfaceNamePrefix).
+    #[arg(long, value_name = "IFNAME")]
+    pub in_interface: Option<String>,
+    #[arg(long, value_enum, default_value = "text")]
+    pub output: Output,
+}
+
+/// Runs the command line; returns the process exit status.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    match run(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kxp: {e:#}");
+            2
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Trace(args) => run_trace(args),
+    }
+}
+
+fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
+    if args.src.is_ipv4() != args.dst.is_ipv4() {
+        anyhow::bail!(
+            "--src {} and --dst {} are of different IP families",
+            args.src,
+            args.dst
+        );
+    }
+    let cfg = args
+        .config
+        .as_deref()
+        .map(KubeProxyConfiguration::load)
+        .transpose()?;
+    let origin = args
+        .config
+        .as_ref()
+        .map_or_else(|| "flags".to_string(), |p| p.display().to_string());
+    let flags = NodeFlags {
+        hostname_override: args.hostname_override.clone(),
+        node_ips: args.node_ips.clone(),
+    };
+    let settings = node_settings(cfg.as_ref(), &flags, &origin)?;
+    let state = load_state(&args.state)?;
+    let built = nat::k8s::build(&state, &settings, 1)
+        .map_err(|e| anyhow::anyhow!("state file {}: {e}", args.state.display()))?;
+    let input = TraceInput {
+        src: args.src,
+        dst: args.dst,
+        dport: args.dport,
+        proto: match args.protocol {
+            ProtoArg::Tcp => Protocol::Tcp,
+            ProtoArg::Udp => Protocol::Udp,
+            ProtoArg::Sctp => Protocol::Sctp,
+        },
+        in_interface: args.in_interface.clone(),
+    };
+    let (result, detail) = trace(&built.snapshot, &input);
+    match args.output {
+        Output::Json => println!("{}", serde_json::to_string(&result)?),
+        Output::Text => {
+            print!("{}", render_text(&input, &result, &detail));
+            for n in &built.notes {
+                println!("  note:       {n}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,427 @@
+//! The KubeProxyConfiguration file (`kubeproxy.config.k8s.io/v1alpha1`), read the way
+//! kube-proxy reads it: strict (an unknown field is an error naming it), with kube-proxy's
+//! defaults, plus kxp's own settings in one extension section, `kxp:`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+/// kube-proxy's configuration file. Every field of v1alpha1 is accepted (so an existing
+/// file loads as it is); the ones that mean something to kxp are honoured.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeProxyConfiguration {
+    pub api_version: Option<String>,
+    pub kind: Option<String>,
+    pub feature_gates: Option<std::collections::BTreeMap<String, bool>>,
+    pub client_connection: Option<ClientConnection>,
+    /// component-base logging options (format, verbosity, …): accepted as they are.
+    pub logging: Option<serde_yaml::Value>,
+    pub hostname_override: Option<String>,
+    pub bind_address: Option<String>,
+    pub healthz_bind_address: Option<String>,
+    pub metrics_bind_address: Option<String>,
+    pub bind_address_hard_fail: Option<bool>,
+    pub enable_profiling: Option<bool>,
+    pub show_hidden_metrics_for_version: Option<String>,
+    pub service_proxy_name: Option<String>,
+    pub mode: Option<String>,
+    pub iptables: Option<IpTables>,
+    pub ipvs: Option<Ipvs>,
+    pub nftables: Option<NfTables>,
+    pub winkernel: Option<serde_yaml::Value>,
+    pub detect_local_mode: Option<String>,
+    pub detect_local: Option<DetectLocal>,
+    #[serde(rename = "clusterCIDR")]
+    pub cluster_cidr: Option<String>,
+    pub node_port_addresses: Option<Vec<String>>,
+    pub oom_score_adj: Option<i32>,
+    pub conntrack: Option<Conntrack>,
+    pub config_sync_period: Option<GoDuration>,
+    pub port_range: Option<String>,
+    /// v1alpha2 moved these to the top level; accepted in either place.
+    pub sync_period: Option<GoDuration>,
+    pub min_sync_period: Option<GoDuration>,
+    pub windows_run_as_service: Option<bool>,
+    /// kxp's own settings.
+    pub kxp: Option<KxpSection>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClientConnection {
+    pub kubeconfig: Option<String>,
+    pub accept_content_types: Option<String>,
+    pub content_type: Option<String>,
+    pub qps: Option<f64>,
+    pub burst: Option<i32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct IpTables {
+    pub masquerade_bit: Option<i32>,
+    pub masquerade_all: Option<bool>,
+    pub localhost_node_ports: Option<bool>,
+    pub sync_period: Option<GoDuration>,
+    pub min_sync_period: Option<GoDuration>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Ipvs {
+    pub sync_period: Option<GoDuration>,
+    pub min_sync_period: Option<GoDuration>,
+    pub scheduler: Option<String>,
+    #[serde(rename = "excludeCIDRs")]
+    pub exclude_cidrs: Option<Vec<String>>,
+    #[serde(rename = "strictARP")]
+    pub strict_arp: Option<bool>,
+    pub tcp_timeout: Option<GoDuration>,
+    pub tcp_fin_timeout: Option<GoDuration>,
+    pub udp_timeout: Option<GoDuration>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NfTables {
+    pub masquerade_bit: Option<i32>,
+    pub masquerade_all: Option<bool>,
+    pub sync_period: Option<GoDuration>,
+    pub min_sync_period: Option<GoDuration>,
+    pub table_name: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DetectLocal {
+    pub bridge_interface: Option<String>,
+    pub interface_name_prefix: Option<String>,
+    /// v1alpha2's list form of clusterCIDR.
+    #[serde(rename = "clusterCIDRs")]
+    pub cluster_cidrs: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Conntrack {
+    pub max_per_core: Option<i32>,
+    pub min: Option<i32>,
+    pub tcp_established_timeout: Option<GoDuration>,
+    pub tcp_close_wait_timeout: Option<GoDuration>,
+    pub tcp_be_liberal: Option<bool>,
+    pub udp_timeout: Option<GoDuration>,
+    pub udp_stream_timeout: Option<GoDuration>,
+}
+
+/// kxp's extension section (`kxp:` at the top level of the file).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KxpSection {
+    /// Endpoint scheduler for Services without a `kxp.dev/scheduler` annotation:
+    /// random (default), rr, wrr, lc, wlc, sh, dh, sed, nq or maglev.
+    pub scheduler: Option<String>,
+    /// Interfaces the dataplane attaches to.
+    pub interfaces: Option<Vec<String>>,
+    /// Number of dataplane workers.
+    pub workers: Option<u32>,
+    /// CPUs to pin the workers to.
+    pub cpus: Option<Vec<u32>>,
+}
+
+/// A Go `time.Duration` string as metav1.Duration writes it (`1h0m0s`, `30s`, `250ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GoDuration(pub Duration);
+
+impl<'de> Deserialize<'de> for GoDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_go_duration(&s)
+            .map(GoDuration)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses Go's duration syntax: a sequence of decimal numbers with units
+/// ns, us (µs), ms, s, m, h; "0" alone is zero. Negative durations are refused.
+pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if t == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if t.is_empty() {
+        return Err("empty duration".into());
+    }
+    let bad = || format!("{s:?} is not a duration (e.g. 30s, 15m, 1h30m, 250ms)");
+    let mut rest = t.strip_prefix('+').unwrap_or(t);
+    if rest.starts_with('-') {
+        return Err(format!("{s:?}: negative durations are not allowed"));
+    }
+    let mut total = 0f64;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        if num_len == 0 {
+            return Err(bad());
+        }
+        let n: f64 = rest[..num_len].parse().map_err(|_| bad())?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += n * scale;
+        rest = &rest[unit_len..];
+    }
+    if !total.is_finite() || total > 1e12 {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs_f64(total))
+}
+
+/// A configuration file kxp cannot use.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {field}: {message}")]
+    Invalid {
+        path: String,
+        field: String,
+        message: String,
+    },
+}
+
+/// The API group/version kxp reads.
+pub const API_VERSIONS: [&str; 2] = [
+    "kubeproxy.config.k8s.io/v1alpha1",
+    "kubeproxy.config.k8s.io/v1alpha2",
+];
+
+impl KubeProxyConfiguration {
+    /// Reads and checks a configuration file.
+    ///
+    /// # Errors
+    /// The file cannot be read, is not YAML, has a field kxp does not know (named by its
+    /// path, e.g. `conntrack.tcpTimeout`), or a value of the wrong type or out of range.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses configuration text; `origin` names it in errors.
+    ///
+    /// # Errors
+    /// As [`KubeProxyConfiguration::load`].
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let invalid = |field: String, message: String| ConfigError::Invalid {
+            path: origin.to_string(),
+            field,
+            message,
+        };
+        let de = serde_yaml::Deserializer::from_str(text);
+        let cfg: KubeProxyConfiguration = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = e.path().to_string();
+            let inner = e.into_inner().to_string();
+            let message = match inner.find("unknown field") {
+                Some(_) => format!("{inner}; kxp reads KubeProxyConfiguration v1alpha1 fields and its own under `kxp:`"),
+                None => inner,
+            };
+            invalid(if field == "." { "(document)".into() } else { field }, message)
+        })?;
+        match cfg.api_version.as_deref() {
+            Some(v) if API_VERSIONS.contains(&v) => {}
+            Some(v) => {
+                return Err(invalid(
+                    "apiVersion".into(),
+                    format!("{v:?} is not {}", API_VERSIONS[0]),
+                ));
+            }
+            None => {
+                return Err(invalid(
+                    "apiVersion".into(),
+                    format!("missing; expected {}", API_VERSIONS[0]),
+                ));
+            }
+        }
+        if cfg.kind.as_deref() != Some("KubeProxyConfiguration") {
+            return Err(invalid(
+                "kind".into(),
+                format!("{:?} is not KubeProxyConfiguration", cfg.kind.as_deref().unwrap_or("")),
+            ));
+        }
+        if let Some(mode) = cfg.detect_local_mode.as_deref() {
+            if !["", "ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"].contains(&mode) {
+                return Err(invalid(
+                    "detectLocalMode".into(),
+                    format!("{mode:?} is not ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix"),
+                ));
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// `iptables.masqueradeAll` or `nftables.masqueradeAll`.
+    pub fn masquerade_all(&self) -> bool {
+        self.iptables.as_ref().and_then(|t| t.masquerade_all).unwrap_or(false)
+            || self.nftables.as_ref().and_then(|t| t.masquerade_all).unwrap_or(false)
+    }
+
+    /// The IPVS scheduler or kxp's own scheduler setting (kxp's wins).
+    pub fn scheduler(&self) -> Option<&str> {
+        self.kxp
+            .as_ref()
+            .and_then(|k| k.scheduler.as_deref())
+            .or_else(|| self.ipvs.as_ref().and_then(|i| i.scheduler.as_deref()))
+            .filter(|s| !s.is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: &str = r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+bindAddress: 0.0.0.0
+bindAddressHardFail: false
+clientConnection:
+  acceptContentTypes: ""
+  burst: 10
+  contentType: application/vnd.kubernetes.protobuf
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 5
+clusterCIDR: 10.244.0.0/16
+configSyncPeriod: 15m0s
+conntrack:
+  maxPerCore: 32768
+  min: 131072
+  tcpCloseWaitTimeout: 1h0m0s
+  tcpEstablishedTimeout: 24h0m0s
+  udpStreamTimeout: 0s
+  udpTimeout: 0s
+detectLocal:
+  bridgeInterface: ""
+  interfaceNamePrefix: ""
+detectLocalMode: ""
+enableProfiling: false
+healthzBindAddress: ""
+hostnameOverride: ""
+iptables:
+  localhostNodePorts: null
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 1s
+  syncPeriod: 0s
+ipvs:
+  excludeCIDRs: null
+  minSyncPeriod: 0s
+  scheduler: ""
+  strictARP: false
+  syncPeriod: 0s
+  tcpFinTimeout: 0s
+  tcpTimeout: 0s
+  udpTimeout: 0s
+logging:
+  flushFrequency: 0
+  options:
+    json:
+      infoBufferSize: "0"
+  verbosity: 0
+metricsBindAddress: ""
+mode: nftables
+nftables:
+  masqueradeAll: false
+  masqueradeBit: null
+  minSyncPeriod: 0s
+  syncPeriod: 0s
+nodePortAddresses: null
+oomScoreAdj: null
+portRange: ""
+showHiddenMetricsForVersion: ""
+winkernel:
+  enableDSR: false
+  forwardHealthCheckVip: false
+  networkName: ""
+  rootHnsEndpointName: ""
+  sourceVip: ""
+"#;
+
+    #[test]
+    fn kubeadm_style_file_loads() {
+        let c = KubeProxyConfiguration::parse(FULL, "test").unwrap();
+        assert_eq!(c.cluster_cidr.as_deref(), Some("10.244.0.0/16"));
+        assert_eq!(
+            c.conntrack.as_ref().unwrap().tcp_established_timeout,
+            Some(GoDuration(Duration::from_secs(86_400)))
+        );
+        assert!(!c.masquerade_all());
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack:\n  tcpTimeout: 1s\n";
+        let e = KubeProxyConfiguration::parse(text, "f.yaml").unwrap_err().to_string();
+        assert!(e.contains("conntrack"), "{e}");
+        assert!(e.contains("tcpTimeout"), "{e}");
+        let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nbogus: 1\n";
+        let e = KubeProxyConfiguration::parse(text, "f.yaml").unwrap_err().to_string();
+        assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn wrong_kind_or_version_is_refused() {
+        let e = KubeProxyConfiguration::parse("apiVersion: v1\nkind: KubeProxyConfiguration\n", "f")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("apiVersion"), "{e}");
+        let e = KubeProxyConfiguration::parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: Pod\n",
+            "f",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kind"), "{e}");
+    }
+
+    #[test]
+    fn masquerade_all_from_either_section() {
+        let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        for extra in ["iptables:\n  masqueradeAll: true\n", "nftables:\n  masqueradeAll: true\n"] {
+            let c = KubeProxyConfiguration::parse(&format!("{base}{extra}"), "f").unwrap();
+            assert!(c.masquerade_all());
+        }
+    }
+
+    #[test]
+    fn go_durations() {
+        let d = |s| parse_go_duration(s).unwrap();
+        assert_eq!(d("0"), Duration::ZERO);
+        assert_eq!(d("0s"), Duration::ZERO);
+        assert_eq!(d("1h0m0s"), Duration::from_secs(3600));
+        assert_eq!(d("1m30s"), Duration::from_secs(90));
+        assert_eq!(d("250ms"), Duration::from_millis(250));
+        assert_eq!(d("1.5s"), Duration::from_millis(1500));
+        for bad in ["", "1", "1x", "-1s", "s", "1h-", "nan"] {
+            assert!(parse_go_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! From a KubeProxyConfiguration and command-line flags to the node settings the Service
+//! model needs, with kube-proxy's precedence: the file's values, then
+//! `--hostname-override`, which always wins.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use nat::k8s::{DetectLocalMode, NodeSettings};
+use nat::select::Scheduler;
+
+use crate::config::{ConfigError, KubeProxyConfiguration};
+
+/// Flags that shape the node's settings.
+#[derive(Debug, Clone, Default)]
+pub struct NodeFlags {
+    pub hostname_override: Option<String>,
+    pub node_ips: Vec<IpAddr>,
+}
+
+/// kube-proxy's `GetHostname`: the override, else the host's name; trimmed, lower case.
+///
+/// # Errors
+/// When neither gives a name.
+pub fn hostname(override_: Option<&str>) -> Result<String, String> {
+    let raw = match override_.map(str::trim).filter(|s| !s.is_empty()) {
+        Some(h) => h.to_string(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_default(),
+    };
+    let h = raw.trim().to_lowercase();
+    if h.is_empty() {
+        return Err("empty hostname; give --hostname-override NODE".into());
+    }
+    Ok(h)
+}
+
+/// Builds the node settings from the configuration file (if any) and flags.
+///
+/// # Errors
+/// A field with a value kxp cannot use, named as in the file.
+pub fn node_settings(
+    cfg: Option<&KubeProxyConfiguration>,
+    flags: &NodeFlags,
+    origin: &str,
+) -> Result<NodeSettings, ConfigError> {
+    let invalid = |field: &str, message: String| ConfigError::Invalid {
+        path: origin.to_string(),
+        field: field.to_string(),
+        message,
+    };
+    let default_cfg = KubeProxyConfiguration::default();
+    let cfg = cfg.unwrap_or(&default_cfg);
+    let override_ = flags
+        .hostname_override
+        .as_deref()
+        .or(cfg.hostname_override.as_deref());
+    let node_name = hostname(override_).map_err(|m| invalid("hostnameOverride", m))?;
+
+    let mut cluster_cidrs = Vec::new();
+    let cidr_texts: Vec<(String, String)> = match (&cfg.cluster_cidr, cfg.detect_local.as_ref().and_then(|d| d.cluster_cidrs.clone())) {
+        (Some(s), _) if !s.trim().is_empty() => s
+            .split(',')
+            .map(|c| ("clusterCIDR".to_string(), c.to_string()))
+            .collect(),
+        (_, Some(list)) => list
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (format!("detectLocal.clusterCIDRs[{i}]"), c))
+            .collect(),
+        _ => vec![],
+    };
+    for (field, c) in cidr_texts {
+        let c = c.trim();
+        if c.is_empty() {
+            continue;
+        }
+        let net: IpNet = c
+            .parse()
+            .map_err(|_| invalid(&field, format!("{c:?} is not a CIDR")))?;
+        cluster_cidrs.push(net.trunc());
+    }
+
+    let dl = cfg.detect_local.clone().unwrap_or_default();
+    let detect_local = match cfg.detect_local_mode.as_deref().unwrap_or("") {
+        "" | "ClusterCIDR" => DetectLocalMode::ClusterCidr,
+        "NodeCIDR" => DetectLocalMode::NodeCidr,
+        "BridgeInterface" => DetectLocalMode::BridgeInterface(
+            dl.bridge_interface
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| invalid("detectLocal.bridgeInterface", "required with detectLocalMode BridgeInterface".into()))?,
+        ),
+        "InterfaceNamePrefix" => DetectLocalMode::InterfaceNamePrefix(
+            dl.interface_name_prefix
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| invalid("detectLocal.interfaceNamePrefix", "required with detectLocalMode InterfaceNamePrefix".into()))?,
+        ),
+        other => return Err(invalid("detectLocalMode", format!("{other:?} is not a local-detection mode"))),
+    };
+
+    let default_scheduler = match cfg.scheduler() {
+        None => Scheduler::Random,
+        Some(s) => Scheduler::parse(s).ok_or_else(|| {
+            invalid(
+                "kxp.scheduler",
+                format!("{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"),
+            )
+        })?,
+    };
+
+    let mut node_ips = flags.node_ips.clone();
+    if node_ips.is_empty() {
+        if let Some(b) = cfg.bind_address.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            let ip: IpAddr = b
+                .parse()
+                .map_err(|_| invalid("bindAddress", format!("{b:?} is not an IP address")))?;
+            if !ip.is_unspecified() {
+                node_ips.push(ip);
+            }
+        }
+    }
+
+    Ok(NodeSettings {
+        node_name,
+        node_ips,
+        cluster_cidrs,
+        detect_local,
+        node_port_addresses: cfg.node_port_addresses.clone().unwrap_or_default(),
+        masquerade_all: cfg.masquerade_all(),
+        default_scheduler,
+    })
+}

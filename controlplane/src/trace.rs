@@ -1,0 +1,169 @@
+//! `kxp trace`: what kxp does with the first packet of a connection, and why.
+
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use nat::decide::{Decision, NewPacket, decide};
+use nat::model::Affinity;
+use nat::snapshot::Snapshot;
+use nat::tuple::Protocol;
+use serde::Serialize;
+
+/// The answer, in the JSON shape `kxp trace --output json` prints.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct TraceResult {
+    /// `dnat`, `reject`, `drop` or `pass`.
+    pub verdict: &'static str,
+    /// Every endpoint the connection may be sent to, sorted (`IP:PORT`, `[IPv6]:PORT`).
+    pub endpoints: Vec<String>,
+    pub masquerade: bool,
+    /// `namespace/name:port` of the Service port, if one is involved.
+    pub service: Option<String>,
+    pub reason: String,
+}
+
+/// The packet to trace.
+#[derive(Debug, Clone)]
+pub struct TraceInput {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub dport: u16,
+    pub proto: Protocol,
+    pub in_interface: Option<String>,
+}
+
+/// Extra facts for the text output.
+#[derive(Debug, Clone, Default)]
+pub struct TraceDetail {
+    pub frontend: Option<String>,
+    pub policy: Option<&'static str>,
+    pub scheduler: Option<&'static str>,
+    pub affinity: Option<u32>,
+    pub topology: Option<String>,
+}
+
+/// Decides for `input` against `snap`.
+pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) {
+    let pkt = NewPacket {
+        src: input.src,
+        dst: input.dst,
+        dport: input.dport,
+        proto: input.proto,
+        in_interface: input.in_interface.as_deref(),
+    };
+    let dest = format!("{}/{}", std::net::SocketAddr::new(input.dst, input.dport), input.proto);
+    let mut detail = TraceDetail::default();
+    let result = match decide(snap, &pkt) {
+        Decision::Pass => TraceResult {
+            verdict: "pass",
+            endpoints: vec![],
+            masquerade: false,
+            service: None,
+            reason: format!("{dest} is not a Service frontend: the kernel handles it"),
+        },
+        Decision::Drop { reason, port } => TraceResult {
+            verdict: "drop",
+            endpoints: vec![],
+            masquerade: false,
+            service: port.map(|p| p.name.to_string()),
+            reason: reason.to_string(),
+        },
+        Decision::Reject { reason, port } => TraceResult {
+            verdict: "reject",
+            endpoints: vec![],
+            masquerade: false,
+            service: port.map(|p| p.name.to_string()),
+            reason: reason.to_string(),
+        },
+        Decision::Forward(fwd) => {
+            let mut endpoints: Vec<String> = fwd.candidate_endpoints().map(|e| e.key()).collect();
+            endpoints.sort();
+            let hairpin = fwd
+                .candidate_endpoints()
+                .any(|e| e.addr.ip() == input.src);
+            let masquerade = fwd.masquerade || hairpin;
+            let policy = match fwd.policy {
+                nat::Policy::Cluster => "Cluster",
+                nat::Policy::Local => "Local",
+            };
+            detail.frontend = Some(format!("{} {dest}", fwd.frontend.name()));
+            detail.policy = Some(policy);
+            detail.scheduler = Some(fwd.port.scheduler.name());
+            if let Affinity::ClientIp { timeout_secs } = fwd.port.affinity {
+                detail.affinity = Some(timeout_secs);
+            }
+            detail.topology = match fwd.port.cat.topology {
+                nat::model::Topology::None => None,
+                t => Some(format!("{t:?}")),
+            };
+            let mut reason = format!(
+                "{} {dest} of {}: {policy} traffic policy, {} endpoint(s); {}",
+                fwd.frontend.name(),
+                fwd.port.name,
+                endpoints.len(),
+                fwd.why
+            );
+            if hairpin {
+                reason.push_str("; hairpin: the source is one of the endpoints");
+            }
+            TraceResult {
+                verdict: "dnat",
+                endpoints,
+                masquerade,
+                service: Some(fwd.port.name.to_string()),
+                reason,
+            }
+        }
+    };
+    (result, detail)
+}
+
+/// The text form of a trace, for a person.
+pub fn render_text(input: &TraceInput, r: &TraceResult, d: &TraceDetail) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} {} -> {}",
+        input.proto,
+        input.src,
+        std::net::SocketAddr::new(input.dst, input.dport)
+    );
+    if let Some(svc) = &r.service {
+        let _ = writeln!(s, "  service:    {svc}");
+    }
+    if let Some(f) = &d.frontend {
+        let _ = writeln!(s, "  frontend:   {f}");
+    }
+    let verdict = match r.verdict {
+        "dnat" => format!(
+            "DNAT to one of {} endpoint(s){}",
+            r.endpoints.len(),
+            d.scheduler.map(|x| format!(" ({x})")).unwrap_or_default()
+        ),
+        "reject" => "REJECT (the client is refused at once: TCP RST / ICMP port unreachable)".into(),
+        "drop" => "DROP".into(),
+        _ => "PASS (not kxp's: the kernel handles it)".into(),
+    };
+    let _ = writeln!(s, "  verdict:    {verdict}");
+    for e in &r.endpoints {
+        let _ = writeln!(s, "                {e}");
+    }
+    if let Some(p) = d.policy {
+        let _ = writeln!(s, "  policy:     {p}");
+    }
+    if let Some(t) = &d.topology {
+        let _ = writeln!(s, "  topology:   {t}");
+    }
+    if let Some(a) = d.affinity {
+        let _ = writeln!(s, "  affinity:   ClientIP, {a}s");
+    }
+    if r.verdict == "dnat" {
+        let _ = writeln!(
+            s,
+            "  masquerade: {}",
+            if r.masquerade { "yes (SNAT to the node's address)" } else { "no (the endpoint sees the client's address)" }
+        );
+    }
+    let _ = writeln!(s, "  reason:     {}", r.reason);
+    s
+}

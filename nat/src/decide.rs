@@ -1,0 +1,266 @@
+//! What kube-proxy (nftables mode) does with the first packet of a connection.
+//!
+//! The order of the checks is the order of kube-proxy's hooks:
+//! 1. `filter-prerouting` → `firewall-check`: LoadBalancer VIPs with
+//!    `loadBalancerSourceRanges` drop sources outside the ranges;
+//! 2. `nat-prerouting` → `services`: ClusterIP / externalIP / LoadBalancer VIP by
+//!    `ip daddr . proto . port`, then NodePorts on the NodePort addresses; the
+//!    `external-*` chain's short-circuits and masquerade marks; the policy chain's
+//!    endpoints (plus the endpoint chain's hairpin masquerade);
+//! 3. `filter-forward` / `filter-input` on a packet that was not DNATed:
+//!    `no-endpoint-services` / `no-endpoint-nodeports` (reject: no endpoints at all;
+//!    drop: Local policy with no local endpoint), then `cluster-ips-check` (reject
+//!    traffic to a ClusterIP on a port no Service serves; drop anything else inside a
+//!    Service CIDR).
+//!
+//! Anything else is not kxp's: pass.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use crate::model::{Endpoint, ServicePort};
+use crate::snapshot::{FrontendKind, Snapshot};
+use crate::tuple::Protocol;
+
+/// Which policy's endpoints a forwarded connection uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    Cluster,
+    Local,
+}
+
+/// Why a packet is dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Source outside the LoadBalancer's `loadBalancerSourceRanges`.
+    SourceRange,
+    /// `internalTrafficPolicy: Local` and no local endpoint.
+    NoLocalEndpointsInternal,
+    /// `externalTrafficPolicy: Local` and no local endpoint.
+    NoLocalEndpointsExternal,
+    /// Inside a Service CIDR, but no Service has this ClusterIP.
+    UnallocatedServiceIp,
+}
+
+/// Why a packet is refused (ICMP port unreachable / TCP RST).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    /// The Service has no usable endpoint anywhere.
+    NoEndpoints,
+    /// A ClusterIP, but no Service port for this port and protocol.
+    ClusterIpPort,
+}
+
+/// A connection to be forwarded to one of `candidates`.
+#[derive(Debug, Clone, Copy)]
+pub struct Forward<'s> {
+    /// Index of the Service port in the snapshot.
+    pub port_index: u32,
+    pub port: &'s ServicePort,
+    pub frontend: FrontendKind,
+    pub policy: Policy,
+    /// Indices into `port.endpoints`.
+    pub candidates: &'s [u32],
+    /// Masquerade marked before the endpoint chain (whatever the endpoint).
+    pub masquerade: bool,
+    /// Why this policy and masquerade: one line for `kxp trace`.
+    pub why: &'static str,
+}
+
+impl Forward<'_> {
+    /// Whether a connection from `src` to `endpoint` is masqueraded: the marks above plus
+    /// the endpoint chain's hairpin rule (`ip saddr <endpoint> jump mark-for-masquerade`).
+    pub fn masquerade_for(&self, src: IpAddr, endpoint: &Endpoint) -> bool {
+        self.masquerade || endpoint.addr.ip() == src
+    }
+
+    pub fn candidate_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
+        self.candidates
+            .iter()
+            .map(|&i| &self.port.endpoints[i as usize])
+    }
+}
+
+/// The decision for the first packet of a connection.
+#[derive(Debug, Clone, Copy)]
+pub enum Decision<'s> {
+    /// Not a Service's packet: the kernel handles it.
+    Pass,
+    Drop {
+        reason: DropReason,
+        port: Option<&'s ServicePort>,
+    },
+    Reject {
+        reason: RejectReason,
+        port: Option<&'s ServicePort>,
+    },
+    Forward(Forward<'s>),
+}
+
+/// The first packet of a connection, as far as decisions go.
+#[derive(Debug, Clone, Copy)]
+pub struct NewPacket<'a> {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub dport: u16,
+    pub proto: Protocol,
+    /// Interface the packet arrived on (for interface-based local detection).
+    pub in_interface: Option<&'a str>,
+}
+
+/// Decides what kube-proxy would do with `pkt`.
+pub fn decide<'s>(snap: &'s Snapshot, pkt: &NewPacket<'_>) -> Decision<'s> {
+    let node = &*snap.node;
+    let (index, kind) = if let Some(f) = snap.lookup_addr(pkt.dst, pkt.proto, pkt.dport) {
+        (f.port, f.kind)
+    } else if let Some(i) = snap
+        .lookup_node_port(pkt.dst, pkt.proto, pkt.dport)
+        .filter(|_| node.node_port_addresses.accepts(pkt.dst, &node.local_addrs))
+    {
+        (i, FrontendKind::NodePort)
+    } else if snap.is_cluster_ip(pkt.dst) {
+        return Decision::Reject {
+            reason: RejectReason::ClusterIpPort,
+            port: None,
+        };
+    } else if node.service_cidrs.iter().any(|n| n.contains(&pkt.dst)) {
+        return Decision::Drop {
+            reason: DropReason::UnallocatedServiceIp,
+            port: None,
+        };
+    } else {
+        return Decision::Pass;
+    };
+    let sp = snap.port(index);
+    let cat = &sp.cat;
+
+    // filter-prerouting: firewall-check (only programmed while the Service has endpoints).
+    if kind == FrontendKind::LoadBalancer && sp.uses_firewall() && !source_allowed(sp, snap, pkt.src)
+    {
+        return Decision::Drop {
+            reason: DropReason::SourceRange,
+            port: Some(sp),
+        };
+    }
+
+    if !cat.has_endpoints {
+        return Decision::Reject {
+            reason: RejectReason::NoEndpoints,
+            port: Some(sp),
+        };
+    }
+
+    let forward = |policy: Policy, masquerade: bool, why: &'static str| {
+        let candidates: &[u32] = match policy {
+            Policy::Cluster => &cat.cluster,
+            Policy::Local => &cat.local,
+        };
+        Decision::Forward(Forward {
+            port_index: index,
+            port: sp,
+            frontend: kind,
+            policy,
+            candidates,
+            masquerade,
+            why,
+        })
+    };
+
+    let local_pod = node.local_detector.is_local(pkt.src, pkt.in_interface);
+    if kind == FrontendKind::ClusterIp {
+        if sp.internal_policy_local && cat.local.is_empty() {
+            return Decision::Drop {
+                reason: DropReason::NoLocalEndpointsInternal,
+                port: Some(sp),
+            };
+        }
+        let policy = if sp.internal_policy_local {
+            Policy::Local
+        } else {
+            Policy::Cluster
+        };
+        return if node.masquerade_all {
+            forward(policy, true, "masqueradeAll")
+        } else {
+            match local_pod {
+                Some(false) => forward(policy, true, "source outside the cluster CIDR"),
+                Some(true) => forward(policy, false, "source inside the cluster CIDR"),
+                None => forward(policy, false, "no local-traffic detector"),
+            }
+        };
+    }
+
+    // External destinations: the service's external-* chain.
+    if !sp.external_policy_local {
+        return forward(
+            Policy::Cluster,
+            true,
+            "external traffic with externalTrafficPolicy Cluster",
+        );
+    }
+    if local_pod == Some(true) {
+        return forward(
+            Policy::Cluster,
+            false,
+            "pod traffic to an external destination short-circuits to Cluster policy",
+        );
+    }
+    if node.is_local_addr(pkt.src) {
+        return forward(
+            Policy::Cluster,
+            true,
+            "traffic from the node itself short-circuits to Cluster policy",
+        );
+    }
+    if cat.local.is_empty() {
+        return Decision::Drop {
+            reason: DropReason::NoLocalEndpointsExternal,
+            port: Some(sp),
+        };
+    }
+    forward(
+        Policy::Local,
+        false,
+        "externalTrafficPolicy Local keeps the client address",
+    )
+}
+
+/// The firewall chain's `ip saddr != { ranges } drop`, where the ranges also admit the
+/// LoadBalancer VIPs themselves when a range contains the node's primary IP.
+fn source_allowed(sp: &ServicePort, snap: &Snapshot, src: IpAddr) -> bool {
+    if sp.lb_source_ranges.iter().any(|n| n.contains(&src)) {
+        return true;
+    }
+    let family = crate::model::Family::of(&sp.cluster_ip);
+    let allow_from_node = snap
+        .node
+        .primary(family)
+        .is_some_and(|ip| sp.lb_source_ranges.iter().any(|n| n.contains(&ip)));
+    allow_from_node && sp.lb_vips.contains(&src)
+}
+
+impl fmt::Display for DropReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DropReason::SourceRange => "source is outside the loadBalancerSourceRanges",
+            DropReason::NoLocalEndpointsInternal => {
+                "internalTrafficPolicy Local and no endpoint on this node"
+            }
+            DropReason::NoLocalEndpointsExternal => {
+                "externalTrafficPolicy Local and no endpoint on this node"
+            }
+            DropReason::UnallocatedServiceIp => {
+                "destination is inside a Service CIDR but no Service has this ClusterIP"
+            }
+        })
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RejectReason::NoEndpoints => "the Service has no usable endpoints",
+            RejectReason::ClusterIpPort => "no Service port on this ClusterIP for this port and protocol",
+        })
+    }
+}

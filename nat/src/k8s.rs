@@ -1,0 +1,673 @@
+//! From Kubernetes objects (k8s-openapi types) to the Service model, with kube-proxy's
+//! filtering: `ServiceChangeTracker`, `newBaseServiceInfo` and `EndpointSliceCache`
+//! (`pkg/proxy/{servicechangetracker,serviceport,endpointslicecache}.go`).
+//!
+//! Objects kube-proxy would not even receive (the `service-proxy-name` label, headless
+//! EndpointSlices) or silently skips (ExternalName, headless Services, FQDN slices) are
+//! skipped here too, with a note. Fields that cannot be read at all (an address that is
+//! not one, a port out of range) are errors naming the object and the field.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+
+use crate::model::{
+    Affinity, Endpoint, Family, LocalDetector, NodeContext, NodePortAddresses, ServicePort,
+    ServicePortName,
+};
+use crate::select::{Scheduler, maglev_table};
+use crate::snapshot::Snapshot;
+use crate::topology::{PolicyUse, categorize};
+use crate::tuple::Protocol;
+
+/// Label that hands a Service to another proxy (kube-proxy's informer excludes it).
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Label marking the EndpointSlices of headless Services.
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// Label joining an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Node label with the node's zone.
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+/// kxp's per-Service scheduler choice.
+pub const ANNOTATION_SCHEDULER: &str = "kxp.dev/scheduler";
+/// kxp's per-Service endpoint weights: `IP=WEIGHT,IP=WEIGHT`.
+pub const ANNOTATION_WEIGHTS: &str = "kxp.dev/endpoint-weights";
+
+/// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+
+/// An object or field kxp cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind} {object}: field {field}: {message}")]
+pub struct ModelError {
+    pub kind: &'static str,
+    /// `namespace/name` or `name`.
+    pub object: String,
+    /// JSON path of the field, e.g. `spec.ports[1].protocol`.
+    pub field: String,
+    pub message: String,
+}
+
+/// How the node's pods are told from other sources (`detectLocalMode`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DetectLocalMode {
+    /// `clusterCIDR` (empty = no detector).
+    #[default]
+    ClusterCidr,
+    /// The Node's `spec.podCIDRs`.
+    NodeCidr,
+    BridgeInterface(String),
+    InterfaceNamePrefix(String),
+}
+
+/// The node's settings that shape decisions (from the KubeProxyConfiguration and flags).
+#[derive(Debug, Clone, Default)]
+pub struct NodeSettings {
+    /// This node's name (`hostnameOverride` or the host name).
+    pub node_name: String,
+    /// `--node-ip` values: when given, the node's local and primary addresses.
+    pub node_ips: Vec<IpAddr>,
+    /// `clusterCIDR`, split on commas.
+    pub cluster_cidrs: Vec<IpNet>,
+    pub detect_local: DetectLocalMode,
+    /// `nodePortAddresses` (CIDRs or `primary`); empty = primary.
+    pub node_port_addresses: Vec<String>,
+    pub masquerade_all: bool,
+    /// Scheduler for Services without a `kxp.dev/scheduler` annotation.
+    pub default_scheduler: Scheduler,
+}
+
+/// Everything read from the cluster.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterState {
+    pub services: Vec<Service>,
+    pub endpoint_slices: Vec<EndpointSlice>,
+    pub nodes: Vec<Node>,
+    pub service_cidrs: Vec<ServiceCIDR>,
+}
+
+/// A snapshot and what was noticed while building it.
+#[derive(Debug)]
+pub struct Built {
+    pub snapshot: Snapshot,
+    /// Objects or values skipped the way kube-proxy skips them.
+    pub notes: Vec<String>,
+}
+
+/// Builds the node context and every Service port, and indexes them.
+///
+/// # Errors
+/// A [`ModelError`] for the first field that cannot be read.
+pub fn build(
+    state: &ClusterState,
+    settings: &NodeSettings,
+    generation: u64,
+) -> Result<Built, ModelError> {
+    let mut notes = Vec::new();
+    let node = node_context(state, settings, &mut notes)?;
+    let slices = index_slices(&state.endpoint_slices, &mut notes)?;
+    let mut ports = Vec::new();
+    for svc in &state.services {
+        for sp in service_ports(svc, &slices, &node, settings.default_scheduler, &mut notes)? {
+            ports.push(Arc::new(sp));
+        }
+    }
+    let snapshot = Snapshot::new(generation, Arc::new(node), ports);
+    notes.extend(snapshot.conflicts.iter().cloned());
+    Ok(Built { snapshot, notes })
+}
+
+fn obj_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    match (&meta.namespace, &meta.name) {
+        (Some(ns), Some(n)) => format!("{ns}/{n}"),
+        (None, Some(n)) => n.clone(),
+        _ => "(unnamed)".to_string(),
+    }
+}
+
+fn parse_ip(kind: &'static str, object: &str, field: &str, s: &str) -> Result<IpAddr, ModelError> {
+    s.trim().parse().map_err(|_| ModelError {
+        kind,
+        object: object.to_string(),
+        field: field.to_string(),
+        message: format!("{s:?} is not an IP address"),
+    })
+}
+
+fn parse_cidr(s: &str) -> Option<IpNet> {
+    let s = s.trim();
+    s.parse::<IpNet>()
+        .map(|n| n.trunc())
+        .ok()
+        .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from))
+}
+
+/// The node's addresses, zone and local-traffic detector.
+fn node_context(
+    state: &ClusterState,
+    settings: &NodeSettings,
+    notes: &mut Vec<String>,
+) -> Result<NodeContext, ModelError> {
+    let node = state
+        .nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(settings.node_name.as_str()));
+    let zone = node
+        .and_then(|n| n.metadata.labels.as_ref())
+        .and_then(|l| l.get(LABEL_ZONE))
+        .cloned();
+
+    // Local addresses: the --node-ip values, else every address of the Node object.
+    // Primary per family: the first --node-ip, else InternalIP before ExternalIP.
+    let mut local = settings.node_ips.clone();
+    let mut primary_v4 = local.iter().copied().find(IpAddr::is_ipv4);
+    let mut primary_v6 = local.iter().copied().find(IpAddr::is_ipv6);
+    if local.is_empty() {
+        if let Some(n) = node {
+            let name = obj_name(&n.metadata);
+            let addrs = n
+                .status
+                .as_ref()
+                .and_then(|s| s.addresses.as_ref())
+                .cloned()
+                .unwrap_or_default();
+            let mut ranked: Vec<(u8, IpAddr)> = Vec::new();
+            for (i, a) in addrs.iter().enumerate() {
+                let rank = match a.type_.as_str() {
+                    "InternalIP" => 0,
+                    "ExternalIP" => 1,
+                    _ => continue,
+                };
+                let field = format!("status.addresses[{i}].address");
+                let ip = parse_ip("Node", &name, &field, &a.address)?;
+                local.push(ip);
+                ranked.push((rank, ip));
+            }
+            ranked.sort_by_key(|(r, _)| *r);
+            primary_v4 = ranked.iter().map(|(_, ip)| *ip).find(IpAddr::is_ipv4);
+            primary_v6 = ranked.iter().map(|(_, ip)| *ip).find(IpAddr::is_ipv6);
+        } else if !settings.node_name.is_empty() {
+            notes.push(format!(
+                "no Node named {:?} and no --node-ip: the node has no local addresses \
+                 (NodePorts and local-source rules match nothing)",
+                settings.node_name
+            ));
+        }
+    }
+
+    let mut node_port_addresses = Vec::new();
+    let mut match_all = false;
+    let primaries: Vec<IpAddr> = primary_v4.into_iter().chain(primary_v6).collect();
+    if settings.node_port_addresses.is_empty() {
+        node_port_addresses = primaries.clone();
+    }
+    for (i, s) in settings.node_port_addresses.iter().enumerate() {
+        if s.trim() == "primary" {
+            node_port_addresses.extend(primaries.iter().copied());
+            continue;
+        }
+        let Some(net) = parse_cidr(s) else {
+            return Err(ModelError {
+                kind: "KubeProxyConfiguration",
+                object: "config".into(),
+                field: format!("nodePortAddresses[{i}]"),
+                message: format!("{s:?} is neither a CIDR nor \"primary\""),
+            });
+        };
+        if net.prefix_len() == 0 {
+            match_all = true;
+        }
+        node_port_addresses.extend(local.iter().copied().filter(|ip| net.contains(ip)));
+    }
+    node_port_addresses.retain(|ip| !ip.is_loopback());
+    node_port_addresses.sort();
+    node_port_addresses.dedup();
+
+    let local_detector = match &settings.detect_local {
+        DetectLocalMode::ClusterCidr if settings.cluster_cidrs.is_empty() => LocalDetector::None,
+        DetectLocalMode::ClusterCidr => LocalDetector::Cidrs(settings.cluster_cidrs.clone()),
+        DetectLocalMode::NodeCidr => {
+            let cidrs: Vec<IpNet> = node
+                .and_then(|n| n.spec.as_ref())
+                .map(|s| {
+                    s.pod_cidrs
+                        .clone()
+                        .or_else(|| s.pod_cidr.clone().map(|c| vec![c]))
+                        .unwrap_or_default()
+                })
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|c| parse_cidr(c))
+                .collect();
+            if cidrs.is_empty() {
+                notes.push(
+                    "detectLocalMode NodeCIDR but the Node has no spec.podCIDRs: no detector"
+                        .into(),
+                );
+                LocalDetector::None
+            } else {
+                LocalDetector::Cidrs(cidrs)
+            }
+        }
+        DetectLocalMode::BridgeInterface(b) => LocalDetector::Bridge(b.clone()),
+        DetectLocalMode::InterfaceNamePrefix(p) => LocalDetector::InterfacePrefix(p.clone()),
+    };
+
+    let mut service_cidrs = Vec::new();
+    for sc in &state.service_cidrs {
+        let name = obj_name(&sc.metadata);
+        let cidrs = sc.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
+        for (i, c) in cidrs.iter().enumerate() {
+            service_cidrs.push(parse_cidr(c).ok_or_else(|| ModelError {
+                kind: "ServiceCIDR",
+                object: name.clone(),
+                field: format!("spec.cidrs[{i}]"),
+                message: format!("{c:?} is not a CIDR"),
+            })?);
+        }
+    }
+
+    Ok(NodeContext {
+        name: settings.node_name.clone(),
+        zone,
+        local_addrs: local,
+        primary_v4,
+        primary_v6,
+        node_port_addresses: if match_all {
+            NodePortAddresses::All
+        } else {
+            NodePortAddresses::Addrs(node_port_addresses)
+        },
+        local_detector,
+        masquerade_all: settings.masquerade_all,
+        service_cidrs,
+    })
+}
+
+/// One endpoint of a slice as read, before it is joined to a Service port.
+#[derive(Debug, Clone)]
+struct SliceEndpoint {
+    ip: IpAddr,
+    node_name: Option<String>,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    zone_hints: Vec<String>,
+    node_hints: Vec<String>,
+}
+
+/// Endpoints by (namespace, service, port name, protocol, family): list of (port, endpoints).
+type SliceIndex = BTreeMap<(String, String, String, Protocol, Family), Vec<(u16, Vec<SliceEndpoint>)>>;
+
+fn index_slices(slices: &[EndpointSlice], notes: &mut Vec<String>) -> Result<SliceIndex, ModelError> {
+    let mut index = SliceIndex::new();
+    for slice in slices {
+        let name = obj_name(&slice.metadata);
+        let labels = slice.metadata.labels.clone().unwrap_or_default();
+        if labels.contains_key(LABEL_HEADLESS) {
+            continue;
+        }
+        let Some(svc) = labels.get(LABEL_SERVICE_NAME).filter(|s| !s.is_empty()) else {
+            notes.push(format!("EndpointSlice {name}: no {LABEL_SERVICE_NAME} label, ignored"));
+            continue;
+        };
+        let family = match slice.address_type.as_str() {
+            "IPv4" => Family::V4,
+            "IPv6" => Family::V6,
+            "FQDN" => continue,
+            other => {
+                return Err(ModelError {
+                    kind: "EndpointSlice",
+                    object: name,
+                    field: "addressType".into(),
+                    message: format!("{other:?} is not IPv4, IPv6 or FQDN"),
+                });
+            }
+        };
+        let ns = slice.metadata.namespace.clone().unwrap_or_default();
+        let mut eps = Vec::with_capacity(slice.endpoints.len());
+        for (i, ep) in slice.endpoints.iter().enumerate() {
+            let Some(first) = ep.addresses.first() else {
+                continue;
+            };
+            let ip = parse_ip("EndpointSlice", &name, &format!("endpoints[{i}].addresses[0]"), first)?;
+            if Family::of(&ip) != family {
+                notes.push(format!(
+                    "EndpointSlice {name}: endpoints[{i}] address {ip} is not {}, ignored",
+                    family.as_k8s()
+                ));
+                continue;
+            }
+            let c = ep.conditions.clone().unwrap_or_default();
+            let hints = ep.hints.clone().unwrap_or_default();
+            let mut zone_hints: Vec<String> =
+                hints.for_zones.unwrap_or_default().into_iter().map(|z| z.name).collect();
+            let mut node_hints: Vec<String> =
+                hints.for_nodes.unwrap_or_default().into_iter().map(|n| n.name).collect();
+            zone_hints.sort();
+            node_hints.sort();
+            eps.push(SliceEndpoint {
+                ip,
+                node_name: ep.node_name.clone(),
+                ready: c.ready.unwrap_or(true),
+                serving: c.serving.unwrap_or(true),
+                terminating: c.terminating.unwrap_or(false),
+                zone_hints,
+                node_hints,
+            });
+        }
+        for (i, p) in slice.ports.iter().flatten().enumerate() {
+            let Some(port_name) = p.name.clone() else {
+                continue;
+            };
+            let port = match p.port {
+                None | Some(0) => continue,
+                Some(n) => u16::try_from(n).map_err(|_| ModelError {
+                    kind: "EndpointSlice",
+                    object: name.clone(),
+                    field: format!("ports[{i}].port"),
+                    message: format!("{n} is not a port number"),
+                })?,
+            };
+            let proto_s = p.protocol.as_deref().unwrap_or("TCP");
+            let proto = Protocol::parse(proto_s).ok_or_else(|| ModelError {
+                kind: "EndpointSlice",
+                object: name.clone(),
+                field: format!("ports[{i}].protocol"),
+                message: format!("{proto_s:?} is not TCP, UDP or SCTP"),
+            })?;
+            index
+                .entry((ns.clone(), svc.clone(), port_name, proto, family))
+                .or_default()
+                .push((port, eps.clone()));
+        }
+    }
+    Ok(index)
+}
+
+/// kube-proxy's `GetClusterIPByFamily`.
+fn cluster_ip_for(
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+    family: Family,
+    name: &str,
+) -> Result<Option<IpAddr>, ModelError> {
+    let families = spec.ip_families.clone().unwrap_or_default();
+    if families.is_empty() {
+        let Some(ip) = spec.cluster_ip.as_deref().filter(|s| !s.is_empty() && *s != "None") else {
+            return Ok(None);
+        };
+        let ip = parse_ip("Service", name, "spec.clusterIP", ip)?;
+        return Ok((Family::of(&ip) == family).then_some(ip));
+    }
+    let ips = spec.cluster_ips.clone().unwrap_or_default();
+    for (idx, f) in families.iter().enumerate() {
+        if f == family.as_k8s() {
+            return match ips.get(idx) {
+                Some(s) => {
+                    let ip = parse_ip("Service", name, &format!("spec.clusterIPs[{idx}]"), s)?;
+                    if Family::of(&ip) != family {
+                        return Err(ModelError {
+                            kind: "Service",
+                            object: name.to_string(),
+                            field: format!("spec.clusterIPs[{idx}]"),
+                            message: format!("{ip} is not {} as spec.ipFamilies[{idx}] says", f),
+                        });
+                    }
+                    Ok(Some(ip))
+                }
+                None => Ok(None),
+            };
+        }
+    }
+    Ok(None)
+}
+
+fn service_ports(
+    svc: &Service,
+    slices: &SliceIndex,
+    node: &NodeContext,
+    default_scheduler: Scheduler,
+    notes: &mut Vec<String>,
+) -> Result<Vec<ServicePort>, ModelError> {
+    let name = obj_name(&svc.metadata);
+    let labels = svc.metadata.labels.clone().unwrap_or_default();
+    if labels.contains_key(LABEL_SERVICE_PROXY_NAME) {
+        notes.push(format!("Service {name}: labelled {LABEL_SERVICE_PROXY_NAME}, left to another proxy"));
+        return Ok(vec![]);
+    }
+    let Some(spec) = svc.spec.as_ref() else {
+        return Ok(vec![]);
+    };
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    match spec.cluster_ip.as_deref() {
+        None | Some("") | Some("None") => return Ok(vec![]),
+        _ => {}
+    }
+    if svc_type == "ExternalName" {
+        return Ok(vec![]);
+    }
+    let nodeportish = svc_type == "NodePort" || svc_type == "LoadBalancer";
+    let external_policy_local =
+        nodeportish && spec.external_traffic_policy.as_deref() == Some("Local");
+    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let affinity = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        let t = spec
+            .session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT as i32);
+        Affinity::ClientIp {
+            timeout_secs: t.clamp(1, 86_400) as u32,
+        }
+    } else {
+        Affinity::None
+    };
+    let annotations = svc.metadata.annotations.clone().unwrap_or_default();
+    let scheduler = match annotations.get(ANNOTATION_SCHEDULER) {
+        Some(s) => Scheduler::parse(s).ok_or_else(|| ModelError {
+            kind: "Service",
+            object: name.clone(),
+            field: format!("metadata.annotations[{ANNOTATION_SCHEDULER}]"),
+            message: format!(
+                "{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"
+            ),
+        })?,
+        None => default_scheduler,
+    };
+    let weights = parse_weights(&annotations, &name)?;
+    let health_check_node_port = if svc_type == "LoadBalancer" && external_policy_local {
+        spec.health_check_node_port.unwrap_or(0).clamp(0, 65535) as u16
+    } else {
+        0
+    };
+
+    let mut out = Vec::new();
+    for family in [Family::V4, Family::V6] {
+        let Some(cluster_ip) = cluster_ip_for(spec, family, &name)? else {
+            continue;
+        };
+        let mut external_ips = Vec::new();
+        for (i, s) in spec.external_ips.iter().flatten().enumerate() {
+            let ip = parse_ip("Service", &name, &format!("spec.externalIPs[{i}]"), s)?;
+            if Family::of(&ip) == family {
+                external_ips.push(ip);
+            }
+        }
+        let lb_source_ranges: Vec<IpNet> = spec
+            .load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .filter_map(|s| {
+                let net = parse_cidr(s);
+                if net.is_none() {
+                    notes.push(format!(
+                        "Service {name}: loadBalancerSourceRanges entry {s:?} is not a CIDR, ignored"
+                    ));
+                }
+                net
+            })
+            .filter(|n| Family::of_net(n) == family)
+            .collect();
+        let mut lb_vips = Vec::new();
+        let ingress = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|l| l.ingress.clone())
+            .unwrap_or_default();
+        for (i, ing) in ingress.iter().enumerate() {
+            let Some(ip) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
+                continue;
+            };
+            if ing.ip_mode.as_deref() == Some("Proxy") {
+                continue;
+            }
+            let ip = parse_ip(
+                "Service",
+                &name,
+                &format!("status.loadBalancer.ingress[{i}].ip"),
+                ip,
+            )?;
+            if Family::of(&ip) == family {
+                lb_vips.push(ip);
+            }
+        }
+
+        for (i, p) in spec.ports.iter().flatten().enumerate() {
+            let proto_s = p.protocol.as_deref().unwrap_or("TCP");
+            let proto = Protocol::parse(proto_s).ok_or_else(|| ModelError {
+                kind: "Service",
+                object: name.clone(),
+                field: format!("spec.ports[{i}].protocol"),
+                message: format!("{proto_s:?} is not TCP, UDP or SCTP"),
+            })?;
+            let port = u16::try_from(p.port).ok().filter(|&p| p != 0).ok_or_else(|| ModelError {
+                kind: "Service",
+                object: name.clone(),
+                field: format!("spec.ports[{i}].port"),
+                message: format!("{} is not a port number", p.port),
+            })?;
+            let node_port = u16::try_from(p.node_port.unwrap_or(0)).map_err(|_| ModelError {
+                kind: "Service",
+                object: name.clone(),
+                field: format!("spec.ports[{i}].nodePort"),
+                message: format!("{} is not a port number", p.node_port.unwrap_or(0)),
+            })?;
+            let port_name = p.name.clone().unwrap_or_default();
+            let spn = ServicePortName {
+                namespace: svc.metadata.namespace.clone().unwrap_or_default(),
+                name: svc.metadata.name.clone().unwrap_or_default(),
+                port: port_name,
+                protocol: proto,
+            };
+            let endpoints = join_endpoints(slices, &spn, family, &node.name, &weights);
+            let mut sp = ServicePort {
+                name: spn,
+                cluster_ip,
+                port,
+                node_port,
+                external_ips: external_ips.clone(),
+                lb_vips: lb_vips.clone(),
+                lb_source_ranges: lb_source_ranges.clone(),
+                external_policy_local,
+                internal_policy_local,
+                affinity,
+                health_check_node_port,
+                scheduler,
+                endpoints,
+                cat: Default::default(),
+                cluster_table: Vec::new(),
+                local_table: Vec::new(),
+                name_hash: 0,
+            };
+            finish_port(&mut sp, node);
+            out.push(sp);
+        }
+    }
+    Ok(out)
+}
+
+/// Categorises endpoints and builds the consistent-hash tables a port's scheduler needs.
+pub fn finish_port(sp: &mut ServicePort, node: &NodeContext) {
+    sp.cat = categorize(
+        &sp.endpoints,
+        PolicyUse {
+            uses_cluster: sp.uses_cluster_endpoints(),
+            uses_local: sp.uses_local_endpoints(),
+        },
+        &node.name,
+        node.zone.as_deref(),
+    );
+    if sp.scheduler.uses_hash_table() {
+        sp.cluster_table = maglev_table(&sp.endpoints, &sp.cat.cluster);
+        sp.local_table = maglev_table(&sp.endpoints, &sp.cat.local);
+    } else {
+        sp.cluster_table.clear();
+        sp.local_table.clear();
+    }
+    sp.name_hash = crate::select::hash_bytes(sp.name.to_string().as_bytes(), sp.name.protocol.number() as u64);
+}
+
+fn parse_weights(
+    annotations: &BTreeMap<String, String>,
+    name: &str,
+) -> Result<BTreeMap<IpAddr, u32>, ModelError> {
+    let mut out = BTreeMap::new();
+    let Some(s) = annotations.get(ANNOTATION_WEIGHTS) else {
+        return Ok(out);
+    };
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let parsed = item
+            .split_once('=')
+            .and_then(|(ip, w)| Some((ip.trim().parse::<IpAddr>().ok()?, w.trim().parse::<u32>().ok()?)));
+        let Some((ip, w)) = parsed else {
+            return Err(ModelError {
+                kind: "Service",
+                object: name.to_string(),
+                field: format!("metadata.annotations[{ANNOTATION_WEIGHTS}]"),
+                message: format!("{item:?} is not IP=WEIGHT"),
+            });
+        };
+        out.insert(ip, w);
+    }
+    Ok(out)
+}
+
+/// kube-proxy's `EndpointSliceCache`: every slice of the Service with a port of this name
+/// and protocol contributes its endpoints at that slice's port number; duplicates
+/// (`IP:PORT`) prefer a non-terminating one; the result is sorted by `IP:PORT`.
+fn join_endpoints(
+    slices: &SliceIndex,
+    spn: &ServicePortName,
+    family: Family,
+    node_name: &str,
+    weights: &BTreeMap<IpAddr, u32>,
+) -> Vec<Endpoint> {
+    let key = (spn.namespace.clone(), spn.name.clone(), spn.port.clone(), spn.protocol, family);
+    let mut by_key: BTreeMap<String, Endpoint> = BTreeMap::new();
+    for (port, eps) in slices.get(&key).into_iter().flatten() {
+        for e in eps {
+            let ep = Endpoint {
+                addr: std::net::SocketAddr::new(e.ip, *port),
+                is_local: !node_name.is_empty() && e.node_name.as_deref() == Some(node_name),
+                ready: e.ready,
+                serving: e.serving,
+                terminating: e.terminating,
+                zone_hints: e.zone_hints.clone(),
+                node_hints: e.node_hints.clone(),
+                weight: weights.get(&e.ip).copied().unwrap_or(1),
+            };
+            let k = ep.key();
+            if !by_key.contains_key(&k) || !ep.terminating {
+                by_key.insert(k, ep);
+            }
+        }
+    }
+    by_key.into_values().collect()
+}
