@@ -264,3 +264,7 @@ impl fmt::Display for RejectReason {
         })
     }
 }
+
+#[cfg(test)]
+#[path = "decide_tests.rs"]
+mod tests;
