@@ -1,1 +1,98 @@
-//! Shared set-up for kxp benchmarks.
+//! Shared set-up for kxp's benchmarks: synthetic clusters of any size, built from real
+//! Kubernetes objects so that benchmarks exercise the same path as `kxp`.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use nat::k8s::{ClusterState, NodeSettings};
+
+/// The ClusterIP of synthetic Service `i` (inside 172.16.0.0/12).
+pub fn cluster_ip(i: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(0xAC10_0000u32 + 1 + i))
+}
+
+/// The address of endpoint `j` of Service `i` (inside 10.0.0.0/8).
+pub fn endpoint_ip(i: u32, j: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(0x0A00_0000u32 + 1 + i * 16 + j))
+}
+
+/// `services` ClusterIP Services on port 80, each with `endpoints_each` ready endpoints on
+/// port 8080 in one EndpointSlice (spread over three nodes).
+pub fn cluster(services: u32, endpoints_each: u32) -> ClusterState {
+    assert!(endpoints_each <= 16);
+    let mut state = ClusterState::default();
+    for i in 0..services {
+        let name = format!("svc-{i}");
+        state.services.push(Service {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some("bench".into()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                cluster_ip: Some(cluster_ip(i).to_string()),
+                ports: Some(vec![ServicePort {
+                    port: 80,
+                    protocol: Some("TCP".into()),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        state.endpoint_slices.push(EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(format!("{name}-abcde")),
+                namespace: Some("bench".into()),
+                labels: Some(BTreeMap::from([(
+                    "kubernetes.io/service-name".to_string(),
+                    name,
+                )])),
+                ..Default::default()
+            },
+            address_type: "IPv4".into(),
+            ports: Some(vec![EndpointPort {
+                name: Some(String::new()),
+                port: Some(8080),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            endpoints: (0..endpoints_each)
+                .map(|j| Endpoint {
+                    addresses: vec![endpoint_ip(i, j).to_string()],
+                    node_name: Some(format!("node-{}", j % 3)),
+                    ..Default::default()
+                })
+                .collect(),
+        });
+    }
+    state
+}
+
+/// Node settings for the synthetic cluster: node-0, 192.0.2.10, cluster CIDR 10.0.0.0/8.
+pub fn node_settings() -> NodeSettings {
+    NodeSettings {
+        node_name: "node-0".into(),
+        node_ips: vec!["192.0.2.10".parse().unwrap()],
+        cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
+        ..Default::default()
+    }
+}
+
+/// A small deterministic PRNG for benchmark inputs.
+#[derive(Debug, Clone)]
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+}

@@ -4,7 +4,6 @@
 
 use std::net::IpAddr;
 
-use ipnet::IpNet;
 use nat::k8s::{DetectLocalMode, NodeSettings};
 use nat::select::Scheduler;
 
@@ -76,10 +75,10 @@ pub fn node_settings(
         if c.is_empty() {
             continue;
         }
-        let net: IpNet = c
-            .parse()
-            .map_err(|_| invalid(&field, format!("{c:?} is not a CIDR")))?;
-        cluster_cidrs.push(net.trunc());
+        let net = nat::k8s::parse_cidr_sloppy(c)
+            .filter(|_| c.contains('/'))
+            .ok_or_else(|| invalid(&field, format!("{c:?} is not a CIDR")))?;
+        cluster_cidrs.push(net);
     }
 
     let dl = cfg.detect_local.clone().unwrap_or_default();

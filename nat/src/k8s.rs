@@ -130,8 +130,42 @@ fn obj_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -
     }
 }
 
+/// kube-proxy's `ParseIPSloppy`: like `IpAddr::from_str`, but IPv4 octets may carry
+/// leading zeros, read as decimal (legacy objects the API server no longer accepts).
+pub fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse() {
+        return Some(ip);
+    }
+    let parts: Vec<&str> = s.split('.').collect();
+    if parts.len() != 4 {
+        return None;
+    }
+    let mut octets = [0u8; 4];
+    for (o, p) in octets.iter_mut().zip(&parts) {
+        if p.is_empty() || p.len() > 3 || !p.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        *o = p.parse().ok()?;
+    }
+    Some(IpAddr::from(octets))
+}
+
+/// kube-proxy's `ParseCIDRSloppy`, masked to its network; a bare address is a host route.
+pub fn parse_cidr_sloppy(s: &str) -> Option<IpNet> {
+    let s = s.trim();
+    match s.split_once('/') {
+        Some((ip, len)) => {
+            let ip = parse_ip_sloppy(ip)?;
+            let len: u8 = len.parse().ok()?;
+            IpNet::new(ip, len).ok().map(|n| n.trunc())
+        }
+        None => parse_ip_sloppy(s).map(IpNet::from),
+    }
+}
+
 fn parse_ip(kind: &'static str, object: &str, field: &str, s: &str) -> Result<IpAddr, ModelError> {
-    s.trim().parse().map_err(|_| ModelError {
+    parse_ip_sloppy(s).ok_or_else(|| ModelError {
         kind,
         object: object.to_string(),
         field: field.to_string(),
@@ -139,13 +173,6 @@ fn parse_ip(kind: &'static str, object: &str, field: &str, s: &str) -> Result<Ip
     })
 }
 
-fn parse_cidr(s: &str) -> Option<IpNet> {
-    let s = s.trim();
-    s.parse::<IpNet>()
-        .map(|n| n.trunc())
-        .ok()
-        .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from))
-}
 
 /// The node's addresses, zone and local-traffic detector.
 fn node_context(
@@ -211,7 +238,7 @@ fn node_context(
             node_port_addresses.extend(primaries.iter().copied());
             continue;
         }
-        let Some(net) = parse_cidr(s) else {
+        let Some(net) = parse_cidr_sloppy(s) else {
             return Err(ModelError {
                 kind: "KubeProxyConfiguration",
                 object: "config".into(),
@@ -242,7 +269,7 @@ fn node_context(
                 })
                 .unwrap_or_default()
                 .iter()
-                .filter_map(|c| parse_cidr(c))
+                .filter_map(|c| parse_cidr_sloppy(c))
                 .collect();
             if cidrs.is_empty() {
                 notes.push(
@@ -263,7 +290,7 @@ fn node_context(
         let name = obj_name(&sc.metadata);
         let cidrs = sc.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
         for (i, c) in cidrs.iter().enumerate() {
-            service_cidrs.push(parse_cidr(c).ok_or_else(|| ModelError {
+            service_cidrs.push(parse_cidr_sloppy(c).ok_or_else(|| ModelError {
                 kind: "ServiceCIDR",
                 object: name.clone(),
                 field: format!("spec.cidrs[{i}]"),
@@ -504,7 +531,7 @@ fn service_ports(
             .iter()
             .flatten()
             .filter_map(|s| {
-                let net = parse_cidr(s);
+                let net = parse_cidr_sloppy(s);
                 if net.is_none() {
                     notes.push(format!(
                         "Service {name}: loadBalancerSourceRanges entry {s:?} is not a CIDR, ignored"

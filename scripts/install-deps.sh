@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the system packages kxp's build, tests and demo need (Debian/Ubuntu, as root).
+# Safe to run again: packages already present are left alone.
+set -euo pipefail
+
+PACKAGES=(
+  # xsk-rs builds libbpf and libxdp from source
+  clang llvm libelf-dev zlib1g-dev pkg-config m4 libpcap-dev
+  # network namespaces, veth, the kernel's NAT for comparisons, traffic generation
+  iproute2 nftables iptables ethtool netsniff-ng
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: need root to install: ${missing[*]}" >&2
+    exit 2
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# libxdp's dispatcher wants bpffs.
+if [[ $(id -u) -eq 0 ]] && ! mountpoint -q /sys/fs/bpf 2>/dev/null; then
+  mount -t bpf bpf /sys/fs/bpf 2>/dev/null || echo "install-deps: could not mount bpffs at /sys/fs/bpf" >&2
+fi
+
+for c in rustfmt clippy; do
+  rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c" || true
+done
