@@ -31,10 +31,14 @@ fn targets(services: u32, n: usize, hot: bool, rng: &mut XorShift) -> Vec<std::n
 
 fn frontend_lookup(c: &mut Criterion) {
     let mut g = c.benchmark_group("frontend_lookup");
-    g.sample_size(30).noise_threshold(0.03).measurement_time(Duration::from_secs(3));
+    g.sample_size(30)
+        .noise_threshold(0.03)
+        .measurement_time(Duration::from_secs(3));
     let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
     for &n in &SIZES {
-        let snap = nat::k8s::build(&cluster(n, 3), &node_settings(), 1).unwrap().snapshot;
+        let snap = nat::k8s::build(&cluster(n, 3), &node_settings(), 1)
+            .unwrap()
+            .snapshot;
         for (label, hot) in [("hot64", true), ("uniform", false)] {
             let t = targets(n, 4096, hot, &mut rng);
             let mut k = 0usize;
@@ -51,10 +55,14 @@ fn frontend_lookup(c: &mut Criterion) {
 
 fn new_connection(c: &mut Criterion) {
     let mut g = c.benchmark_group("new_connection");
-    g.sample_size(30).noise_threshold(0.03).measurement_time(Duration::from_secs(3));
+    g.sample_size(30)
+        .noise_threshold(0.03)
+        .measurement_time(Duration::from_secs(3));
     let mut rng = XorShift(0xD1B5_4A32_D192_ED03);
     for &n in &[1u32, 100_000] {
-        let snap = nat::k8s::build(&cluster(n, 3), &node_settings(), 1).unwrap().snapshot;
+        let snap = nat::k8s::build(&cluster(n, 3), &node_settings(), 1)
+            .unwrap()
+            .snapshot;
         let t = targets(n, 4096, true, &mut rng);
         let zero = |_: SocketAddr| 0u32;
         let mut cursor = RrCursor::default();
@@ -78,8 +86,17 @@ fn new_connection(c: &mut Criterion) {
                             random: rng.next_u64(),
                             active: &zero,
                         };
-                        let ep = pick(f.port.scheduler, &f.port.endpoints, f.candidates, None, &input, &mut cursor);
-                        black_box(ep.map(|i| f.masquerade_for(pkt.src, &f.port.endpoints[i as usize])))
+                        let ep = pick(
+                            f.port.scheduler,
+                            &f.port.endpoints,
+                            f.candidates,
+                            None,
+                            &input,
+                            &mut cursor,
+                        );
+                        black_box(
+                            ep.map(|i| f.masquerade_for(pkt.src, &f.port.endpoints[i as usize])),
+                        )
                     }
                     _ => black_box(None),
                 }

@@ -264,24 +264,43 @@ impl KubeProxyConfiguration {
         if cfg.kind.as_deref() != Some("KubeProxyConfiguration") {
             return Err(invalid(
                 "kind".into(),
-                format!("{:?} is not KubeProxyConfiguration", cfg.kind.as_deref().unwrap_or("")),
+                format!(
+                    "{:?} is not KubeProxyConfiguration",
+                    cfg.kind.as_deref().unwrap_or("")
+                ),
             ));
         }
-        if let Some(mode) = cfg.detect_local_mode.as_deref() {
-            if !["", "ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"].contains(&mode) {
-                return Err(invalid(
-                    "detectLocalMode".into(),
-                    format!("{mode:?} is not ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix"),
-                ));
-            }
+        if let Some(mode) = cfg.detect_local_mode.as_deref()
+            && ![
+                "",
+                "ClusterCIDR",
+                "NodeCIDR",
+                "BridgeInterface",
+                "InterfaceNamePrefix",
+            ]
+            .contains(&mode)
+        {
+            return Err(invalid(
+                "detectLocalMode".into(),
+                format!(
+                    "{mode:?} is not ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix"
+                ),
+            ));
         }
         Ok(cfg)
     }
 
     /// `iptables.masqueradeAll` or `nftables.masqueradeAll`.
     pub fn masquerade_all(&self) -> bool {
-        self.iptables.as_ref().and_then(|t| t.masquerade_all).unwrap_or(false)
-            || self.nftables.as_ref().and_then(|t| t.masquerade_all).unwrap_or(false)
+        self.iptables
+            .as_ref()
+            .and_then(|t| t.masquerade_all)
+            .unwrap_or(false)
+            || self
+                .nftables
+                .as_ref()
+                .and_then(|t| t.masquerade_all)
+                .unwrap_or(false)
     }
 
     /// The IPVS scheduler or kxp's own scheduler setting (kxp's wins).
@@ -379,19 +398,24 @@ winkernel:
     #[test]
     fn unknown_field_is_named() {
         let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack:\n  tcpTimeout: 1s\n";
-        let e = KubeProxyConfiguration::parse(text, "f.yaml").unwrap_err().to_string();
+        let e = KubeProxyConfiguration::parse(text, "f.yaml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("conntrack"), "{e}");
         assert!(e.contains("tcpTimeout"), "{e}");
         let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nbogus: 1\n";
-        let e = KubeProxyConfiguration::parse(text, "f.yaml").unwrap_err().to_string();
+        let e = KubeProxyConfiguration::parse(text, "f.yaml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bogus"), "{e}");
     }
 
     #[test]
     fn wrong_kind_or_version_is_refused() {
-        let e = KubeProxyConfiguration::parse("apiVersion: v1\nkind: KubeProxyConfiguration\n", "f")
-            .unwrap_err()
-            .to_string();
+        let e =
+            KubeProxyConfiguration::parse("apiVersion: v1\nkind: KubeProxyConfiguration\n", "f")
+                .unwrap_err()
+                .to_string();
         assert!(e.contains("apiVersion"), "{e}");
         let e = KubeProxyConfiguration::parse(
             "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: Pod\n",
@@ -405,7 +429,10 @@ winkernel:
     #[test]
     fn masquerade_all_from_either_section() {
         let base = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
-        for extra in ["iptables:\n  masqueradeAll: true\n", "nftables:\n  masqueradeAll: true\n"] {
+        for extra in [
+            "iptables:\n  masqueradeAll: true\n",
+            "nftables:\n  masqueradeAll: true\n",
+        ] {
             let c = KubeProxyConfiguration::parse(&format!("{base}{extra}"), "f").unwrap();
             assert!(c.masquerade_all());
         }

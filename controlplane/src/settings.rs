@@ -58,7 +58,12 @@ pub fn node_settings(
     let node_name = hostname(override_).map_err(|m| invalid("hostnameOverride", m))?;
 
     let mut cluster_cidrs = Vec::new();
-    let cidr_texts: Vec<(String, String)> = match (&cfg.cluster_cidr, cfg.detect_local.as_ref().and_then(|d| d.cluster_cidrs.clone())) {
+    let cidr_texts: Vec<(String, String)> = match (
+        &cfg.cluster_cidr,
+        cfg.detect_local
+            .as_ref()
+            .and_then(|d| d.cluster_cidrs.clone()),
+    ) {
         (Some(s), _) if !s.trim().is_empty() => s
             .split(',')
             .map(|c| ("clusterCIDR".to_string(), c.to_string()))
@@ -88,14 +93,29 @@ pub fn node_settings(
         "BridgeInterface" => DetectLocalMode::BridgeInterface(
             dl.bridge_interface
                 .filter(|s| !s.is_empty())
-                .ok_or_else(|| invalid("detectLocal.bridgeInterface", "required with detectLocalMode BridgeInterface".into()))?,
+                .ok_or_else(|| {
+                    invalid(
+                        "detectLocal.bridgeInterface",
+                        "required with detectLocalMode BridgeInterface".into(),
+                    )
+                })?,
         ),
         "InterfaceNamePrefix" => DetectLocalMode::InterfaceNamePrefix(
             dl.interface_name_prefix
                 .filter(|s| !s.is_empty())
-                .ok_or_else(|| invalid("detectLocal.interfaceNamePrefix", "required with detectLocalMode InterfaceNamePrefix".into()))?,
+                .ok_or_else(|| {
+                    invalid(
+                        "detectLocal.interfaceNamePrefix",
+                        "required with detectLocalMode InterfaceNamePrefix".into(),
+                    )
+                })?,
         ),
-        other => return Err(invalid("detectLocalMode", format!("{other:?} is not a local-detection mode"))),
+        other => {
+            return Err(invalid(
+                "detectLocalMode",
+                format!("{other:?} is not a local-detection mode"),
+            ));
+        }
     };
 
     let default_scheduler = match cfg.scheduler() {
@@ -103,20 +123,26 @@ pub fn node_settings(
         Some(s) => Scheduler::parse(s).ok_or_else(|| {
             invalid(
                 "kxp.scheduler",
-                format!("{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"),
+                format!(
+                    "{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"
+                ),
             )
         })?,
     };
 
     let mut node_ips = flags.node_ips.clone();
-    if node_ips.is_empty() {
-        if let Some(b) = cfg.bind_address.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
-            let ip: IpAddr = b
-                .parse()
-                .map_err(|_| invalid("bindAddress", format!("{b:?} is not an IP address")))?;
-            if !ip.is_unspecified() {
-                node_ips.push(ip);
-            }
+    if node_ips.is_empty()
+        && let Some(b) = cfg
+            .bind_address
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+    {
+        let ip: IpAddr = b
+            .parse()
+            .map_err(|_| invalid("bindAddress", format!("{b:?} is not an IP address")))?;
+        if !ip.is_unspecified() {
+            node_ips.push(ip);
         }
     }
 

@@ -74,14 +74,27 @@ pub fn parse_state(text: &str, origin: &str) -> Result<ClusterState, StateError>
     Ok(state)
 }
 
-fn add_object(state: &mut ClusterState, v: Value, place: &str, origin: &str) -> Result<(), StateError> {
+fn add_object(
+    state: &mut ClusterState,
+    v: Value,
+    place: &str,
+    origin: &str,
+) -> Result<(), StateError> {
     let invalid = |place: String, message: String| StateError::Invalid {
         path: origin.into(),
         place,
         message,
     };
-    let api = v.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
-    let kind = v.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+    let api = v
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let kind = v
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
     let name = v
         .get("metadata")
         .and_then(|m| m.get("name"))
@@ -99,19 +112,22 @@ fn add_object(state: &mut ClusterState, v: Value, place: &str, origin: &str) -> 
             (path, e.into_inner().to_string())
         })
     }
-    let wrap = |(path, msg): (String, String)| invalid(place.clone(), format!("field {path}: {msg}"));
+    let wrap =
+        |(path, msg): (String, String)| invalid(place.clone(), format!("field {path}: {msg}"));
     match (api.as_str(), kind.as_str()) {
         ("v1", "Service") => state.services.push(typed::<Service>(v).map_err(wrap)?),
-        ("discovery.k8s.io/v1", "EndpointSlice") => {
-            state.endpoint_slices.push(typed::<EndpointSlice>(v).map_err(wrap)?)
-        }
+        ("discovery.k8s.io/v1", "EndpointSlice") => state
+            .endpoint_slices
+            .push(typed::<EndpointSlice>(v).map_err(wrap)?),
         ("v1", "Node") => state.nodes.push(typed::<Node>(v).map_err(wrap)?),
         ("networking.k8s.io/v1" | "networking.k8s.io/v1beta1", "ServiceCIDR") => {
             let mut v = v;
             if let Some(m) = v.as_mapping_mut() {
                 m.insert("apiVersion".into(), "networking.k8s.io/v1".into());
             }
-            state.service_cidrs.push(typed::<ServiceCIDR>(v).map_err(wrap)?)
+            state
+                .service_cidrs
+                .push(typed::<ServiceCIDR>(v).map_err(wrap)?)
         }
         ("", _) | (_, "") => {
             return Err(invalid(

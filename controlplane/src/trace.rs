@@ -51,7 +51,11 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
         proto: input.proto,
         in_interface: input.in_interface.as_deref(),
     };
-    let dest = format!("{}/{}", std::net::SocketAddr::new(input.dst, input.dport), input.proto);
+    let dest = format!(
+        "{}/{}",
+        std::net::SocketAddr::new(input.dst, input.dport),
+        input.proto
+    );
     let mut detail = TraceDetail::default();
     let result = match decide(snap, &pkt) {
         Decision::Pass => TraceResult {
@@ -78,9 +82,7 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
         Decision::Forward(fwd) => {
             let mut endpoints: Vec<String> = fwd.candidate_endpoints().map(|e| e.key()).collect();
             endpoints.sort();
-            let hairpin = fwd
-                .candidate_endpoints()
-                .any(|e| e.addr.ip() == input.src);
+            let hairpin = fwd.candidate_endpoints().any(|e| e.addr.ip() == input.src);
             let masquerade = fwd.masquerade || hairpin;
             let policy = match fwd.policy {
                 nat::Policy::Cluster => "Cluster",
@@ -140,7 +142,9 @@ pub fn render_text(input: &TraceInput, r: &TraceResult, d: &TraceDetail) -> Stri
             r.endpoints.len(),
             d.scheduler.map(|x| format!(" ({x})")).unwrap_or_default()
         ),
-        "reject" => "REJECT (the client is refused at once: TCP RST / ICMP port unreachable)".into(),
+        "reject" => {
+            "REJECT (the client is refused at once: TCP RST / ICMP port unreachable)".into()
+        }
         "drop" => "DROP".into(),
         _ => "PASS (not kxp's: the kernel handles it)".into(),
     };
@@ -161,7 +165,11 @@ pub fn render_text(input: &TraceInput, r: &TraceResult, d: &TraceDetail) -> Stri
         let _ = writeln!(
             s,
             "  masquerade: {}",
-            if r.masquerade { "yes (SNAT to the node's address)" } else { "no (the endpoint sees the client's address)" }
+            if r.masquerade {
+                "yes (SNAT to the node's address)"
+            } else {
+                "no (the endpoint sees the client's address)"
+            }
         );
     }
     let _ = writeln!(s, "  reason:     {}", r.reason);

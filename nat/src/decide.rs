@@ -135,7 +135,9 @@ pub fn decide<'s>(snap: &'s Snapshot, pkt: &NewPacket<'_>) -> Decision<'s> {
     let cat = &sp.cat;
 
     // filter-prerouting: firewall-check (only programmed while the Service has endpoints).
-    if kind == FrontendKind::LoadBalancer && sp.uses_firewall() && !source_allowed(sp, snap, pkt.src)
+    if kind == FrontendKind::LoadBalancer
+        && sp.uses_firewall()
+        && !source_allowed(sp, snap, pkt.src)
     {
         return Decision::Drop {
             reason: DropReason::SourceRange,
@@ -260,7 +262,9 @@ impl fmt::Display for RejectReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             RejectReason::NoEndpoints => "the Service has no usable endpoints",
-            RejectReason::ClusterIpPort => "no Service port on this ClusterIP for this port and protocol",
+            RejectReason::ClusterIpPort => {
+                "no Service port on this ClusterIP for this port and protocol"
+            }
         })
     }
 }

@@ -17,10 +17,16 @@ fn state(yaml: &str) -> ClusterState {
     for doc in yaml.split("\n---\n") {
         let v: serde_yaml::Value = serde_yaml::from_str(doc).unwrap();
         match v.get("kind").and_then(|k| k.as_str()).unwrap() {
-            "Service" => s.services.push(serde_yaml::from_value::<Service>(v).unwrap()),
-            "EndpointSlice" => s.endpoint_slices.push(serde_yaml::from_value::<EndpointSlice>(v).unwrap()),
+            "Service" => s
+                .services
+                .push(serde_yaml::from_value::<Service>(v).unwrap()),
+            "EndpointSlice" => s
+                .endpoint_slices
+                .push(serde_yaml::from_value::<EndpointSlice>(v).unwrap()),
             "Node" => s.nodes.push(serde_yaml::from_value::<Node>(v).unwrap()),
-            "ServiceCIDR" => s.service_cidrs.push(serde_yaml::from_value::<ServiceCIDR>(v).unwrap()),
+            "ServiceCIDR" => s
+                .service_cidrs
+                .push(serde_yaml::from_value::<ServiceCIDR>(v).unwrap()),
             k => panic!("kind {k}"),
         }
     }
@@ -30,8 +36,14 @@ fn state(yaml: &str) -> ClusterState {
 fn settings() -> NodeSettings {
     NodeSettings {
         node_name: "node-a".into(),
-        node_ips: vec!["192.0.2.10".parse().unwrap(), "2001:db8::10".parse().unwrap()],
-        cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap(), "fd00:10::/64".parse().unwrap()],
+        node_ips: vec![
+            "192.0.2.10".parse().unwrap(),
+            "2001:db8::10".parse().unwrap(),
+        ],
+        cluster_cidrs: vec![
+            "10.0.0.0/8".parse().unwrap(),
+            "fd00:10::/64".parse().unwrap(),
+        ],
         ..Default::default()
     }
 }
@@ -113,18 +125,27 @@ const WEB_EPS: [&str; 3] = ["10.1.0.1:8080", "10.2.0.1:8080", "10.3.0.1:8080"];
 #[test]
 fn cluster_ip_spreads_over_every_slice() {
     let s = snap(WEB, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
 }
 
 #[test]
 fn cluster_ip_masquerades_sources_outside_the_cluster_cidr() {
     let s = snap(WEB, &settings());
-    assert_eq!(tcp(&s, "203.0.113.1", "172.30.0.10", 80), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, true)
+    );
     // Without a cluster CIDR there is no detector: no masquerade.
     let mut st = settings();
     st.cluster_cidrs.clear();
     let s = snap(WEB, &st);
-    assert_eq!(tcp(&s, "203.0.113.1", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
 }
 
 #[test]
@@ -144,12 +165,18 @@ fn hairpin_masquerades() {
 #[test]
 fn cluster_ip_wrong_port_or_protocol_rejects_and_unallocated_drops() {
     let s = snap(WEB, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 81), V::Reject(RejectReason::ClusterIpPort));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 81),
+        V::Reject(RejectReason::ClusterIpPort)
+    );
     assert_eq!(
         go(&s, "10.9.0.1", "172.30.0.10", 80, Protocol::Udp),
         V::Reject(RejectReason::ClusterIpPort)
     );
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.9.9", 80), V::Drop(DropReason::UnallocatedServiceIp));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.9.9", 80),
+        V::Drop(DropReason::UnallocatedServiceIp)
+    );
     assert_eq!(tcp(&s, "10.9.0.1", "198.51.100.1", 80), V::Pass);
 }
 
@@ -190,10 +217,19 @@ endpoints:
 - {addresses: [10.1.0.2], conditions: {ready: false, serving: true, terminating: true}}
 - {addresses: [10.1.0.3], conditions: {ready: false, serving: false, terminating: true}}"#;
     let s = snap(yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.12", 80), dnat(&["10.1.0.2:80"], false));
-    let only_unready = yaml.replace("serving: true, terminating: true", "serving: false, terminating: true");
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.12", 80),
+        dnat(&["10.1.0.2:80"], false)
+    );
+    let only_unready = yaml.replace(
+        "serving: true, terminating: true",
+        "serving: false, terminating: true",
+    );
     let s = snap(&only_unready, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.12", 80), V::Reject(RejectReason::NoEndpoints));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.12", 80),
+        V::Reject(RejectReason::NoEndpoints)
+    );
 }
 
 #[test]
@@ -203,7 +239,10 @@ fn internal_traffic_policy_local() {
         "  clusterIP: 172.30.0.10\n  internalTrafficPolicy: Local\n",
     );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&["10.1.0.1:8080"], false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        dnat(&["10.1.0.1:8080"], false)
+    );
     let mut st = settings();
     st.node_name = "node-z".into();
     let s = snap(&yaml, &st);
@@ -224,20 +263,39 @@ fn etp_local() -> String {
 fn external_traffic_policy_local_keeps_the_client_address() {
     let s = snap(&etp_local(), &settings());
     for dst in ["192.0.2.100", "198.51.100.10"] {
-        assert_eq!(tcp(&s, "203.0.113.1", dst, 80), dnat(&["10.1.0.1:8080"], false), "{dst}");
+        assert_eq!(
+            tcp(&s, "203.0.113.1", dst, 80),
+            dnat(&["10.1.0.1:8080"], false),
+            "{dst}"
+        );
     }
-    assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.10", 30080), dnat(&["10.1.0.1:8080"], false));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "192.0.2.10", 30080),
+        dnat(&["10.1.0.1:8080"], false)
+    );
     // ClusterIP traffic of the same Service still uses every endpoint.
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
     assert_eq!(s.ports[0].health_check_node_port, 32000);
 }
 
 #[test]
 fn external_traffic_policy_local_short_circuits_pods_and_the_node() {
     let s = snap(&etp_local(), &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "198.51.100.10", 80), dnat(&WEB_EPS, false));
-    assert_eq!(tcp(&s, "192.0.2.10", "198.51.100.10", 80), dnat(&WEB_EPS, true));
-    assert_eq!(tcp(&s, "192.0.2.10", "192.0.2.10", 30080), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "198.51.100.10", 80),
+        dnat(&WEB_EPS, false)
+    );
+    assert_eq!(
+        tcp(&s, "192.0.2.10", "198.51.100.10", 80),
+        dnat(&WEB_EPS, true)
+    );
+    assert_eq!(
+        tcp(&s, "192.0.2.10", "192.0.2.10", 30080),
+        dnat(&WEB_EPS, true)
+    );
 }
 
 #[test]
@@ -249,15 +307,27 @@ fn external_traffic_policy_local_without_local_endpoints_drops_external_clients_
     assert_eq!(tcp(&s, "203.0.113.1", "198.51.100.10", 80), d);
     assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.100", 80), d);
     assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.10", 30080), d);
-    assert_eq!(tcp(&s, "10.9.0.1", "198.51.100.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "198.51.100.10", 80),
+        dnat(&WEB_EPS, false)
+    );
 }
 
 #[test]
 fn external_traffic_policy_cluster_masquerades_external_traffic() {
-    let yaml = etp_local().replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster");
+    let yaml = etp_local().replace(
+        "externalTrafficPolicy: Local",
+        "externalTrafficPolicy: Cluster",
+    );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "203.0.113.1", "198.51.100.10", 80), dnat(&WEB_EPS, true));
-    assert_eq!(tcp(&s, "10.9.0.1", "192.0.2.10", 30080), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "198.51.100.10", 80),
+        dnat(&WEB_EPS, true)
+    );
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "192.0.2.10", 30080),
+        dnat(&WEB_EPS, true)
+    );
 }
 
 #[test]
@@ -267,28 +337,43 @@ fn external_policy_local_only_applies_to_nodeport_and_loadbalancer_types() {
         "  clusterIP: 172.30.0.10\n  externalTrafficPolicy: Local\n  externalIPs: [192.0.2.100]\n",
     );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.100", 80), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "192.0.2.100", 80),
+        dnat(&WEB_EPS, true)
+    );
 }
 
 #[test]
 fn node_ports_only_on_node_port_addresses() {
-    let yaml = etp_local().replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster");
+    let yaml = etp_local().replace(
+        "externalTrafficPolicy: Local",
+        "externalTrafficPolicy: Cluster",
+    );
     let mut st = settings();
     st.node_ips = vec!["192.0.2.10".parse().unwrap(), "192.0.2.11".parse().unwrap()];
     let s = snap(&yaml, &st);
     // Default: the primary IP only.
-    assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.10", 30080), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "192.0.2.10", 30080),
+        dnat(&WEB_EPS, true)
+    );
     assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.11", 30080), V::Pass);
     // 0.0.0.0/0: every local address.
     st.node_port_addresses = vec!["0.0.0.0/0".into()];
     let s = snap(&yaml, &st);
-    assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.11", 30080), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "192.0.2.11", 30080),
+        dnat(&WEB_EPS, true)
+    );
     assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.99", 30080), V::Pass);
     // A CIDR selects the local addresses inside it.
     st.node_port_addresses = vec!["192.0.2.11/32".into()];
     let s = snap(&yaml, &st);
     assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.10", 30080), V::Pass);
-    assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.11", 30080), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "192.0.2.11", 30080),
+        dnat(&WEB_EPS, true)
+    );
 }
 
 #[test]
@@ -300,16 +385,34 @@ fn load_balancer_source_ranges() {
             "  externalIPs: [192.0.2.100]\n  loadBalancerSourceRanges: [' 203.0.113.0/25 ', 'bogus', '2001:db8:1::/48']\n",
         );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "203.0.113.1", "198.51.100.10", 80), dnat(&WEB_EPS, true));
-    assert_eq!(tcp(&s, "203.0.113.200", "198.51.100.10", 80), V::Drop(DropReason::SourceRange));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "198.51.100.10", 80),
+        dnat(&WEB_EPS, true)
+    );
+    assert_eq!(
+        tcp(&s, "203.0.113.200", "198.51.100.10", 80),
+        V::Drop(DropReason::SourceRange)
+    );
     // Source ranges guard the LoadBalancer IP only, not the NodePort or externalIPs.
-    assert_eq!(tcp(&s, "203.0.113.200", "192.0.2.10", 30080), dnat(&WEB_EPS, true));
-    assert_eq!(tcp(&s, "203.0.113.200", "192.0.2.100", 80), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.200", "192.0.2.10", 30080),
+        dnat(&WEB_EPS, true)
+    );
+    assert_eq!(
+        tcp(&s, "203.0.113.200", "192.0.2.100", 80),
+        dnat(&WEB_EPS, true)
+    );
     // A range holding the node's IP admits the VIP itself as a source.
-    assert_eq!(tcp(&s, "198.51.100.10", "198.51.100.10", 80), V::Drop(DropReason::SourceRange));
+    assert_eq!(
+        tcp(&s, "198.51.100.10", "198.51.100.10", 80),
+        V::Drop(DropReason::SourceRange)
+    );
     let yaml = yaml.replace("' 203.0.113.0/25 '", "'192.0.2.0/24'");
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "198.51.100.10", "198.51.100.10", 80), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "198.51.100.10", "198.51.100.10", 80),
+        dnat(&WEB_EPS, true)
+    );
 }
 
 #[test]
@@ -323,7 +426,10 @@ fn proxy_mode_load_balancer_ips_are_not_programmed() {
 fn ignored_services() {
     for (what, patch) in [
         ("headless", "  clusterIP: None\n"),
-        ("external name", "  type: ExternalName\n  externalName: example.com\n  clusterIP: 172.30.0.10\n"),
+        (
+            "external name",
+            "  type: ExternalName\n  externalName: example.com\n  clusterIP: 172.30.0.10\n",
+        ),
     ] {
         let yaml = WEB.replace("  clusterIP: 172.30.0.10\n", patch);
         let s = snap(&yaml, &settings());
@@ -338,7 +444,10 @@ fn ignored_services() {
         "metadata: {name: web, namespace: ns, labels: {service.kubernetes.io/service-proxy-name: other}}",
     );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), V::Drop(DropReason::UnallocatedServiceIp));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        V::Drop(DropReason::UnallocatedServiceIp)
+    );
 }
 
 #[test]
@@ -353,7 +462,10 @@ fn endpoint_slices_join_by_label_port_name_and_protocol() {
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-5, namespace: ns, labels: {kubernetes.io/service-name: web}}\naddressType: FQDN\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [example.com]}]",
     );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
 }
 
 #[test]
@@ -378,7 +490,10 @@ fn duplicate_endpoints_prefer_the_non_terminating_one() {
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-0, namespace: ns, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.1.0.1], conditions: {ready: false, serving: true, terminating: true}}]"
     );
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
 }
 
 #[test]
@@ -406,7 +521,10 @@ addressType: IPv6
 ports: [{name: "", port: 8443}]
 endpoints: [{addresses: ["fd00:10::9"]}, {addresses: ["fd00:10::a"]}]"#;
     let s = snap(yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.20", 443), dnat(&["10.1.0.9:8443"], false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.20", 443),
+        dnat(&["10.1.0.9:8443"], false)
+    );
     assert_eq!(
         tcp(&s, "fd00:10::1", "fd00:30::20", 443),
         dnat(&["[fd00:10::9]:8443", "[fd00:10::a]:8443"], false)
@@ -429,15 +547,27 @@ endpoints: [{addresses: ["fd00:10::9"]}, {addresses: ["fd00:10::a"]}]"#;
 fn single_stack_service_without_ip_families_uses_cluster_ip() {
     let s = snap(WEB, &settings());
     assert_eq!(s.ports.len(), 1);
-    assert_eq!(s.ports[0].cluster_ip, "172.30.0.10".parse::<IpAddr>().unwrap());
+    assert_eq!(
+        s.ports[0].cluster_ip,
+        "172.30.0.10".parse::<IpAddr>().unwrap()
+    );
 }
 
 #[test]
 fn zone_hints_restrict_cluster_endpoints() {
     let yaml = WEB
-        .replace("- {addresses: [10.1.0.1], nodeName: node-a}", "- {addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: z1}]}}")
-        .replace("- {addresses: [10.2.0.1], nodeName: node-b}", "- {addresses: [10.2.0.1], nodeName: node-b, hints: {forZones: [{name: z2}]}}")
-        .replace("- {addresses: [10.3.0.1], nodeName: node-c}", "- {addresses: [10.3.0.1], nodeName: node-c, hints: {forZones: [{name: z1}]}}");
+        .replace(
+            "- {addresses: [10.1.0.1], nodeName: node-a}",
+            "- {addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: z1}]}}",
+        )
+        .replace(
+            "- {addresses: [10.2.0.1], nodeName: node-b}",
+            "- {addresses: [10.2.0.1], nodeName: node-b, hints: {forZones: [{name: z2}]}}",
+        )
+        .replace(
+            "- {addresses: [10.3.0.1], nodeName: node-c}",
+            "- {addresses: [10.3.0.1], nodeName: node-c, hints: {forZones: [{name: z1}]}}",
+        );
     let with_node = format!(
         "{yaml}\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-a, labels: {{topology.kubernetes.io/zone: z1}}}}"
     );
@@ -448,20 +578,29 @@ fn zone_hints_restrict_cluster_endpoints() {
     );
     // The Node without a zone label: hints are ignored.
     let s = snap(&yaml, &settings());
-    assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
 }
 
 #[test]
 fn node_addresses_come_from_the_node_object_without_node_ips() {
     let yaml = format!(
         "{}\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus:\n  addresses: [{{type: Hostname, address: node-a}}, {{type: ExternalIP, address: 198.51.100.7}}, {{type: InternalIP, address: 192.0.2.7}}]",
-        etp_local().replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster")
+        etp_local().replace(
+            "externalTrafficPolicy: Local",
+            "externalTrafficPolicy: Cluster"
+        )
     );
     let mut st = settings();
     st.node_ips.clear();
     let s = snap(&yaml, &st);
     assert_eq!(s.node.primary_v4, Some("192.0.2.7".parse().unwrap()));
-    assert_eq!(tcp(&s, "203.0.113.1", "192.0.2.7", 30080), dnat(&WEB_EPS, true));
+    assert_eq!(
+        tcp(&s, "203.0.113.1", "192.0.2.7", 30080),
+        dnat(&WEB_EPS, true)
+    );
     assert_eq!(tcp(&s, "203.0.113.1", "198.51.100.7", 30080), V::Pass);
 }
 
@@ -473,7 +612,10 @@ fn node_cidr_detection() {
     let mut st = settings();
     st.detect_local = DetectLocalMode::NodeCidr;
     let s = snap(&yaml, &st);
-    assert_eq!(tcp(&s, "10.1.0.7", "172.30.0.10", 80), dnat(&WEB_EPS, false));
+    assert_eq!(
+        tcp(&s, "10.1.0.7", "172.30.0.10", 80),
+        dnat(&WEB_EPS, false)
+    );
     assert_eq!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), dnat(&WEB_EPS, true));
 }
 
@@ -502,7 +644,10 @@ fn bad_fields_are_errors_naming_object_and_field() {
     let e = build(&state(&yaml), &settings(), 1).unwrap_err();
     assert_eq!(e.object, "ns/web");
     assert_eq!(e.field, "spec.clusterIP");
-    let yaml = WEB.replace("{name: http, port: 80, targetPort: 8080}", "{name: http, port: 80, protocol: ICMP}");
+    let yaml = WEB.replace(
+        "{name: http, port: 80, targetPort: 8080}",
+        "{name: http, port: 80, protocol: ICMP}",
+    );
     let e = build(&state(&yaml), &settings(), 1).unwrap_err();
     assert_eq!(e.field, "spec.ports[0].protocol");
 }

@@ -173,7 +173,6 @@ fn parse_ip(kind: &'static str, object: &str, field: &str, s: &str) -> Result<Ip
     })
 }
 
-
 /// The node's addresses, zone and local-traffic detector.
 fn node_context(
     state: &ClusterState,
@@ -288,7 +287,11 @@ fn node_context(
     let mut service_cidrs = Vec::new();
     for sc in &state.service_cidrs {
         let name = obj_name(&sc.metadata);
-        let cidrs = sc.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
+        let cidrs = sc
+            .spec
+            .as_ref()
+            .and_then(|s| s.cidrs.clone())
+            .unwrap_or_default();
         for (i, c) in cidrs.iter().enumerate() {
             service_cidrs.push(parse_cidr_sloppy(c).ok_or_else(|| ModelError {
                 kind: "ServiceCIDR",
@@ -329,9 +332,13 @@ struct SliceEndpoint {
 }
 
 /// Endpoints by (namespace, service, port name, protocol, family): list of (port, endpoints).
-type SliceIndex = BTreeMap<(String, String, String, Protocol, Family), Vec<(u16, Vec<SliceEndpoint>)>>;
+type SliceIndex =
+    BTreeMap<(String, String, String, Protocol, Family), Vec<(u16, Vec<SliceEndpoint>)>>;
 
-fn index_slices(slices: &[EndpointSlice], notes: &mut Vec<String>) -> Result<SliceIndex, ModelError> {
+fn index_slices(
+    slices: &[EndpointSlice],
+    notes: &mut Vec<String>,
+) -> Result<SliceIndex, ModelError> {
     let mut index = SliceIndex::new();
     for slice in slices {
         let name = obj_name(&slice.metadata);
@@ -340,7 +347,9 @@ fn index_slices(slices: &[EndpointSlice], notes: &mut Vec<String>) -> Result<Sli
             continue;
         }
         let Some(svc) = labels.get(LABEL_SERVICE_NAME).filter(|s| !s.is_empty()) else {
-            notes.push(format!("EndpointSlice {name}: no {LABEL_SERVICE_NAME} label, ignored"));
+            notes.push(format!(
+                "EndpointSlice {name}: no {LABEL_SERVICE_NAME} label, ignored"
+            ));
             continue;
         };
         let family = match slice.address_type.as_str() {
@@ -362,7 +371,12 @@ fn index_slices(slices: &[EndpointSlice], notes: &mut Vec<String>) -> Result<Sli
             let Some(first) = ep.addresses.first() else {
                 continue;
             };
-            let ip = parse_ip("EndpointSlice", &name, &format!("endpoints[{i}].addresses[0]"), first)?;
+            let ip = parse_ip(
+                "EndpointSlice",
+                &name,
+                &format!("endpoints[{i}].addresses[0]"),
+                first,
+            )?;
             if Family::of(&ip) != family {
                 notes.push(format!(
                     "EndpointSlice {name}: endpoints[{i}] address {ip} is not {}, ignored",
@@ -372,10 +386,18 @@ fn index_slices(slices: &[EndpointSlice], notes: &mut Vec<String>) -> Result<Sli
             }
             let c = ep.conditions.clone().unwrap_or_default();
             let hints = ep.hints.clone().unwrap_or_default();
-            let mut zone_hints: Vec<String> =
-                hints.for_zones.unwrap_or_default().into_iter().map(|z| z.name).collect();
-            let mut node_hints: Vec<String> =
-                hints.for_nodes.unwrap_or_default().into_iter().map(|n| n.name).collect();
+            let mut zone_hints: Vec<String> = hints
+                .for_zones
+                .unwrap_or_default()
+                .into_iter()
+                .map(|z| z.name)
+                .collect();
+            let mut node_hints: Vec<String> = hints
+                .for_nodes
+                .unwrap_or_default()
+                .into_iter()
+                .map(|n| n.name)
+                .collect();
             zone_hints.sort();
             node_hints.sort();
             eps.push(SliceEndpoint {
@@ -425,7 +447,11 @@ fn cluster_ip_for(
 ) -> Result<Option<IpAddr>, ModelError> {
     let families = spec.ip_families.clone().unwrap_or_default();
     if families.is_empty() {
-        let Some(ip) = spec.cluster_ip.as_deref().filter(|s| !s.is_empty() && *s != "None") else {
+        let Some(ip) = spec
+            .cluster_ip
+            .as_deref()
+            .filter(|s| !s.is_empty() && *s != "None")
+        else {
             return Ok(None);
         };
         let ip = parse_ip("Service", name, "spec.clusterIP", ip)?;
@@ -464,7 +490,9 @@ fn service_ports(
     let name = obj_name(&svc.metadata);
     let labels = svc.metadata.labels.clone().unwrap_or_default();
     if labels.contains_key(LABEL_SERVICE_PROXY_NAME) {
-        notes.push(format!("Service {name}: labelled {LABEL_SERVICE_PROXY_NAME}, left to another proxy"));
+        notes.push(format!(
+            "Service {name}: labelled {LABEL_SERVICE_PROXY_NAME}, left to another proxy"
+        ));
         return Ok(vec![]);
     }
     let Some(spec) = svc.spec.as_ref() else {
@@ -574,12 +602,15 @@ fn service_ports(
                 field: format!("spec.ports[{i}].protocol"),
                 message: format!("{proto_s:?} is not TCP, UDP or SCTP"),
             })?;
-            let port = u16::try_from(p.port).ok().filter(|&p| p != 0).ok_or_else(|| ModelError {
-                kind: "Service",
-                object: name.clone(),
-                field: format!("spec.ports[{i}].port"),
-                message: format!("{} is not a port number", p.port),
-            })?;
+            let port = u16::try_from(p.port)
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| ModelError {
+                    kind: "Service",
+                    object: name.clone(),
+                    field: format!("spec.ports[{i}].port"),
+                    message: format!("{} is not a port number", p.port),
+                })?;
             let node_port = u16::try_from(p.node_port.unwrap_or(0)).map_err(|_| ModelError {
                 kind: "Service",
                 object: name.clone(),
@@ -638,7 +669,10 @@ pub fn finish_port(sp: &mut ServicePort, node: &NodeContext) {
         sp.cluster_table.clear();
         sp.local_table.clear();
     }
-    sp.name_hash = crate::select::hash_bytes(sp.name.to_string().as_bytes(), sp.name.protocol.number() as u64);
+    sp.name_hash = crate::select::hash_bytes(
+        sp.name.to_string().as_bytes(),
+        sp.name.protocol.number() as u64,
+    );
 }
 
 fn parse_weights(
@@ -650,9 +684,12 @@ fn parse_weights(
         return Ok(out);
     };
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let parsed = item
-            .split_once('=')
-            .and_then(|(ip, w)| Some((ip.trim().parse::<IpAddr>().ok()?, w.trim().parse::<u32>().ok()?)));
+        let parsed = item.split_once('=').and_then(|(ip, w)| {
+            Some((
+                ip.trim().parse::<IpAddr>().ok()?,
+                w.trim().parse::<u32>().ok()?,
+            ))
+        });
         let Some((ip, w)) = parsed else {
             return Err(ModelError {
                 kind: "Service",
@@ -676,7 +713,13 @@ fn join_endpoints(
     node_name: &str,
     weights: &BTreeMap<IpAddr, u32>,
 ) -> Vec<Endpoint> {
-    let key = (spn.namespace.clone(), spn.name.clone(), spn.port.clone(), spn.protocol, family);
+    let key = (
+        spn.namespace.clone(),
+        spn.name.clone(),
+        spn.port.clone(),
+        spn.protocol,
+        family,
+    );
     let mut by_key: BTreeMap<String, Endpoint> = BTreeMap::new();
     for (port, eps) in slices.get(&key).into_iter().flatten() {
         for e in eps {

@@ -94,7 +94,9 @@ impl Endpoint {
 pub enum Affinity {
     None,
     /// `ClientIP` with `sessionAffinityConfig.clientIP.timeoutSeconds` (default 10800).
-    ClientIp { timeout_secs: u32 },
+    ClientIp {
+        timeout_secs: u32,
+    },
 }
 
 /// One Service port in one IP family, with its endpoints already categorised for this

@@ -132,19 +132,19 @@ pub fn pick(
             i
         }
         Scheduler::WeightedRoundRobin => weighted_rr(n, &weight, cursor),
-        Scheduler::LeastConnection => {
-            min_by_ratio(n, |i| ((input.active)(addr(i)) as u64, 1))
+        Scheduler::LeastConnection => min_by_ratio(n, |i| ((input.active)(addr(i)) as u64, 1)),
+        Scheduler::WeightedLeastConnection => {
+            min_by_ratio(n, |i| ((input.active)(addr(i)) as u64, weight(i) as u64))
         }
-        Scheduler::WeightedLeastConnection => min_by_ratio(n, |i| {
-            ((input.active)(addr(i)) as u64, weight(i) as u64)
-        }),
         Scheduler::ShortestExpectedDelay => min_by_ratio(n, |i| {
             ((input.active)(addr(i)) as u64 + 1, weight(i) as u64)
         }),
         Scheduler::NeverQueue => (0..n)
             .find(|&i| weight(i) > 0 && (input.active)(addr(i)) == 0)
             .unwrap_or_else(|| {
-                min_by_ratio(n, |i| ((input.active)(addr(i)) as u64 + 1, weight(i) as u64))
+                min_by_ratio(n, |i| {
+                    ((input.active)(addr(i)) as u64 + 1, weight(i) as u64)
+                })
             }),
         Scheduler::SourceHash | Scheduler::DestinationHash | Scheduler::Maglev => {
             let h = match scheduler {
@@ -374,8 +374,10 @@ impl AffinityMemory for MapAffinity {
         now: u64,
         timeout_ns: u64,
     ) {
-        self.map
-            .insert((service, client), (endpoint, now.saturating_add(timeout_ns)));
+        self.map.insert(
+            (service, client),
+            (endpoint, now.saturating_add(timeout_ns)),
+        );
     }
 }
 
@@ -425,7 +427,14 @@ mod tests {
         let mut cur = RrCursor::default();
         for _ in 0..30_000 {
             let r = xorshift(&mut s);
-            let i = pick(Scheduler::Random, &e, &cand, None, &input(r, 1, &zero), &mut cur);
+            let i = pick(
+                Scheduler::Random,
+                &e,
+                &cand,
+                None,
+                &input(r, 1, &zero),
+                &mut cur,
+            );
             counts[i.unwrap() as usize] += 1;
         }
         for c in counts {
@@ -440,8 +449,15 @@ mod tests {
         let mut cur = RrCursor::default();
         let got: Vec<u32> = (0..6)
             .map(|_| {
-                pick(Scheduler::RoundRobin, &e, &[0, 1, 2], None, &input(0, 1, &zero), &mut cur)
-                    .unwrap()
+                pick(
+                    Scheduler::RoundRobin,
+                    &e,
+                    &[0, 1, 2],
+                    None,
+                    &input(0, 1, &zero),
+                    &mut cur,
+                )
+                .unwrap()
             })
             .collect();
         assert_eq!(got, vec![0, 1, 2, 0, 1, 2]);
@@ -483,20 +499,40 @@ mod tests {
         let mut cur = RrCursor::default();
         let c = [0, 1, 2];
         let inp = input(0, 1, &active);
-        assert_eq!(pick(Scheduler::LeastConnection, &e, &c, None, &inp, &mut cur), Some(0));
+        assert_eq!(
+            pick(Scheduler::LeastConnection, &e, &c, None, &inp, &mut cur),
+            Some(0)
+        );
         // 9/3 = 3 < 5/1 and 6/1.
         assert_eq!(
-            pick(Scheduler::WeightedLeastConnection, &e, &c, None, &inp, &mut cur),
+            pick(
+                Scheduler::WeightedLeastConnection,
+                &e,
+                &c,
+                None,
+                &inp,
+                &mut cur
+            ),
             Some(1)
         );
         // (9+1)/3 = 3.3 < (5+1)/1.
         assert_eq!(
-            pick(Scheduler::ShortestExpectedDelay, &e, &c, None, &inp, &mut cur),
+            pick(
+                Scheduler::ShortestExpectedDelay,
+                &e,
+                &c,
+                None,
+                &inp,
+                &mut cur
+            ),
             Some(1)
         );
         let idle = move |x: SocketAddr| if x == a[2] { 0 } else { 7 };
         let inp = input(0, 1, &idle);
-        assert_eq!(pick(Scheduler::NeverQueue, &e, &c, None, &inp, &mut cur), Some(2));
+        assert_eq!(
+            pick(Scheduler::NeverQueue, &e, &c, None, &inp, &mut cur),
+            Some(2)
+        );
     }
 
     #[test]
@@ -529,14 +565,39 @@ mod tests {
         let t = maglev_table(&e, &all);
         let zero = |_| 0;
         let mut cur = RrCursor::default();
-        for sched in [Scheduler::Maglev, Scheduler::SourceHash, Scheduler::DestinationHash] {
+        for sched in [
+            Scheduler::Maglev,
+            Scheduler::SourceHash,
+            Scheduler::DestinationHash,
+        ] {
             let a = pick(sched, &e, &all, Some(&t), &input(1, 40000, &zero), &mut cur);
-            let b = pick(sched, &e, &all, Some(&t), &input(99, 40000, &zero), &mut cur);
+            let b = pick(
+                sched,
+                &e,
+                &all,
+                Some(&t),
+                &input(99, 40000, &zero),
+                &mut cur,
+            );
             assert_eq!(a, b, "{sched:?}");
         }
         // sh ignores the source port; maglev does not need to.
-        let a = pick(Scheduler::SourceHash, &e, &all, Some(&t), &input(1, 1, &zero), &mut cur);
-        let b = pick(Scheduler::SourceHash, &e, &all, Some(&t), &input(1, 2, &zero), &mut cur);
+        let a = pick(
+            Scheduler::SourceHash,
+            &e,
+            &all,
+            Some(&t),
+            &input(1, 1, &zero),
+            &mut cur,
+        );
+        let b = pick(
+            Scheduler::SourceHash,
+            &e,
+            &all,
+            Some(&t),
+            &input(1, 2, &zero),
+            &mut cur,
+        );
         assert_eq!(a, b);
     }
 
@@ -546,7 +607,14 @@ mod tests {
         let zero = |_| 0;
         let mut cur = RrCursor::default();
         assert_eq!(
-            pick(Scheduler::Random, &e, &[], None, &input(1, 1, &zero), &mut cur),
+            pick(
+                Scheduler::Random,
+                &e,
+                &[],
+                None,
+                &input(1, 1, &zero),
+                &mut cur
+            ),
             None
         );
     }

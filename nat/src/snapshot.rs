@@ -82,7 +82,12 @@ impl Snapshot {
             let i = i as u32;
             let proto = sp.name.protocol;
             s.cluster_ips.insert(sp.cluster_ip);
-            s.claim((sp.cluster_ip, proto, sp.port), i, FrontendKind::ClusterIp, &ports);
+            s.claim(
+                (sp.cluster_ip, proto, sp.port),
+                i,
+                FrontendKind::ClusterIp,
+                &ports,
+            );
             for &ip in &sp.external_ips {
                 s.claim((ip, proto, sp.port), i, FrontendKind::ExternalIp, &ports);
             }
@@ -139,7 +144,9 @@ impl Snapshot {
     /// The Service port owning a NodePort of `dst`'s family.
     #[inline]
     pub fn lookup_node_port(&self, dst: IpAddr, proto: Protocol, dport: u16) -> Option<u32> {
-        self.node_ports.get(&(Family::of(&dst), proto, dport)).copied()
+        self.node_ports
+            .get(&(Family::of(&dst), proto, dport))
+            .copied()
     }
 
     #[inline]

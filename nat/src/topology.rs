@@ -233,7 +233,10 @@ mod tests {
             zoned(ep("10.0.0.1", false, true, true, false), &["a"]),
             zoned(ep("10.0.0.2", false, true, true, false), &["b"]),
         ];
-        assert_eq!(categorize(&eps, CLUSTER, "n", Some("c")).cluster, vec![0, 1]);
+        assert_eq!(
+            categorize(&eps, CLUSTER, "n", Some("c")).cluster,
+            vec![0, 1]
+        );
         assert_eq!(categorize(&eps, CLUSTER, "n", None).cluster, vec![0, 1]);
     }
 
@@ -251,8 +254,14 @@ mod tests {
     #[test]
     fn node_hints_win_over_zone_hints() {
         let eps = [
-            noded(zoned(ep("10.0.0.1", true, true, true, false), &["a"]), &["n"]),
-            noded(zoned(ep("10.0.0.2", false, true, true, false), &["a"]), &["m"]),
+            noded(
+                zoned(ep("10.0.0.1", true, true, true, false), &["a"]),
+                &["n"],
+            ),
+            noded(
+                zoned(ep("10.0.0.2", false, true, true, false), &["a"]),
+                &["m"],
+            ),
         ];
         let c = categorize(&eps, CLUSTER, "n", Some("a"));
         assert_eq!(c.topology, Topology::PreferSameNode);
