@@ -105,7 +105,13 @@ impl Tuple {
 
 impl fmt::Display for Tuple {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {} -> {}", self.proto, self.src_addr(), self.dst_addr())
+        write!(
+            f,
+            "{} {} -> {}",
+            self.proto,
+            self.src_addr(),
+            self.dst_addr()
+        )
     }
 }
 
