@@ -1,1 +1,39 @@
-//! Header rewrite (being written).
+//! The header rewrite: parse an untrusted IP packet, translate it in place, and build the
+//! replies kxp sends itself.
+//!
+//! Buffers start at the IP header (the dataplane strips or keeps Ethernet itself).
+//!
+//! - [`parse`] checks every length once, smoltcp style: the IPv4 / IPv6 header
+//!   (extension headers stepped over), then TCP, UDP, SCTP, or an ICMP error quoting one
+//!   of them. Fields are read at byte offsets kept in private `field` modules, never
+//!   through `#[repr(C)]` casts. A bad packet is an [`ParseError`] to count, never a
+//!   panic.
+//! - [`rewrite`] is the per-packet fast path: it writes only the addresses and ports
+//!   that change and patches the IPv4 header and TCP/UDP checksums incrementally
+//!   (RFC 1624) instead of summing the payload again. SCTP's CRC32c is not a sum: it is
+//!   recomputed when a port changes (its addresses are not covered).
+//! - [`rewrite_icmp_error`] translates an ICMP error about a translated flow, quote
+//!   included, so that path-MTU discovery and "connection refused" reach the client.
+//! - [`decrement_ttl`] is the router's TTL / hop-limit step.
+//! - [`build_tcp_rst`] and [`build_icmp_port_unreachable`] build the replies of a
+//!   Service whose policy is to reject.
+//!
+//! Nothing here allocates, does I/O or reads a clock.
+
+mod checksum;
+mod icmp;
+mod ipv4;
+mod ipv6;
+mod l4;
+mod parse;
+mod reply;
+mod translate;
+
+#[cfg(test)]
+mod testutil;
+
+pub use icmp::rewrite_icmp_error;
+pub use l4::tcp_flags;
+pub use parse::{FlowPacket, IcmpErrorPacket, ParseError, Parsed, Untranslatable, parse};
+pub use reply::{BuildError, build_icmp_port_unreachable, build_tcp_rst};
+pub use translate::{RewriteError, decrement_ttl, rewrite};

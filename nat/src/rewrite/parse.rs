@@ -1,0 +1,424 @@
+//! Checked parsing of an untrusted packet into what the NAT needs: the flow's tuple and
+//! the offsets the rewrite patches.
+//!
+//! Every length is checked once, here; the rewrite then indexes only inside the offsets a
+//! [`Parsed`] records, all of which lie within its [`FlowPacket::ip_len`].
+
+use std::net::IpAddr;
+
+use super::{icmp, ipv4, ipv6, l4};
+use crate::tuple::{Protocol, Tuple};
+
+/// Why a packet could not be parsed. The dataplane drops it and counts it under
+/// [`ParseError::reason`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum ParseError {
+    /// The buffer ends before the headers, or the length they declare.
+    #[error("packet truncated: the buffer ends before the length its headers declare")]
+    Truncated,
+    /// The IP version nibble is neither 4 nor 6.
+    #[error("IP version {0} is neither 4 nor 6")]
+    BadVersion(u8),
+    /// The IPv4 header length is below the minimum of 5 words.
+    #[error("IPv4 header length of {0} words is below the minimum of 5")]
+    BadIhl(u8),
+    /// An IP length field is impossible (IPv4 total length below the header length, or an
+    /// IPv6 jumbogram's zero payload length).
+    #[error("IP length field is impossible (shorter than the header, or a jumbogram)")]
+    BadLength,
+    /// An IPv4 fragment (more-fragments set or nonzero offset) or an IPv6 fragment header.
+    /// Fragments carry no ports after the first: kxp does not translate them.
+    #[error("fragmented packet: kxp does not translate fragments")]
+    Fragment,
+    /// The transport protocol is not TCP, UDP, SCTP or the family's ICMP.
+    #[error("IP protocol {0} is not TCP, UDP, SCTP or ICMP")]
+    UnsupportedProtocol(u8),
+    /// IPv6 extension headers are out of order, run past the payload, or are too many.
+    #[error("IPv6 extension headers are misordered, too many, or run past the payload")]
+    BadExtensionHeader,
+    /// The transport header does not fit in the IP payload, or its own length field (TCP
+    /// data offset, UDP length) is impossible.
+    #[error("transport header is shorter than its minimum or its length field is impossible")]
+    BadL4Header,
+    /// An ICMP error quotes something that is not an IP header of the same family
+    /// followed by 8 bytes of transport header.
+    #[error("ICMP error quotes a malformed packet")]
+    BadIcmpQuote,
+}
+
+impl ParseError {
+    /// A stable label, for a drop counter (`reason="truncated"`).
+    pub const fn reason(&self) -> &'static str {
+        match self {
+            ParseError::Truncated => "truncated",
+            ParseError::BadVersion(_) => "bad_version",
+            ParseError::BadIhl(_) => "bad_ihl",
+            ParseError::BadLength => "bad_length",
+            ParseError::Fragment => "fragment",
+            ParseError::UnsupportedProtocol(_) => "unsupported_protocol",
+            ParseError::BadExtensionHeader => "bad_extension_header",
+            ParseError::BadL4Header => "bad_l4_header",
+            ParseError::BadIcmpQuote => "bad_icmp_quote",
+        }
+    }
+}
+
+/// A well-formed packet, sorted by what the NAT does with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parsed {
+    /// A TCP, UDP or SCTP packet: look its tuple up, then [`super::rewrite`] it.
+    Flow(FlowPacket),
+    /// An ICMP error quoting a TCP, UDP or SCTP packet: look the quoted tuple up, then
+    /// [`super::rewrite_icmp_error`] it.
+    IcmpError(IcmpErrorPacket),
+    /// Well-formed but outside what Services carry (ICMP echo and other informational
+    /// ICMP, or an ICMP error quoting such a packet or a fragment): not translated.
+    NotTranslatable(Untranslatable),
+}
+
+impl Parsed {
+    /// The outer source address.
+    pub fn src(&self) -> IpAddr {
+        match self {
+            Parsed::Flow(f) => f.tuple.src,
+            Parsed::IcmpError(e) => e.src,
+            Parsed::NotTranslatable(u) => u.src,
+        }
+    }
+
+    /// The outer destination address.
+    pub fn dst(&self) -> IpAddr {
+        match self {
+            Parsed::Flow(f) => f.tuple.dst,
+            Parsed::IcmpError(e) => e.dst,
+            Parsed::NotTranslatable(u) => u.dst,
+        }
+    }
+}
+
+/// A TCP, UDP or SCTP packet. Offsets count from the start of the buffer (the IP header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowPacket {
+    pub(super) tuple: Tuple,
+    pub(super) tcp_flags: u8,
+    pub(super) l4_offset: usize,
+    pub(super) payload_offset: usize,
+    pub(super) payload_len: usize,
+    pub(super) ip_len: usize,
+}
+
+impl FlowPacket {
+    /// The packet's tuple, as it arrived.
+    pub fn tuple(&self) -> Tuple {
+        self.tuple
+    }
+    /// The TCP flags byte (see [`super::tcp_flags`]); 0 for UDP and SCTP.
+    pub fn tcp_flags(&self) -> u8 {
+        self.tcp_flags
+    }
+    /// Where the IP header starts: always 0, buffers start there.
+    pub fn l3_offset(&self) -> usize {
+        0
+    }
+    /// Where the transport header starts (after IPv4 options / IPv6 extension headers).
+    pub fn l4_offset(&self) -> usize {
+        self.l4_offset
+    }
+    /// Where the transport payload starts (TCP options, UDP and SCTP common headers
+    /// skipped; SCTP chunks are its payload).
+    pub fn payload_offset(&self) -> usize {
+        self.payload_offset
+    }
+    /// Transport payload length (UDP: from the UDP length field).
+    pub fn payload_len(&self) -> usize {
+        self.payload_len
+    }
+    /// Length of the IP packet; bytes past it in the buffer (link padding) are not read or
+    /// written.
+    pub fn ip_len(&self) -> usize {
+        self.ip_len
+    }
+}
+
+/// An ICMPv4 (types 3, 11, 12) or ICMPv6 (types 1 to 4) error quoting a TCP, UDP or SCTP
+/// packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IcmpErrorPacket {
+    pub(super) src: IpAddr,
+    pub(super) dst: IpAddr,
+    pub(super) icmp_type: u8,
+    pub(super) icmp_code: u8,
+    pub(super) inner: Tuple,
+    pub(super) l4_offset: usize,
+    pub(super) inner_l4_offset: usize,
+    pub(super) ip_len: usize,
+    /// The quoted SCTP packet's original length (from the quoted IP header), to update
+    /// its quoted CRC32c.
+    pub(super) inner_sctp_len: Option<usize>,
+}
+
+impl IcmpErrorPacket {
+    /// Outer source: whoever sent the error (an endpoint or a router on the path).
+    pub fn src(&self) -> IpAddr {
+        self.src
+    }
+    /// Outer destination: whoever sent the quoted packet.
+    pub fn dst(&self) -> IpAddr {
+        self.dst
+    }
+    pub fn icmp_type(&self) -> u8 {
+        self.icmp_type
+    }
+    pub fn icmp_code(&self) -> u8 {
+        self.icmp_code
+    }
+    /// The quoted packet's tuple: a packet that went *to* the error's sender, so its
+    /// reverse is the direction this error travels.
+    pub fn inner(&self) -> Tuple {
+        self.inner
+    }
+    /// Where the ICMP header starts.
+    pub fn l4_offset(&self) -> usize {
+        self.l4_offset
+    }
+    /// Where the quoted IP header starts (ICMP header + 8).
+    pub fn inner_l3_offset(&self) -> usize {
+        self.l4_offset + icmp::HEADER_LEN
+    }
+    /// Where the quoted transport header starts.
+    pub fn inner_l4_offset(&self) -> usize {
+        self.inner_l4_offset
+    }
+    /// Length of the quote (the ICMP payload).
+    pub fn payload_len(&self) -> usize {
+        self.ip_len - self.inner_l3_offset()
+    }
+    /// Length of the IP packet.
+    pub fn ip_len(&self) -> usize {
+        self.ip_len
+    }
+}
+
+/// A well-formed ICMP message kxp does not translate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Untranslatable {
+    pub(super) src: IpAddr,
+    pub(super) dst: IpAddr,
+    pub(super) icmp_type: u8,
+    pub(super) icmp_code: u8,
+}
+
+impl Untranslatable {
+    pub fn src(&self) -> IpAddr {
+        self.src
+    }
+    pub fn dst(&self) -> IpAddr {
+        self.dst
+    }
+    /// IP protocol: 1 (ICMPv4) or 58 (ICMPv6).
+    pub fn protocol(&self) -> u8 {
+        if self.src.is_ipv6() {
+            icmp::ICMPV6
+        } else {
+            icmp::ICMPV4
+        }
+    }
+    pub fn icmp_type(&self) -> u8 {
+        self.icmp_type
+    }
+    pub fn icmp_code(&self) -> u8 {
+        self.icmp_code
+    }
+    /// An echo request or reply (ping), as opposed to other ICMP.
+    pub fn is_echo(&self) -> bool {
+        match self.src {
+            IpAddr::V4(_) => matches!(self.icmp_type, 0 | 8),
+            IpAddr::V6(_) => matches!(self.icmp_type, 128 | 129),
+        }
+    }
+}
+
+/// Parses the packet at the start of `buf` (no link header).
+///
+/// Bytes past the IP length (link padding) are ignored.
+///
+/// # Errors
+/// One [`ParseError`] per reason a packet is dropped; never panics, whatever `buf` holds.
+pub fn parse(buf: &[u8]) -> Result<Parsed, ParseError> {
+    let ip = ip_header(buf, false)?;
+    if ip.fragment {
+        return Err(ParseError::Fragment);
+    }
+    let (l4_offset, ip_len) = (ip.header_len, ip.total_len);
+    let icmp_number = if ip.src.is_ipv6() {
+        icmp::ICMPV6
+    } else {
+        icmp::ICMPV4
+    };
+    if ip.proto == icmp_number {
+        return icmp::parse(&buf[..ip_len], &ip);
+    }
+    let proto = Protocol::from_number(ip.proto).ok_or(ParseError::UnsupportedProtocol(ip.proto))?;
+    let seg = l4::parse(&buf[l4_offset..ip_len], proto)?;
+    Ok(Parsed::Flow(FlowPacket {
+        tuple: Tuple {
+            src: ip.src,
+            dst: ip.dst,
+            sport: seg.sport,
+            dport: seg.dport,
+            proto,
+        },
+        tcp_flags: seg.tcp_flags,
+        l4_offset,
+        payload_offset: l4_offset + seg.header_len,
+        payload_len: seg.payload_len,
+        ip_len,
+    }))
+}
+
+/// An IPv4 or IPv6 header, as the rest of the parser sees it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct IpHeader {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub proto: u8,
+    /// Where the upper layer starts.
+    pub header_len: usize,
+    pub total_len: usize,
+    pub fragment: bool,
+}
+
+/// Parses the IPv4 or IPv6 header at the start of `buf` (see `ipv4::parse` for `quoted`).
+pub(super) fn ip_header(buf: &[u8], quoted: bool) -> Result<IpHeader, ParseError> {
+    match buf.first().map(|b| b >> 4) {
+        None => Err(ParseError::Truncated),
+        Some(4) => ipv4::parse(buf, quoted).map(|h| IpHeader {
+            src: h.src.into(),
+            dst: h.dst.into(),
+            proto: h.proto,
+            header_len: h.header_len,
+            total_len: h.total_len,
+            fragment: h.fragment,
+        }),
+        Some(6) => ipv6::parse(buf, quoted).map(|h| IpHeader {
+            src: h.src.into(),
+            dst: h.dst.into(),
+            proto: h.proto,
+            header_len: h.header_len,
+            total_len: h.total_len,
+            fragment: h.fragment,
+        }),
+        Some(v) => Err(ParseError::BadVersion(v)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rewrite::testutil::{Endpoints, build, insert_v6_ext};
+
+    fn flow(pkt: &[u8]) -> FlowPacket {
+        match parse(pkt).unwrap() {
+            Parsed::Flow(f) => f,
+            other => panic!("not a flow: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn flows_in_both_families_and_all_protocols() {
+        for e in [Endpoints::v4(), Endpoints::v6()] {
+            for proto in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+                let pkt = build(&e, proto, b"0123456789");
+                let f = flow(&pkt);
+                assert_eq!(f.tuple(), e.original(proto));
+                assert_eq!(f.ip_len(), pkt.len());
+                assert_eq!(f.l3_offset(), 0);
+                let l3 = if e.client.is_ipv4() { 20 } else { 40 };
+                assert_eq!(f.l4_offset(), l3);
+                let (hdr, payload) = match proto {
+                    Protocol::Tcp => (20, 10),
+                    Protocol::Udp => (8, 10),
+                    // the DATA chunk (16 + 10, padded to 28) is SCTP's payload
+                    Protocol::Sctp => (12, 28),
+                };
+                assert_eq!(f.payload_offset(), l3 + hdr, "{proto}");
+                assert_eq!(f.payload_len(), payload, "{proto}");
+                let flags = if proto == Protocol::Tcp {
+                    l4::tcp_flags::SYN
+                } else {
+                    0
+                };
+                assert_eq!(f.tcp_flags(), flags);
+            }
+        }
+    }
+
+    #[test]
+    fn link_padding_is_ignored() {
+        let mut pkt = build(&Endpoints::v4(), Protocol::Udp, b"");
+        let len = pkt.len();
+        pkt.extend_from_slice(&[0; 18]); // Ethernet minimum-frame padding
+        assert_eq!(flow(&pkt).ip_len(), len);
+    }
+
+    #[test]
+    fn ipv6_extension_headers_are_skipped() {
+        let pkt = build(&Endpoints::v6(), Protocol::Udp, b"x");
+        let pkt = insert_v6_ext(&pkt, &[0, 43, 60]);
+        let f = flow(&pkt);
+        assert_eq!(f.l4_offset(), 64);
+        assert_eq!(f.tuple(), Endpoints::v6().original(Protocol::Udp));
+    }
+
+    #[test]
+    fn fragments_are_refused() {
+        let pkt = build(&Endpoints::v4(), Protocol::Udp, b"x");
+        for (b6, b7) in [(0x20, 0), (0, 0x10)] {
+            let mut p = pkt.clone();
+            p[6] = b6;
+            p[7] = b7;
+            assert_eq!(parse(&p), Err(ParseError::Fragment));
+        }
+        let pkt = build(&Endpoints::v6(), Protocol::Udp, b"x");
+        assert_eq!(
+            parse(&insert_v6_ext(&pkt, &[44])),
+            Err(ParseError::Fragment)
+        );
+        assert_eq!(
+            parse(&insert_v6_ext(&pkt, &[0, 44])),
+            Err(ParseError::Fragment)
+        );
+    }
+
+    #[test]
+    fn unsupported_protocols_and_versions() {
+        let mut p = build(&Endpoints::v4(), Protocol::Udp, b"x");
+        p[9] = 47; // GRE
+        assert_eq!(parse(&p), Err(ParseError::UnsupportedProtocol(47)));
+        p[9] = 58; // ICMPv6 inside IPv4
+        assert_eq!(parse(&p), Err(ParseError::UnsupportedProtocol(58)));
+        let mut p = build(&Endpoints::v6(), Protocol::Udp, b"x");
+        p[6] = 1; // ICMPv4 inside IPv6
+        assert_eq!(parse(&p), Err(ParseError::UnsupportedProtocol(1)));
+        p[0] = 0x70;
+        assert_eq!(parse(&p), Err(ParseError::BadVersion(7)));
+        assert_eq!(parse(&[]), Err(ParseError::Truncated));
+    }
+
+    #[test]
+    fn reasons_are_distinct() {
+        let all = [
+            ParseError::Truncated,
+            ParseError::BadVersion(0),
+            ParseError::BadIhl(0),
+            ParseError::BadLength,
+            ParseError::Fragment,
+            ParseError::UnsupportedProtocol(0),
+            ParseError::BadExtensionHeader,
+            ParseError::BadL4Header,
+            ParseError::BadIcmpQuote,
+        ];
+        let reasons: std::collections::HashSet<_> = all.iter().map(|e| e.reason()).collect();
+        assert_eq!(reasons.len(), all.len());
+    }
+}

@@ -1,0 +1,316 @@
+//! Test helpers: real packets built with etherparse (SCTP by hand, etherparse has none),
+//! checksum verification by full recomputation, and a deterministic PRNG.
+
+use std::net::{IpAddr, SocketAddr};
+
+use etherparse::{
+    IpHeaders, IpNumber, Ipv4Header, Ipv6Header, NetSlice, PacketBuilder, PacketBuilderStep,
+    SlicedPacket, TcpHeader, TransportSlice, icmpv4, icmpv6,
+};
+
+use super::l4::tcp_flags;
+use crate::tuple::{Protocol, Tuple};
+
+/// What a test fills output buffers with, so that bytes left unwritten show.
+pub(crate) const PATTERN: u8 = 0xA5;
+
+/// The parties of a Service connection, in one family (test ranges only).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Endpoints {
+    pub client: SocketAddr,
+    pub vip: SocketAddr,
+    pub backend: SocketAddr,
+    /// The node's address and port, when the flow is masqueraded.
+    pub node: SocketAddr,
+    /// A router on the path, which sends ICMP errors of its own.
+    pub router: IpAddr,
+}
+
+impl Endpoints {
+    pub fn v4() -> Endpoints {
+        Endpoints {
+            client: "198.18.0.1:40000".parse().unwrap(),
+            vip: "198.19.0.10:80".parse().unwrap(),
+            backend: "198.18.5.20:8080".parse().unwrap(),
+            node: "198.18.0.254:61000".parse().unwrap(),
+            router: "198.18.0.100".parse().unwrap(),
+        }
+    }
+
+    pub fn v6() -> Endpoints {
+        Endpoints {
+            client: "[2001:db8::1]:40000".parse().unwrap(),
+            vip: "[2001:db8:ffff::10]:80".parse().unwrap(),
+            backend: "[2001:db8:5::20]:8080".parse().unwrap(),
+            node: "[2001:db8::fe]:61000".parse().unwrap(),
+            router: "2001:db8::100".parse().unwrap(),
+        }
+    }
+
+    /// Client to Service, as the client sends it.
+    pub fn original(&self, proto: Protocol) -> Tuple {
+        Tuple::new(self.client, self.vip, proto)
+    }
+
+    /// After DNAT to the backend.
+    pub fn dnat(&self, proto: Protocol) -> Tuple {
+        Tuple::new(self.client, self.backend, proto)
+    }
+
+    /// After SNAT to the node only.
+    pub fn snat(&self, proto: Protocol) -> Tuple {
+        Tuple::new(self.node, self.vip, proto)
+    }
+
+    /// After DNAT and masquerade.
+    pub fn masquerade(&self, proto: Protocol) -> Tuple {
+        Tuple::new(self.node, self.backend, proto)
+    }
+}
+
+fn ip(src: IpAddr, dst: IpAddr) -> PacketBuilderStep<IpHeaders> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => PacketBuilder::ipv4(s.octets(), d.octets(), 64),
+        (IpAddr::V6(s), IpAddr::V6(d)) => PacketBuilder::ipv6(s.octets(), d.octets(), 64),
+        _ => panic!("mixed families"),
+    }
+}
+
+/// A packet from client to Service (a TCP SYN with sequence number 1000).
+pub(crate) fn build(e: &Endpoints, proto: Protocol, payload: &[u8]) -> Vec<u8> {
+    build_tuple(&e.original(proto), payload)
+}
+
+/// A packet carrying `t` (a TCP SYN with sequence number 1000).
+pub(crate) fn build_tuple(t: &Tuple, payload: &[u8]) -> Vec<u8> {
+    match t.proto {
+        Protocol::Tcp => build_tcp(t, 1000, None, tcp_flags::SYN, payload),
+        Protocol::Udp => {
+            let b = ip(t.src, t.dst).udp(t.sport, t.dport);
+            let mut v = Vec::with_capacity(b.size(payload.len()));
+            b.write(&mut v, payload).unwrap();
+            v
+        }
+        Protocol::Sctp => build_sctp(t, payload),
+    }
+}
+
+/// A TCP segment with the given flags (`ack` is the acknowledgment number).
+pub(crate) fn build_tcp(
+    t: &Tuple,
+    seq: u32,
+    ack: Option<u32>,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut h = TcpHeader::new(t.sport, t.dport, seq, 64240);
+    h.fin = flags & tcp_flags::FIN != 0;
+    h.syn = flags & tcp_flags::SYN != 0;
+    h.rst = flags & tcp_flags::RST != 0;
+    h.psh = flags & tcp_flags::PSH != 0;
+    h.ack = flags & tcp_flags::ACK != 0;
+    h.acknowledgment_number = ack.unwrap_or(0);
+    let b = ip(t.src, t.dst).tcp_header(h);
+    let mut v = Vec::with_capacity(b.size(payload.len()));
+    b.write(&mut v, payload).unwrap();
+    v
+}
+
+/// An SCTP packet with one DATA chunk carrying `payload`, its CRC32c computed directly
+/// with the crc32c crate (stored least significant byte first).
+fn build_sctp(t: &Tuple, payload: &[u8]) -> Vec<u8> {
+    let mut sctp = Vec::new();
+    sctp.extend_from_slice(&t.sport.to_be_bytes());
+    sctp.extend_from_slice(&t.dport.to_be_bytes());
+    sctp.extend_from_slice(&0xC0FF_EE01u32.to_be_bytes()); // verification tag
+    sctp.extend_from_slice(&[0; 4]); // CRC32c, filled below
+    sctp.extend_from_slice(&[0, 0x03]); // DATA, beginning and end of a message
+    sctp.extend_from_slice(&((16 + payload.len()) as u16).to_be_bytes());
+    sctp.extend_from_slice(&7u32.to_be_bytes()); // TSN
+    sctp.extend_from_slice(&[0, 0, 0, 0]); // stream id, stream sequence number
+    sctp.extend_from_slice(&0u32.to_be_bytes()); // payload protocol id
+    sctp.extend_from_slice(payload);
+    while sctp.len() % 4 != 0 {
+        sctp.push(0);
+    }
+    let crc = crc32c::crc32c(&sctp);
+    sctp[8..12].copy_from_slice(&crc.to_le_bytes());
+
+    let mut v = Vec::new();
+    match (t.src, t.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let h = Ipv4Header::new(sctp.len() as u16, 64, IpNumber(132), s.octets(), d.octets())
+                .unwrap();
+            h.write(&mut v).unwrap();
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let h = Ipv6Header {
+                traffic_class: 0,
+                flow_label: Default::default(),
+                payload_length: sctp.len() as u16,
+                next_header: IpNumber(132),
+                hop_limit: 64,
+                source: s.octets(),
+                destination: d.octets(),
+            };
+            h.write(&mut v).unwrap();
+        }
+        _ => panic!("mixed families"),
+    }
+    v.extend_from_slice(&sctp);
+    v
+}
+
+/// A port-unreachable from `src` to `dst` quoting `quote`, as etherparse builds it.
+pub(crate) fn icmp_error(src: IpAddr, dst: IpAddr, quote: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    match src {
+        IpAddr::V4(_) => ip(src, dst)
+            .icmpv4(etherparse::Icmpv4Type::DestinationUnreachable(
+                icmpv4::DestUnreachableHeader::Port,
+            ))
+            .write(&mut v, quote)
+            .unwrap(),
+        IpAddr::V6(_) => ip(src, dst)
+            .icmpv6(etherparse::Icmpv6Type::DestinationUnreachable(
+                icmpv6::DestUnreachableCode::Port,
+            ))
+            .write(&mut v, quote)
+            .unwrap(),
+    }
+    v
+}
+
+/// An echo request (ping).
+pub(crate) fn icmp_echo(src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    let mut v = Vec::new();
+    match src {
+        IpAddr::V4(_) => ip(src, dst)
+            .icmpv4_echo_request(1, 1)
+            .write(&mut v, b"ping")
+            .unwrap(),
+        IpAddr::V6(_) => ip(src, dst)
+            .icmpv6_echo_request(1, 1)
+            .write(&mut v, b"ping")
+            .unwrap(),
+    }
+    v
+}
+
+/// `pkt` (IPv6) with 8-byte extension headers of the given kinds (0 hop-by-hop, 43
+/// routing, 44 fragment, 60 destination options) inserted after the fixed header.
+pub(crate) fn insert_v6_ext(pkt: &[u8], kinds: &[u8]) -> Vec<u8> {
+    let upper = pkt[6];
+    let mut out = pkt[..40].to_vec();
+    out[6] = kinds.first().copied().unwrap_or(upper);
+    for (i, &kind) in kinds.iter().enumerate() {
+        let next = kinds.get(i + 1).copied().unwrap_or(upper);
+        let body: [u8; 6] = match kind {
+            43 => [0, 0, 0, 0, 0, 0],  // type 0, no segments left, reserved
+            44 => [0, 1, 0, 0, 0, 42], // offset 0, more fragments, identification
+            _ => [1, 4, 0, 0, 0, 0],   // one PadN option
+        };
+        out.extend_from_slice(&[next, 0]);
+        out.extend_from_slice(&body);
+    }
+    out.extend_from_slice(&pkt[40..]);
+    let payload_len = (out.len() - 40) as u16;
+    out[4..6].copy_from_slice(&payload_len.to_be_bytes());
+    out
+}
+
+/// Checks every checksum of `pkt` by recomputing it: with etherparse for the IPv4 header,
+/// TCP, UDP and ICMP, with the crc32c crate for SCTP.
+pub(crate) fn verify_checksums(pkt: &[u8]) {
+    let sliced = SlicedPacket::from_ip(pkt).expect("etherparse accepts the packet");
+    let (src, dst, payload) = match &sliced.net {
+        Some(NetSlice::Ipv4(ip)) => {
+            let h = ip.header().to_header();
+            assert_eq!(
+                h.header_checksum,
+                h.calc_header_checksum(),
+                "IPv4 header checksum"
+            );
+            let (s, d) = (h.source.to_vec(), h.destination.to_vec());
+            (s, d, ip.payload().clone())
+        }
+        Some(NetSlice::Ipv6(ip)) => {
+            let h = ip.header();
+            (
+                h.source().to_vec(),
+                h.destination().to_vec(),
+                ip.payload().clone(),
+            )
+        }
+        other => panic!("not IP: {other:?}"),
+    };
+    let v4 = |a: &[u8]| -> [u8; 4] { a.try_into().unwrap() };
+    let v6 = |a: &[u8]| -> [u8; 16] { a.try_into().unwrap() };
+    match &sliced.transport {
+        Some(TransportSlice::Tcp(t)) => {
+            let c = match src.len() {
+                4 => t.calc_checksum_ipv4(v4(&src), v4(&dst)),
+                _ => t.calc_checksum_ipv6(v6(&src), v6(&dst)),
+            };
+            assert_eq!(t.checksum(), c.unwrap(), "TCP checksum");
+        }
+        Some(TransportSlice::Udp(u)) => {
+            let h = u.to_header();
+            if src.len() == 4 && h.checksum == 0 {
+                return; // no checksum
+            }
+            let c = match src.len() {
+                4 => h.calc_checksum_ipv4_raw(v4(&src), v4(&dst), u.payload()),
+                _ => h.calc_checksum_ipv6_raw(v6(&src), v6(&dst), u.payload()),
+            };
+            assert_eq!(h.checksum, c.unwrap(), "UDP checksum");
+        }
+        Some(TransportSlice::Icmpv4(i)) => {
+            let mut m = i.slice().to_vec();
+            m[2..4].fill(0);
+            let c = etherparse::checksum::Sum16BitWords::new()
+                .add_slice(&m)
+                .ones_complement();
+            // etherparse sums in native byte order: its result's bytes are the wire bytes.
+            assert_eq!(
+                i.checksum(),
+                u16::from_be_bytes(c.to_ne_bytes()),
+                "ICMPv4 checksum"
+            );
+        }
+        Some(TransportSlice::Icmpv6(i)) => {
+            assert!(i.is_checksum_valid(v6(&src), v6(&dst)), "ICMPv6 checksum");
+        }
+        None if payload.ip_number == IpNumber(132) => {
+            let mut m = payload.payload.to_vec();
+            let stored = [m[8], m[9], m[10], m[11]];
+            m[8..12].fill(0);
+            assert_eq!(crc32c::crc32c(&m).to_le_bytes(), stored, "SCTP CRC32c");
+        }
+        other => panic!("unexpected transport: {other:?}"),
+    }
+}
+
+/// xorshift64: deterministic, good enough to pick bytes to mutate.
+pub(crate) struct XorShift(u64);
+
+impl XorShift {
+    pub fn new(seed: u64) -> XorShift {
+        XorShift(seed.max(1))
+    }
+
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// Uniform enough in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
