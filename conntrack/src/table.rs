@@ -1,0 +1,503 @@
+//! The table itself: a slab of entries plus one hash index over both tuples of each.
+//!
+//! Layout, for a million entries per worker without a million allocations:
+//! - `slots: Vec<Entry>` reserved once at the full capacity (untouched pages cost no
+//!   memory); freed slots are chained through `Entry::next` and reused.
+//! - `index: HashTable<u32>` holds, per tuple, `slot << 1 | direction`: 4 bytes, not a
+//!   copy of the 40-byte tuple. Equality is checked against the slab. It is reserved for
+//!   `2 × capacity` so it never grows on the packet path.
+//! - Unassured live entries are also on a doubly linked list through `prev`/`next`, oldest
+//!   first, so early drop finds its victim in O(1) (see [`crate`] docs for the policy).
+//!
+//! The hasher is foldhash with a per-table random seed: tuples are chosen by remote
+//! peers, and a fixed hash would let them aim for one bucket chain.
+
+use std::hash::BuildHasher;
+use std::mem::size_of;
+use std::net::{IpAddr, SocketAddr};
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+use nat::{Protocol, Tuple};
+
+use crate::entry::{Direction, Entry, NIL, flag};
+use crate::snat::SnatPorts;
+use crate::timeouts::{Timeouts, TimeoutsNs};
+use crate::track::{self, Outcome, Update};
+
+/// Counters, plain `u64`s: the table has one owner, who reads them for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Flows inserted.
+    pub inserts: u64,
+    /// Insertions refused because the table was full of assured flows.
+    pub insert_failed_full: u64,
+    /// Insertions refused because a tuple was already tracked (e.g. a SNAT port clash).
+    pub clashes: u64,
+    /// Unassured flows dropped early to make room for a new one.
+    pub evictions: u64,
+    /// Flows removed because they timed out (by [`ConnTable::expire`], on lookup, or to
+    /// make room).
+    pub expired: u64,
+    /// UDP (or any) flows removed because their endpoint went away.
+    pub removed_stale: u64,
+    /// Flows removed by [`ConnTable::remove`] / [`ConnTable::remove_if`], or ended by a
+    /// packet (a RST answering a SYN, a SYN reopening a closed connection).
+    pub removed: u64,
+}
+
+/// Why [`ConnTable::insert`] refused a flow. The caller drops the packet and counts it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InsertError {
+    /// One of the new flow's tuples belongs to a live flow already.
+    #[error(
+        "{tuple} ({which:?} direction of the new flow) is already tracked; allocate another SNAT port or drop the packet"
+    )]
+    Clash {
+        /// Which of the new flow's tuples clashed.
+        which: Direction,
+        /// That tuple.
+        tuple: Tuple,
+    },
+    /// The table is at capacity and holds only assured flows.
+    #[error(
+        "connection table full ({capacity} flows, all assured); raise conntrack maxPerCore/min or wait for flows to end"
+    )]
+    Full {
+        /// The table's capacity.
+        capacity: usize,
+    },
+    /// The first TCP segment of a flow was neither a SYN nor a bare ACK.
+    #[error(
+        "TCP flags {flags:#04x} cannot open a connection (a SYN, or an ACK picked up mid-stream)"
+    )]
+    NotNew {
+        /// The segment's flags.
+        flags: u8,
+    },
+    /// `orig` and `reply` name different protocols.
+    #[error("orig {orig} and reply {reply} have different protocols")]
+    ProtocolMismatch {
+        /// The original tuple given.
+        orig: Tuple,
+        /// The reply tuple given.
+        reply: Tuple,
+    },
+}
+
+/// Why [`ConnTable::new`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CapacityError {
+    /// Zero, or beyond what a `u32` slot index addresses.
+    #[error(
+        "connection table capacity {capacity} is out of range 1..={max}; check conntrack maxPerCore/min and the worker count"
+    )]
+    OutOfRange {
+        /// Capacity asked for.
+        capacity: usize,
+        /// Largest capacity supported.
+        max: usize,
+    },
+    /// The memory could not be reserved.
+    #[error(
+        "cannot reserve memory for a connection table of {capacity} flows; lower conntrack maxPerCore/min"
+    )]
+    OutOfMemory {
+        /// Capacity asked for.
+        capacity: usize,
+    },
+}
+
+/// A packet's flow, found by [`ConnTable::on_packet`].
+#[derive(Debug, Clone, Copy)]
+pub struct Hit<'a> {
+    /// Which way the packet travels.
+    pub dir: Direction,
+    /// The flow, after this packet's update.
+    pub entry: &'a Entry,
+    /// What the packet did to the flow.
+    pub update: Update,
+}
+
+impl Hit<'_> {
+    /// The tuple to rewrite the packet to ([`Entry::rewrite_to`] for `dir`).
+    pub fn rewrite_to(&self) -> Tuple {
+        self.entry.rewrite_to(self.dir)
+    }
+}
+
+/// One worker's connection table. See the [crate docs](crate) for the policies.
+#[derive(Debug)]
+pub struct ConnTable {
+    pub(crate) slots: Vec<Entry>,
+    pub(crate) index: HashTable<u32>,
+    pub(crate) hasher: DefaultHashBuilder,
+    pub(crate) capacity: usize,
+    pub(crate) len: usize,
+    /// Head of the free-slot list.
+    pub(crate) free: u32,
+    /// Oldest and newest unassured entries.
+    pub(crate) unassured_head: u32,
+    pub(crate) unassured_tail: u32,
+    /// Next slot [`ConnTable::expire`] looks at.
+    pub(crate) hand: usize,
+    pub(crate) config: Timeouts,
+    pub(crate) timeouts: TimeoutsNs,
+    pub(crate) snat: SnatPorts,
+    pub(crate) stats: Stats,
+}
+
+// Two 40-byte tuples plus 32 bytes of state: keep it so (bytes per entry is benchmarked).
+const _: () = assert!(size_of::<Entry>() <= 112);
+
+const fn pack(slot: usize, dir: Direction) -> u32 {
+    ((slot as u32) << 1) | dir as u32
+}
+
+const fn unpack(v: u32) -> (usize, Direction) {
+    ((v >> 1) as usize, Direction::from_bit(v))
+}
+
+/// The index's hash of a tuple. An IPv4 tuple is packed into one `u128`, so it costs
+/// one hasher round instead of the derived `Hash`'s seven.
+fn hash_tuple(hasher: &DefaultHashBuilder, t: &Tuple) -> u64 {
+    let rest = (u64::from(t.sport) << 24) | (u64::from(t.dport) << 8) | u64::from(t.proto.number());
+    match (t.src, t.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => hasher.hash_one(
+            (u128::from(s.to_bits()) << 96) | (u128::from(d.to_bits()) << 64) | u128::from(rest),
+        ),
+        (s, d) => hasher.hash_one((s, d, rest)),
+    }
+}
+
+/// Looks a tuple up; a free function so callers can borrow other fields meanwhile.
+fn find(index: &HashTable<u32>, slots: &[Entry], hash: u64, key: &Tuple) -> Option<u32> {
+    index
+        .find(hash, |&v| {
+            let (slot, dir) = unpack(v);
+            slots.get(slot).is_some_and(|e| e.tuple(dir) == key)
+        })
+        .copied()
+}
+
+impl ConnTable {
+    /// Largest capacity: slot numbers must fit in 31 bits.
+    pub const MAX_CAPACITY: usize = (1 << 31) - 2;
+
+    /// Size of one entry in the slab, bytes.
+    pub const ENTRY_SIZE: usize = size_of::<Entry>();
+
+    /// A table for at most `capacity` flows, all memory reserved now.
+    ///
+    /// # Errors
+    /// [`CapacityError`] if `capacity` is 0 or above [`ConnTable::MAX_CAPACITY`], or the
+    /// memory cannot be reserved.
+    pub fn new(
+        capacity: usize,
+        timeouts: Timeouts,
+        snat: SnatPorts,
+    ) -> Result<ConnTable, CapacityError> {
+        if capacity == 0 || capacity > ConnTable::MAX_CAPACITY {
+            return Err(CapacityError::OutOfRange {
+                capacity,
+                max: ConnTable::MAX_CAPACITY,
+            });
+        }
+        let oom = CapacityError::OutOfMemory { capacity };
+        let mut slots = Vec::new();
+        slots.try_reserve_exact(capacity).map_err(|_| oom.clone())?;
+        let hasher = DefaultHashBuilder::default();
+        let mut index = HashTable::new();
+        index.try_reserve(2 * capacity, |_| 0).map_err(|_| oom)?;
+        Ok(ConnTable {
+            slots,
+            index,
+            hasher,
+            capacity,
+            len: 0,
+            free: NIL,
+            unassured_head: NIL,
+            unassured_tail: NIL,
+            hand: 0,
+            config: timeouts,
+            timeouts: TimeoutsNs::new(&timeouts),
+            snat,
+            stats: Stats::default(),
+        })
+    }
+
+    /// Most flows the table holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Flows held, expired ones not yet reclaimed included.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no flow is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The timeouts in force.
+    pub fn timeouts(&self) -> &Timeouts {
+        &self.config
+    }
+
+    /// This worker's SNAT ports.
+    pub fn snat_ports(&self) -> &SnatPorts {
+        &self.snat
+    }
+
+    /// Bytes reserved by the table (slab plus index), all of it allocated up front.
+    pub fn memory_bytes(&self) -> usize {
+        self.slots.capacity() * ConnTable::ENTRY_SIZE + self.index.allocation_size()
+    }
+
+    /// [`memory_bytes`](ConnTable::memory_bytes) per flow of capacity: what one more flow
+    /// of capacity costs.
+    pub fn bytes_per_entry_estimate(&self) -> usize {
+        self.memory_bytes().div_ceil(self.capacity)
+    }
+
+    fn hash(&self, t: &Tuple) -> u64 {
+        hash_tuple(&self.hasher, t)
+    }
+
+    /// Tracks a new flow: `orig` as the client sent it, `reply` as the endpoint will
+    /// answer. `tcp_flags` are the first segment's (ignored for UDP and SCTP); `tag` is
+    /// kept for the caller. Makes room if full (see the crate docs).
+    ///
+    /// # Errors
+    /// [`InsertError::Clash`] if either tuple is tracked (an expired holder is reclaimed
+    /// instead), [`InsertError::Full`], [`InsertError::NotNew`] for a TCP segment that
+    /// cannot open a flow, [`InsertError::ProtocolMismatch`].
+    pub fn insert(
+        &mut self,
+        orig: Tuple,
+        reply: Tuple,
+        tag: u32,
+        tcp_flags: u8,
+        now: u64,
+    ) -> Result<&Entry, InsertError> {
+        if orig.proto != reply.proto {
+            return Err(InsertError::ProtocolMismatch { orig, reply });
+        }
+        let (tcp, timeout) = track::start(orig.proto, tcp_flags, &self.timeouts)
+            .ok_or(InsertError::NotNew { flags: tcp_flags })?;
+        let hashes = [self.hash(&orig), self.hash(&reply)];
+        let dirs = [Direction::Original, Direction::Reply];
+        if orig == reply {
+            self.stats.clashes += 1;
+            return Err(InsertError::Clash {
+                which: Direction::Reply,
+                tuple: reply,
+            });
+        }
+        for ((dir, hash), key) in dirs.into_iter().zip(hashes).zip([&orig, &reply]) {
+            if let Some(v) = find(&self.index, &self.slots, hash, key) {
+                let (slot, _) = unpack(v);
+                if !self.slots[slot].is_expired(now) {
+                    self.stats.clashes += 1;
+                    return Err(InsertError::Clash {
+                        which: dir,
+                        tuple: *key,
+                    });
+                }
+                self.remove_slot(slot);
+                self.stats.expired += 1;
+            }
+        }
+        if self.len >= self.capacity && !self.make_room(now) {
+            self.stats.insert_failed_full += 1;
+            return Err(InsertError::Full {
+                capacity: self.capacity,
+            });
+        }
+        let entry = Entry {
+            orig,
+            reply,
+            created: now,
+            expires: now.saturating_add(timeout),
+            tag,
+            prev: NIL,
+            next: NIL,
+            tcp,
+            flags: flag::LIVE,
+        };
+        let slot = if self.free != NIL {
+            let slot = self.free as usize;
+            self.free = self.slots[slot].next;
+            self.slots[slot] = entry;
+            slot
+        } else {
+            self.slots.push(entry);
+            self.slots.len() - 1
+        };
+        let Self {
+            index,
+            slots,
+            hasher,
+            ..
+        } = self;
+        let rehash = |&v: &u32| {
+            let (s, d) = unpack(v);
+            slots.get(s).map_or(0, |e| hash_tuple(hasher, e.tuple(d)))
+        };
+        for (dir, hash) in dirs.into_iter().zip(hashes) {
+            index.insert_unique(hash, pack(slot, dir), rehash);
+        }
+        self.push_unassured(slot);
+        self.len += 1;
+        self.stats.inserts += 1;
+        Ok(&self.slots[slot])
+    }
+
+    /// The flow a packet with tuple `key` belongs to, updated by that packet: protocol
+    /// state from `tcp_flags` (ignored for UDP and SCTP), expiry refreshed. `None` if
+    /// untracked, or expired (then removed), or a SYN reopening a closed TCP connection
+    /// (the old entry is removed: insert a new one).
+    pub fn on_packet(&mut self, key: &Tuple, tcp_flags: u8, now: u64) -> Option<Hit<'_>> {
+        let hash = self.hash(key);
+        let (slot, dir) = unpack(find(&self.index, &self.slots, hash, key)?);
+        if self.slots[slot].is_expired(now) {
+            self.remove_slot(slot);
+            self.stats.expired += 1;
+            return None;
+        }
+        let update = match track::packet(&mut self.slots[slot], dir, tcp_flags, now, &self.timeouts)
+        {
+            Outcome::Reopen => {
+                self.remove_slot(slot);
+                self.stats.removed += 1;
+                return None;
+            }
+            Outcome::Done { update, assured } => {
+                if assured {
+                    self.unlink_unassured(slot);
+                }
+                if update == Update::Closed {
+                    // The slot keeps its contents until reused, which `Hit`'s borrow
+                    // prevents.
+                    self.remove_slot(slot);
+                    self.stats.removed += 1;
+                }
+                update
+            }
+        };
+        Some(Hit {
+            dir,
+            entry: &self.slots[slot],
+            update,
+        })
+    }
+
+    /// The live flow with tuple `key` in either direction, without updating it.
+    pub fn get(&self, key: &Tuple, now: u64) -> Option<(Direction, &Entry)> {
+        let (slot, dir) = unpack(find(&self.index, &self.slots, self.hash(key), key)?);
+        let e = &self.slots[slot];
+        (!e.is_expired(now)).then_some((dir, e))
+    }
+
+    /// Removes the flow with tuple `key` (either direction). Returns whether there was one.
+    pub fn remove(&mut self, key: &Tuple) -> bool {
+        let hash = self.hash(key);
+        match find(&self.index, &self.slots, hash, key) {
+            Some(v) => {
+                self.remove_slot(unpack(v).0);
+                self.stats.removed += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A SNAT source port from this worker's range for a flow to `endpoint` masqueraded
+    /// as `snat_ip`, such that the reply tuple `endpoint -> snat_ip:port` is not held by a
+    /// live flow. Insert the flow before allocating again: the port is "taken" only once
+    /// the entry exists, and is free again when the entry goes. `None` when no free port
+    /// was found (see [`SnatPorts`]); the caller drops the packet.
+    pub fn allocate_snat_port(
+        &mut self,
+        snat_ip: IpAddr,
+        endpoint: SocketAddr,
+        proto: Protocol,
+        now: u64,
+    ) -> Option<u16> {
+        let Self {
+            index,
+            slots,
+            hasher,
+            snat,
+            ..
+        } = self;
+        snat.pick(|port| {
+            let reply = Tuple::new(endpoint, SocketAddr::new(snat_ip, port), proto);
+            find(index, slots, hash_tuple(hasher, &reply), &reply)
+                .is_some_and(|v| !slots[unpack(v).0].is_expired(now))
+        })
+    }
+
+    /// Live flows at `now`, in slot order, for listing. Walks the whole slab.
+    pub fn iter(&self, now: u64) -> impl Iterator<Item = &Entry> + '_ {
+        self.slots
+            .iter()
+            .filter(move |e| e.is_live() && !e.is_expired(now))
+    }
+
+    /// Unhooks a live slot from the index and the unassured list and frees it. Its
+    /// contents stay until the slot is reused.
+    pub(crate) fn remove_slot(&mut self, slot: usize) {
+        let e = &self.slots[slot];
+        for dir in [Direction::Original, Direction::Reply] {
+            let hash = hash_tuple(&self.hasher, e.tuple(dir));
+            let v = pack(slot, dir);
+            if let Ok(found) = self.index.find_entry(hash, |&x| x == v) {
+                found.remove();
+            }
+        }
+        if !e.is_assured() {
+            self.unlink_unassured(slot);
+        }
+        let free = self.free;
+        let e = &mut self.slots[slot];
+        e.flags &= !flag::LIVE;
+        e.next = free;
+        self.free = slot as u32;
+        self.len -= 1;
+    }
+
+    fn push_unassured(&mut self, slot: usize) {
+        let tail = self.unassured_tail;
+        self.slots[slot].prev = tail;
+        self.slots[slot].next = NIL;
+        match tail {
+            NIL => self.unassured_head = slot as u32,
+            t => self.slots[t as usize].next = slot as u32,
+        }
+        self.unassured_tail = slot as u32;
+    }
+
+    fn unlink_unassured(&mut self, slot: usize) {
+        let (prev, next) = (self.slots[slot].prev, self.slots[slot].next);
+        match prev {
+            NIL => self.unassured_head = next,
+            p => self.slots[p as usize].next = next,
+        }
+        match next {
+            NIL => self.unassured_tail = prev,
+            n => self.slots[n as usize].prev = prev,
+        }
+        self.slots[slot].prev = NIL;
+        self.slots[slot].next = NIL;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,549 @@
+//! Table tests, on a fake clock: `now` is just a number of nanoseconds.
+
+use std::net::IpAddr;
+
+use super::*;
+use crate::entry::{FlowState, State};
+use crate::tcp::TcpState;
+use crate::tcp::flags::{ACK, FIN, RST, SYN};
+
+const S: u64 = 1_000_000_000;
+const CLIENT: &str = "198.18.0.1";
+const VIP: &str = "198.19.0.10:80";
+const EP: &str = "198.18.5.5:8080";
+const SNAT_IP: &str = "198.18.0.254";
+
+fn tuple(proto: Protocol, src: &str, dst: &str) -> Tuple {
+    Tuple::new(src.parse().unwrap(), dst.parse().unwrap(), proto)
+}
+
+/// Client port `cport` to the VIP, DNATed to `EP` without SNAT.
+fn flow(proto: Protocol, cport: u16) -> (Tuple, Tuple) {
+    let c = format!("{CLIENT}:{cport}");
+    (tuple(proto, &c, VIP), tuple(proto, EP, &c))
+}
+
+fn table(capacity: usize) -> ConnTable {
+    let snat = SnatPorts::with_seed(61000..=61009, 1).unwrap();
+    ConnTable::new(capacity, Timeouts::default(), snat).unwrap()
+}
+
+/// Checks the index, the free list and the unassured list against the slab.
+fn check(t: &ConnTable) {
+    let live: Vec<usize> = (0..t.slots.len())
+        .filter(|&i| t.slots[i].is_live())
+        .collect();
+    assert_eq!(live.len(), t.len);
+    assert!(t.len <= t.capacity);
+    assert_eq!(t.index.len(), 2 * t.len);
+    for &i in &live {
+        let e = &t.slots[i];
+        for dir in [Direction::Original, Direction::Reply] {
+            let v = find(&t.index, &t.slots, t.hash(e.tuple(dir)), e.tuple(dir));
+            assert_eq!(v, Some(pack(i, dir)));
+        }
+    }
+    let mut free = 0;
+    let mut f = t.free;
+    while f != NIL {
+        assert!(!t.slots[f as usize].is_live());
+        free += 1;
+        f = t.slots[f as usize].next;
+    }
+    assert_eq!(free + t.len, t.slots.len());
+    let mut on_list = Vec::new();
+    let (mut prev, mut cur) = (NIL, t.unassured_head);
+    while cur != NIL {
+        let e = &t.slots[cur as usize];
+        assert!(e.is_live() && !e.is_assured());
+        assert_eq!(e.prev, prev);
+        on_list.push(cur as usize);
+        (prev, cur) = (cur, e.next);
+    }
+    assert_eq!(t.unassured_tail, prev);
+    let unassured = live.iter().filter(|&&i| !t.slots[i].is_assured()).count();
+    assert_eq!(on_list.len(), unassured);
+}
+
+/// SYN, SYN/ACK, ACK at `now`: an assured ESTABLISHED flow.
+fn establish(t: &mut ConnTable, cport: u16, now: u64) {
+    let (o, r) = flow(Protocol::Tcp, cport);
+    t.insert(o, r, 0, SYN, now).unwrap();
+    t.on_packet(&r, SYN | ACK, now).unwrap();
+    let hit = t.on_packet(&o, ACK, now).unwrap();
+    assert!(hit.entry.is_assured());
+}
+
+#[test]
+fn both_directions_find_the_same_entry() {
+    let mut t = table(16);
+    let (o, r) = flow(Protocol::Tcp, 40000);
+    let e = t.insert(o, r, 42, SYN, 0).unwrap();
+    assert_eq!(e.tag(), 42);
+    assert_eq!(e.endpoint(), EP.parse().unwrap());
+
+    let hit = t.on_packet(&o, SYN, S).unwrap();
+    assert_eq!(hit.dir, Direction::Original);
+    assert_eq!(
+        hit.rewrite_to(),
+        tuple(Protocol::Tcp, "198.18.0.1:40000", EP)
+    );
+    let hit = t.on_packet(&r, SYN | ACK, S).unwrap();
+    assert_eq!(hit.dir, Direction::Reply);
+    assert_eq!(
+        hit.rewrite_to(),
+        tuple(Protocol::Tcp, VIP, "198.18.0.1:40000")
+    );
+    assert_eq!(hit.entry.tag(), 42);
+
+    assert_eq!(t.get(&o, S).unwrap().0, Direction::Original);
+    assert_eq!(t.get(&r, S).unwrap().0, Direction::Reply);
+    assert!(t.get(&o.reversed(), S).is_none());
+    let (o2, _) = flow(Protocol::Udp, 40000);
+    assert!(t.get(&o2, S).is_none(), "protocol is part of the key");
+    check(&t);
+}
+
+#[test]
+fn a_clash_on_either_tuple_is_refused() {
+    let mut t = table(16);
+    let c2 = format!("{CLIENT}:40001");
+    let o = tuple(Protocol::Udp, "198.18.0.1:40000", VIP);
+    let r = tuple(Protocol::Udp, EP, &format!("{SNAT_IP}:61000"));
+    t.insert(o, r, 1, 0, 0).unwrap();
+
+    // Another client masqueraded to the same SNAT port: the reply tuple clashes.
+    let o2 = tuple(Protocol::Udp, &c2, VIP);
+    let err = t.insert(o2, r, 2, 0, S).unwrap_err();
+    assert_eq!(
+        err,
+        InsertError::Clash {
+            which: Direction::Reply,
+            tuple: r
+        }
+    );
+    // The same client tuple again.
+    let r2 = tuple(Protocol::Udp, EP, &format!("{SNAT_IP}:61001"));
+    assert!(matches!(
+        t.insert(o, r2, 2, 0, S),
+        Err(InsertError::Clash {
+            which: Direction::Original,
+            ..
+        })
+    ));
+    // A tuple that is its own reply.
+    assert!(t.insert(o2, o2, 2, 0, S).is_err());
+    assert_eq!(t.stats().clashes, 3);
+    assert_eq!(t.len(), 1);
+    assert_eq!(t.get(&r, S).unwrap().1.orig(), &o);
+    check(&t);
+}
+
+#[test]
+fn an_expired_holder_of_a_tuple_is_reclaimed_on_insert() {
+    let mut t = table(16);
+    let (o, r) = flow(Protocol::Udp, 40000);
+    t.insert(o, r, 1, 0, 0).unwrap();
+    let e = t.insert(o, r, 2, 0, 30 * S).unwrap();
+    assert_eq!(e.tag(), 2);
+    assert_eq!(t.len(), 1);
+    assert_eq!(t.stats().expired, 1);
+    assert_eq!(t.stats().clashes, 0);
+    check(&t);
+}
+
+#[test]
+fn tcp_handshake_established_fin_time_wait() {
+    let mut t = table(16);
+    let (o, r) = flow(Protocol::Tcp, 40000);
+    let e = t.insert(o, r, 0, SYN, 0).unwrap();
+    assert_eq!(e.state(), State::Tcp(TcpState::SynSent));
+    assert_eq!(e.expires_at(), 120 * S);
+
+    let h = t.on_packet(&r, SYN | ACK, S).unwrap();
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::SynRecv));
+    assert_eq!(h.entry.expires_at(), S + 60 * S);
+    assert!(!h.entry.is_assured());
+
+    let h = t.on_packet(&o, ACK, 2 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::Established));
+    assert!(h.entry.is_assured());
+    assert_eq!(h.entry.expires_at(), 2 * S + 24 * 3600 * S);
+
+    // Idle for an hour, then data: still there, refreshed.
+    let h = t.on_packet(&r, ACK, 3602 * S).unwrap();
+    assert_eq!(h.entry.remaining(3602 * S), 24 * 3600 * S);
+
+    let h = t.on_packet(&o, FIN | ACK, 3603 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::FinWait));
+    assert_eq!(h.entry.remaining(3603 * S), 120 * S);
+    let h = t.on_packet(&r, ACK, 3604 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::CloseWait));
+    assert_eq!(h.entry.remaining(3604 * S), 3600 * S);
+    let h = t.on_packet(&r, FIN | ACK, 3605 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::LastAck));
+    assert_eq!(h.entry.remaining(3605 * S), 30 * S);
+    let h = t.on_packet(&o, ACK, 3606 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::TimeWait));
+    assert_eq!(h.entry.expires_at(), 3606 * S + 120 * S);
+
+    // Alive just before the end of TIME_WAIT, gone at it.
+    assert!(t.get(&o, 3726 * S - 1).is_some());
+    assert!(t.get(&o, 3726 * S).is_none());
+    assert!(t.on_packet(&o, ACK, 3726 * S).is_none());
+    assert_eq!(t.len(), 0);
+    assert_eq!(t.stats().expired, 1);
+    check(&t);
+}
+
+#[test]
+fn rst_closes_and_a_refusing_endpoint_ends_the_flow() {
+    let mut t = table(16);
+    establish(&mut t, 40000, 0);
+    let (o, r) = flow(Protocol::Tcp, 40000);
+    let h = t.on_packet(&r, RST | ACK, S).unwrap();
+    assert_eq!(h.update, Update::Tracked);
+    assert_eq!(h.entry.state(), State::Tcp(TcpState::Close));
+    assert_eq!(h.entry.expires_at(), 11 * S);
+    assert!(t.get(&o, 11 * S).is_none());
+
+    // The endpoint answers a SYN with RST: the RST is still translated, then the flow
+    // is gone so the client's retry is a new flow.
+    let (o, r) = flow(Protocol::Tcp, 40001);
+    t.insert(o, r, 0, SYN, 0).unwrap();
+    let h = t.on_packet(&r, RST | ACK, S).unwrap();
+    assert_eq!(h.update, Update::Closed);
+    assert_eq!(
+        h.rewrite_to(),
+        tuple(Protocol::Tcp, VIP, "198.18.0.1:40001")
+    );
+    assert!(t.get(&o, S).is_none());
+    assert_eq!(t.stats().removed, 1);
+    check(&t);
+}
+
+#[test]
+fn a_syn_on_a_closed_connection_starts_a_new_flow() {
+    let mut t = table(16);
+    establish(&mut t, 40000, 0);
+    let (o, r) = flow(Protocol::Tcp, 40000);
+    t.on_packet(&o, RST, S).unwrap();
+    assert!(t.on_packet(&o, SYN, 2 * S).is_none());
+    assert_eq!(t.len(), 0);
+    t.insert(o, r, 0, SYN, 2 * S).unwrap();
+    check(&t);
+}
+
+#[test]
+fn invalid_and_retransmitted_segments_do_not_refresh() {
+    let mut t = table(16);
+    let (o, r) = flow(Protocol::Tcp, 40000);
+    t.insert(o, r, 0, SYN, 0).unwrap();
+    assert_eq!(
+        t.on_packet(&o, SYN, 100 * S).unwrap().update,
+        Update::Ignored
+    );
+    assert_eq!(
+        t.on_packet(&o, ACK, 100 * S).unwrap().update,
+        Update::Invalid
+    );
+    assert!(t.on_packet(&o, SYN, 120 * S).is_none(), "expired at 120s");
+}
+
+#[test]
+fn udp_unreplied_then_stream() {
+    let mut t = table(16);
+    let (o, r) = flow(Protocol::Udp, 5353);
+    t.insert(o, r, 0, 0, 0).unwrap();
+    let h = t.on_packet(&o, 0, 10 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Udp(FlowState::Unreplied));
+    assert_eq!(h.entry.expires_at(), 40 * S);
+    assert!(t.get(&o, 40 * S).is_none());
+
+    // A query and its answer within 2s: replied but still on the short timeout and
+    // unassured (a DNS lookup must not pin an entry).
+    let (o, r) = flow(Protocol::Udp, 5354);
+    t.insert(o, r, 0, 0, 100 * S).unwrap();
+    let h = t.on_packet(&r, 0, 100 * S + S / 100).unwrap();
+    assert_eq!(h.entry.state(), State::Udp(FlowState::Replied));
+    assert_eq!(h.entry.remaining(100 * S + S / 100), 30 * S);
+    let h = t.on_packet(&o, 0, 101 * S).unwrap();
+    assert_eq!(h.entry.remaining(101 * S), 30 * S);
+    assert!(!h.entry.is_assured());
+
+    // Still talking both ways after 2s: a stream, assured, 120s.
+    let h = t.on_packet(&o, 0, 103 * S).unwrap();
+    assert_eq!(h.entry.state(), State::Udp(FlowState::Assured));
+    assert_eq!(h.entry.remaining(103 * S), 120 * S);
+    let h = t.on_packet(&r, 0, 200 * S).unwrap();
+    assert_eq!(h.entry.expires_at(), 320 * S);
+    check(&t);
+}
+
+#[test]
+fn full_of_established_flows_refuses_new_ones_and_keeps_them() {
+    let mut t = table(4);
+    for p in 0..4 {
+        establish(&mut t, 40000 + p, 0);
+    }
+    let (o, r) = flow(Protocol::Tcp, 50000);
+    assert_eq!(
+        t.insert(o, r, 0, SYN, S).unwrap_err(),
+        InsertError::Full { capacity: 4 }
+    );
+    let (o, r) = flow(Protocol::Udp, 50000);
+    assert!(t.insert(o, r, 0, 0, S).is_err());
+    assert_eq!(t.stats().insert_failed_full, 2);
+    assert_eq!(t.stats().evictions, 0);
+    for p in 0..4 {
+        assert!(t.get(&flow(Protocol::Tcp, 40000 + p).0, S).is_some());
+    }
+    check(&t);
+}
+
+#[test]
+fn full_with_unassured_flows_evicts_the_oldest_unassured() {
+    let mut t = table(4);
+    establish(&mut t, 40000, 0);
+    for p in 1..4 {
+        let (o, r) = flow(Protocol::Tcp, 40000 + p);
+        t.insert(o, r, 0, SYN, u64::from(p) * S).unwrap();
+    }
+    // The oldest SYN_SENT (40001) is refreshed by nothing: it goes first; then 40002.
+    for (new, victim) in [(50000, 40001), (50001, 40002)] {
+        let (o, r) = flow(Protocol::Udp, new);
+        t.insert(o, r, 0, 0, 10 * S).unwrap();
+        assert!(t.get(&flow(Protocol::Tcp, victim).0, 10 * S).is_none());
+        check(&t);
+    }
+    assert_eq!(t.stats().evictions, 2);
+    assert!(t.get(&flow(Protocol::Tcp, 40000).0, 10 * S).is_some());
+    assert!(t.get(&flow(Protocol::Tcp, 40003).0, 10 * S).is_some());
+    assert_eq!(t.len(), 4);
+}
+
+#[test]
+fn a_full_table_reclaims_expired_flows_before_evicting() {
+    let mut t = table(3);
+    establish(&mut t, 40000, 0);
+    let (o, r) = flow(Protocol::Udp, 40001);
+    t.insert(o, r, 0, 0, 0).unwrap(); // expires at 30s
+    let (o, r) = flow(Protocol::Tcp, 40002);
+    t.insert(o, r, 0, SYN, 20 * S).unwrap();
+    let (o, r) = flow(Protocol::Tcp, 40003);
+    t.insert(o, r, 0, SYN, 31 * S).unwrap();
+    assert_eq!(t.stats().expired, 1);
+    assert_eq!(t.stats().evictions, 0);
+    assert!(t.get(&flow(Protocol::Tcp, 40002).0, 31 * S).is_some());
+    check(&t);
+}
+
+#[test]
+fn incremental_expiry_is_bounded_and_eventually_complete() {
+    let mut t = table(100);
+    for p in 0..100 {
+        let (o, r) = flow(Protocol::Udp, 10000 + p);
+        t.insert(o, r, 0, 0, 0).unwrap();
+    }
+    assert_eq!(t.expire(29 * S, 1000), 0, "nothing expired yet");
+    let mut calls = 0;
+    while !t.is_empty() {
+        let removed = t.expire(30 * S, 7);
+        assert!(removed <= 7);
+        calls += 1;
+        assert!(
+            calls <= 100_usize.div_ceil(7) + 1,
+            "hand must cover the slab"
+        );
+        check(&t);
+    }
+    assert_eq!(t.stats().expired, 100);
+    // Freed slots are reused: the slab never grows past capacity.
+    for p in 0..100 {
+        let (o, r) = flow(Protocol::Udp, 20000 + p);
+        t.insert(o, r, 0, 0, 40 * S).unwrap();
+    }
+    assert_eq!(t.slots.len(), 100);
+    check(&t);
+}
+
+#[test]
+fn expiry_examines_at_most_the_budget() {
+    let mut t = table(10);
+    for p in 0..10 {
+        let (o, r) = flow(Protocol::Udp, 10000 + p);
+        t.insert(o, r, 0, 0, 0).unwrap();
+    }
+    // Everything is expired, so the number removed is the number examined.
+    assert_eq!(t.expire(30 * S, 3), 3);
+    assert_eq!(t.expire(30 * S, 3), 3);
+    assert_eq!(t.expire(30 * S, 100), 4, "each slot at most once per call");
+    assert_eq!(t.expire(30 * S, 100), 0);
+}
+
+#[test]
+fn snat_ports_avoid_used_ones_come_back_and_run_out() {
+    let mut t = table(64);
+    let snat: IpAddr = SNAT_IP.parse().unwrap();
+    let ep = EP.parse().unwrap();
+    let mut used = Vec::new();
+    for p in 0..10 {
+        let port = t.allocate_snat_port(snat, ep, Protocol::Tcp, 0).unwrap();
+        assert!(t.snat_ports().contains(port));
+        assert!(!used.contains(&port));
+        used.push(port);
+        let o = tuple(Protocol::Tcp, &format!("{CLIENT}:{}", 40000 + p), VIP);
+        let r = tuple(Protocol::Tcp, EP, &format!("{SNAT_IP}:{port}"));
+        t.insert(o, r, 0, SYN, 0).unwrap();
+    }
+    assert_eq!(t.allocate_snat_port(snat, ep, Protocol::Tcp, 0), None);
+    // Another endpoint, or protocol, may reuse the same ports.
+    let other = "198.18.5.6:8080".parse().unwrap();
+    assert!(
+        t.allocate_snat_port(snat, other, Protocol::Tcp, 0)
+            .is_some()
+    );
+    assert!(t.allocate_snat_port(snat, ep, Protocol::Udp, 0).is_some());
+    // Removing a flow releases its port.
+    let freed = used[3];
+    assert!(t.remove(&tuple(Protocol::Tcp, EP, &format!("{SNAT_IP}:{freed}"))));
+    assert_eq!(
+        t.allocate_snat_port(snat, ep, Protocol::Tcp, 0),
+        Some(freed)
+    );
+    // Expired flows hold no port.
+    assert!(
+        t.allocate_snat_port(snat, ep, Protocol::Tcp, 120 * S)
+            .is_some()
+    );
+    check(&t);
+}
+
+#[test]
+fn stale_udp_removal_takes_only_udp_to_that_endpoint() {
+    let mut t = table(64);
+    let other_ep = "198.18.5.6:8080";
+    let other_port = "198.18.5.5:9090";
+    for (i, (proto, ep)) in [
+        (Protocol::Udp, EP),
+        (Protocol::Udp, EP),
+        (Protocol::Tcp, EP),
+        (Protocol::Udp, other_ep),
+        (Protocol::Udp, other_port),
+        (Protocol::Sctp, EP),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = format!("{CLIENT}:{}", 40000 + i);
+        let f = if proto == Protocol::Tcp { SYN } else { 0 };
+        t.insert(tuple(proto, &c, VIP), tuple(proto, ep, &c), i as u32, f, 0)
+            .unwrap();
+    }
+    let ip: IpAddr = "198.18.5.5".parse().unwrap();
+    assert_eq!(t.remove_udp_to_endpoint(ip, 8080), 2);
+    let mut tags: Vec<u32> = t.iter(0).map(Entry::tag).collect();
+    tags.sort_unstable();
+    assert_eq!(tags, [2, 3, 4, 5]);
+    assert_eq!(t.remove_to_endpoint_ip(ip), 3);
+    assert_eq!(t.iter(0).map(Entry::tag).collect::<Vec<_>>(), [3]);
+    assert_eq!(t.stats().removed_stale, 5);
+    assert_eq!(t.remove_if(|e| e.tag() == 3), 1);
+    assert!(t.is_empty());
+    check(&t);
+}
+
+#[test]
+fn listing_shows_state_remaining_time_and_tag() {
+    let mut t = table(8);
+    establish(&mut t, 40000, 0);
+    let (o, r) = flow(Protocol::Udp, 40001);
+    t.insert(o, r, 9, 0, 0).unwrap();
+    let list: Vec<(String, u64, u32)> = t
+        .iter(10 * S)
+        .map(|e| (e.state().to_string(), e.remaining(10 * S), e.tag()))
+        .collect();
+    assert_eq!(
+        list,
+        [
+            ("TCP ESTABLISHED".to_string(), 86_390 * S, 0),
+            ("UDP UNREPLIED".to_string(), 20 * S, 9)
+        ]
+    );
+    assert_eq!(t.iter(30 * S).count(), 1, "expired flows are not listed");
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let snat = || SnatPorts::new(1000..=1999).unwrap();
+    assert!(matches!(
+        ConnTable::new(0, Timeouts::default(), snat()),
+        Err(CapacityError::OutOfRange { .. })
+    ));
+    assert!(ConnTable::new(usize::MAX, Timeouts::default(), snat()).is_err());
+    let mut t = table(4);
+    let (o, r) = flow(Protocol::Tcp, 40000);
+    for f in [SYN | ACK, RST, FIN | ACK, 0] {
+        assert_eq!(
+            t.insert(o, r, 0, f, 0).unwrap_err(),
+            InsertError::NotNew { flags: f }
+        );
+    }
+    let (_, udp_reply) = flow(Protocol::Udp, 40000);
+    assert!(matches!(
+        t.insert(o, udp_reply, 0, SYN, 0),
+        Err(InsertError::ProtocolMismatch { .. })
+    ));
+    // A mid-stream ACK is picked up, capped at the unacknowledged timeout.
+    let e = t.insert(o, r, 0, ACK, 0).unwrap();
+    assert_eq!(e.state(), State::Tcp(TcpState::Established));
+    assert_eq!(e.expires_at(), 300 * S);
+    assert!(t.on_packet(&flow(Protocol::Tcp, 1).0, ACK, 0).is_none());
+    assert!(!t.remove(&flow(Protocol::Tcp, 1).0));
+}
+
+#[test]
+fn entries_are_compact() {
+    let t = table(1 << 16);
+    let per = t.bytes_per_entry_estimate();
+    // Slab entry plus two 4-byte index slots and their control bytes, with load slack.
+    assert!(per <= ConnTable::ENTRY_SIZE + 24, "{per}");
+}
+
+/// Random operations against the invariants: a deterministic xorshift, no wall clock.
+#[test]
+fn random_operations_keep_the_structure_consistent() {
+    let mut t = table(50);
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut rand = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut now = 0;
+    for _ in 0..20_000 {
+        now += rand(S / 2);
+        let proto = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp][rand(3) as usize];
+        let (o, r) = flow(proto, 1 + rand(120) as u16);
+        let f = [SYN, ACK, SYN | ACK, FIN | ACK, RST][rand(5) as usize];
+        let key = if rand(2) == 0 { o } else { r };
+        match rand(10) {
+            0..=3 => {
+                let _ = t.insert(o, r, 0, f, now);
+            }
+            4..=7 => {
+                let _ = t.on_packet(&key, f, now);
+            }
+            8 => {
+                t.expire(now, rand(20) as usize);
+            }
+            _ => {
+                t.remove(&key);
+            }
+        }
+        check(&t);
+    }
+    let s = t.stats();
+    assert!(s.inserts > 0 && s.expired > 0 && s.evictions > 0, "{s:?}");
+}
