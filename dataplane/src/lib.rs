@@ -1,2 +1,5 @@
-//! kxp's AF_XDP dataplane (issue 3): the only crate of kxp allowed `unsafe`, each block in
-//! a small module with a `// SAFETY:` note.
+//! kxp's dataplane: the per-packet pipeline ([`engine`], pure) and, in small modules of
+//! their own, the AF_XDP sockets, XDP steering program and workers. This is the only crate
+//! of kxp allowed `unsafe`, each block with a `// SAFETY:` note.
+
+pub mod engine;

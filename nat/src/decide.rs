@@ -30,7 +30,7 @@ pub enum Policy {
 }
 
 /// Why a packet is dropped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DropReason {
     /// Source outside the LoadBalancer's `loadBalancerSourceRanges`.
     SourceRange,
@@ -43,7 +43,7 @@ pub enum DropReason {
 }
 
 /// Why a packet is refused (ICMP port unreachable / TCP RST).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RejectReason {
     /// The Service has no usable endpoint anywhere.
     NoEndpoints,

@@ -29,8 +29,10 @@ mod parse;
 mod reply;
 mod translate;
 
-#[cfg(test)]
-mod testutil;
+/// Real packets for tests (built with etherparse) and checksum checks; also for other
+/// crates' tests through the `test-util` feature.
+#[cfg(any(test, feature = "test-util"))]
+pub mod testutil;
 
 pub use icmp::rewrite_icmp_error;
 pub use l4::tcp_flags;

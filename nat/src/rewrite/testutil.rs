@@ -8,15 +8,15 @@ use etherparse::{
     SlicedPacket, TcpHeader, TransportSlice, icmpv4, icmpv6,
 };
 
-use super::l4::tcp_flags;
+use super::tcp_flags;
 use crate::tuple::{Protocol, Tuple};
 
 /// What a test fills output buffers with, so that bytes left unwritten show.
-pub(crate) const PATTERN: u8 = 0xA5;
+pub const PATTERN: u8 = 0xA5;
 
 /// The parties of a Service connection, in one family (test ranges only).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Endpoints {
+pub struct Endpoints {
     pub client: SocketAddr,
     pub vip: SocketAddr,
     pub backend: SocketAddr,
@@ -77,12 +77,12 @@ fn ip(src: IpAddr, dst: IpAddr) -> PacketBuilderStep<IpHeaders> {
 }
 
 /// A packet from client to Service (a TCP SYN with sequence number 1000).
-pub(crate) fn build(e: &Endpoints, proto: Protocol, payload: &[u8]) -> Vec<u8> {
+pub fn build(e: &Endpoints, proto: Protocol, payload: &[u8]) -> Vec<u8> {
     build_tuple(&e.original(proto), payload)
 }
 
 /// A packet carrying `t` (a TCP SYN with sequence number 1000).
-pub(crate) fn build_tuple(t: &Tuple, payload: &[u8]) -> Vec<u8> {
+pub fn build_tuple(t: &Tuple, payload: &[u8]) -> Vec<u8> {
     match t.proto {
         Protocol::Tcp => build_tcp(t, 1000, None, tcp_flags::SYN, payload),
         Protocol::Udp => {
@@ -96,13 +96,7 @@ pub(crate) fn build_tuple(t: &Tuple, payload: &[u8]) -> Vec<u8> {
 }
 
 /// A TCP segment with the given flags (`ack` is the acknowledgment number).
-pub(crate) fn build_tcp(
-    t: &Tuple,
-    seq: u32,
-    ack: Option<u32>,
-    flags: u8,
-    payload: &[u8],
-) -> Vec<u8> {
+pub fn build_tcp(t: &Tuple, seq: u32, ack: Option<u32>, flags: u8, payload: &[u8]) -> Vec<u8> {
     let mut h = TcpHeader::new(t.sport, t.dport, seq, 64240);
     h.fin = flags & tcp_flags::FIN != 0;
     h.syn = flags & tcp_flags::SYN != 0;
@@ -162,7 +156,7 @@ fn build_sctp(t: &Tuple, payload: &[u8]) -> Vec<u8> {
 }
 
 /// A port-unreachable from `src` to `dst` quoting `quote`, as etherparse builds it.
-pub(crate) fn icmp_error(src: IpAddr, dst: IpAddr, quote: &[u8]) -> Vec<u8> {
+pub fn icmp_error(src: IpAddr, dst: IpAddr, quote: &[u8]) -> Vec<u8> {
     let mut v = Vec::new();
     match src {
         IpAddr::V4(_) => ip(src, dst)
@@ -182,7 +176,7 @@ pub(crate) fn icmp_error(src: IpAddr, dst: IpAddr, quote: &[u8]) -> Vec<u8> {
 }
 
 /// An echo request (ping).
-pub(crate) fn icmp_echo(src: IpAddr, dst: IpAddr) -> Vec<u8> {
+pub fn icmp_echo(src: IpAddr, dst: IpAddr) -> Vec<u8> {
     let mut v = Vec::new();
     match src {
         IpAddr::V4(_) => ip(src, dst)
@@ -199,7 +193,7 @@ pub(crate) fn icmp_echo(src: IpAddr, dst: IpAddr) -> Vec<u8> {
 
 /// `pkt` (IPv6) with 8-byte extension headers of the given kinds (0 hop-by-hop, 43
 /// routing, 44 fragment, 60 destination options) inserted after the fixed header.
-pub(crate) fn insert_v6_ext(pkt: &[u8], kinds: &[u8]) -> Vec<u8> {
+pub fn insert_v6_ext(pkt: &[u8], kinds: &[u8]) -> Vec<u8> {
     let upper = pkt[6];
     let mut out = pkt[..40].to_vec();
     out[6] = kinds.first().copied().unwrap_or(upper);
@@ -221,7 +215,7 @@ pub(crate) fn insert_v6_ext(pkt: &[u8], kinds: &[u8]) -> Vec<u8> {
 
 /// Checks every checksum of `pkt` by recomputing it: with etherparse for the IPv4 header,
 /// TCP, UDP and ICMP, with the crc32c crate for SCTP.
-pub(crate) fn verify_checksums(pkt: &[u8]) {
+pub fn verify_checksums(pkt: &[u8]) {
     let sliced = SlicedPacket::from_ip(pkt).expect("etherparse accepts the packet");
     let (src, dst, payload) = match &sliced.net {
         Some(NetSlice::Ipv4(ip)) => {
@@ -292,7 +286,8 @@ pub(crate) fn verify_checksums(pkt: &[u8]) {
 }
 
 /// xorshift64: deterministic, good enough to pick bytes to mutate.
-pub(crate) struct XorShift(u64);
+#[derive(Debug)]
+pub struct XorShift(u64);
 
 impl XorShift {
     pub fn new(seed: u64) -> XorShift {

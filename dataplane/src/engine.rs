@@ -1,0 +1,386 @@
+//! What one worker does with one packet, minus the I/O: parse, look the flow up in the
+//! worker's connection table, and either translate it as the table says or decide a new
+//! connection against the current snapshot, then rewrite the headers in place.
+//!
+//! Pure like `nat` and `conntrack` (no clock, no sockets, no unsafe): the worker passes
+//! `now`, the packet bytes and the snapshot it loaded for this batch, so the whole
+//! pipeline runs in tests on a fake clock.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+
+use conntrack::{ConnTable, Direction, InsertError, Update};
+use nat::decide::{Decision, DropReason, NewPacket, Policy, decide};
+use nat::model::Affinity;
+use nat::rewrite::{self, ParseError, Parsed};
+use nat::select::{AffinityMemory, MapAffinity, PickInput, RrCursor, pick};
+use nat::snapshot::Snapshot;
+use nat::tuple::{Protocol, Tuple};
+
+/// Where masqueraded traffic gets its source address: the address the node would use
+/// towards the endpoint (the route's preferred source or the egress interface's
+/// address), as `masquerade` picks it.
+pub trait MasqueradeSource {
+    fn source_for(&self, endpoint: IpAddr) -> Option<IpAddr>;
+}
+
+/// A fixed masquerade address per family (tests, single-homed nodes).
+#[derive(Debug, Clone, Copy)]
+pub struct FixedSource {
+    pub v4: Option<IpAddr>,
+    pub v6: Option<IpAddr>,
+}
+
+impl MasqueradeSource for FixedSource {
+    fn source_for(&self, endpoint: IpAddr) -> Option<IpAddr> {
+        if endpoint.is_ipv4() { self.v4 } else { self.v6 }
+    }
+}
+
+/// Why the engine dropped a packet (each one is counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropCause {
+    /// The packet could not be parsed (reason label from `ParseError::reason`).
+    Malformed(&'static str),
+    /// kube-proxy's policy drops it.
+    Policy(DropReason),
+    /// TCP flags that make no sense for the flow's state.
+    InvalidState,
+    /// A first packet that cannot open a connection (e.g. a lone FIN to a VIP).
+    NotNew,
+    /// The connection table is full of assured flows.
+    TableFull,
+    /// The reply tuple of a new flow is already in use.
+    Clash,
+    /// No free SNAT port for a masqueraded flow.
+    NoSnatPort,
+    /// No address to masquerade with towards the endpoint.
+    NoSnatSource,
+    /// TTL / hop limit ran out.
+    TtlExceeded,
+    /// A REJECT whose answer cannot be sent (e.g. answering a RST).
+    RejectUnanswerable,
+}
+
+impl DropCause {
+    pub fn label(&self) -> &'static str {
+        match self {
+            DropCause::Malformed(r) => r,
+            DropCause::Policy(DropReason::SourceRange) => "source_range",
+            DropCause::Policy(DropReason::NoLocalEndpointsInternal) => {
+                "no_local_endpoints_internal"
+            }
+            DropCause::Policy(DropReason::NoLocalEndpointsExternal) => {
+                "no_local_endpoints_external"
+            }
+            DropCause::Policy(DropReason::UnallocatedServiceIp) => "unallocated_service_ip",
+            DropCause::InvalidState => "invalid_state",
+            DropCause::NotNew => "not_new",
+            DropCause::TableFull => "table_full",
+            DropCause::Clash => "clash",
+            DropCause::NoSnatPort => "no_snat_port",
+            DropCause::NoSnatSource => "no_snat_source",
+            DropCause::TtlExceeded => "ttl_exceeded",
+            DropCause::RejectUnanswerable => "reject_unanswerable",
+        }
+    }
+}
+
+/// What to do with the packet after [`Engine::process`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Rewritten in place: send it towards its (new) destination address.
+    Forward {
+        new_flow: bool,
+        dst: IpAddr,
+    },
+    /// REJECT: an answer (TCP RST / ICMP port unreachable) was written to `out[..len]`;
+    /// send it back towards `dst` (the client). The packet itself is dropped.
+    Respond {
+        len: usize,
+        dst: IpAddr,
+    },
+    Drop(DropCause),
+    /// Not kxp's: hand it to the kernel untouched.
+    Pass,
+}
+
+/// Per-worker counters (plain integers, summed by the scraper).
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    pub forwarded: u64,
+    pub forwarded_bytes: u64,
+    pub new_flows: u64,
+    pub rejected: u64,
+    pub passed: u64,
+    pub icmp_errors_translated: u64,
+    pub drops: HashMap<DropCause, u64>,
+}
+
+impl Counters {
+    pub fn dropped(&self) -> u64 {
+        self.drops.values().sum()
+    }
+}
+
+/// One worker's packet pipeline and everything it owns.
+#[derive(Debug)]
+pub struct Engine {
+    pub table: ConnTable,
+    pub counters: Counters,
+    affinity: MapAffinity,
+    cursors: HashMap<(u64, bool), RrCursor>,
+    rng: u64,
+}
+
+const SEC: u64 = 1_000_000_000;
+
+impl Engine {
+    /// An engine around `table`; `seed` drives the random endpoint choice.
+    pub fn new(table: ConnTable, seed: u64) -> Engine {
+        Engine {
+            table,
+            counters: Counters::default(),
+            affinity: MapAffinity::default(),
+            cursors: HashMap::new(),
+            rng: seed | 1,
+        }
+    }
+
+    fn next_random(&mut self) -> u64 {
+        // xorshift64*
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Processes one packet (`pkt` starts at the IP header). May write an answer into
+    /// `out` (see [`Verdict::Respond`]).
+    pub fn process(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &mut [u8],
+        now: u64,
+        in_interface: Option<&str>,
+        masq: &dyn MasqueradeSource,
+        out: &mut [u8],
+    ) -> Verdict {
+        let v = self.process_inner(snap, pkt, now, in_interface, masq, out);
+        match v {
+            Verdict::Forward { new_flow, .. } => {
+                self.counters.forwarded += 1;
+                self.counters.forwarded_bytes += pkt.len() as u64;
+                self.counters.new_flows += new_flow as u64;
+            }
+            Verdict::Respond { .. } => self.counters.rejected += 1,
+            Verdict::Drop(c) => *self.counters.drops.entry(c).or_default() += 1,
+            Verdict::Pass => self.counters.passed += 1,
+        }
+        v
+    }
+
+    fn process_inner(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &mut [u8],
+        now: u64,
+        in_interface: Option<&str>,
+        masq: &dyn MasqueradeSource,
+        out: &mut [u8],
+    ) -> Verdict {
+        let parsed = match rewrite::parse(pkt) {
+            Ok(p) => p,
+            Err(e) => return Verdict::Drop(DropCause::Malformed(e.reason())),
+        };
+        match parsed {
+            Parsed::NotTranslatable(_) => Verdict::Pass,
+            Parsed::IcmpError(e) => self.icmp_error(pkt, &e, now),
+            Parsed::Flow(f) => {
+                let t = f.tuple();
+                if let Some(hit) = self.table.on_packet(&t, f.tcp_flags(), now) {
+                    if hit.update == Update::Invalid {
+                        return Verdict::Drop(DropCause::InvalidState);
+                    }
+                    let to = hit.rewrite_to();
+                    return forward(pkt, &f, &to, false);
+                }
+                self.new_flow(snap, pkt, &f, now, in_interface, masq, out)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new_flow(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &mut [u8],
+        f: &rewrite::FlowPacket,
+        now: u64,
+        in_interface: Option<&str>,
+        masq: &dyn MasqueradeSource,
+        out: &mut [u8],
+    ) -> Verdict {
+        let t = f.tuple();
+        let decision = decide(
+            snap,
+            &NewPacket {
+                src: t.src,
+                dst: t.dst,
+                dport: t.dport,
+                proto: t.proto,
+                in_interface,
+            },
+        );
+        let fwd = match decision {
+            Decision::Pass => return Verdict::Pass,
+            Decision::Drop { reason, .. } => return Verdict::Drop(DropCause::Policy(reason)),
+            Decision::Reject { .. } => {
+                let built = if t.proto == Protocol::Tcp {
+                    rewrite::build_tcp_rst(pkt, out)
+                } else {
+                    rewrite::build_icmp_port_unreachable(pkt, out)
+                };
+                return match built {
+                    Ok(len) => Verdict::Respond { len, dst: t.src },
+                    Err(_) => Verdict::Drop(DropCause::RejectUnanswerable),
+                };
+            }
+            Decision::Forward(fwd) => fwd,
+        };
+        let sp = fwd.port;
+        let local = fwd.policy == Policy::Local;
+
+        // Session affinity: the endpoint this client used last, if still a candidate.
+        let mut chosen = None;
+        if let Affinity::ClientIp { .. } = sp.affinity
+            && let Some(ep) = self.affinity.recall(sp.name_hash, t.src, now)
+        {
+            chosen = fwd
+                .candidates
+                .iter()
+                .copied()
+                .find(|&i| sp.endpoints[i as usize].addr == ep);
+        }
+        let chosen = match chosen {
+            Some(i) => i,
+            None => {
+                let table = if local {
+                    &sp.local_table
+                } else {
+                    &sp.cluster_table
+                };
+                let random = self.next_random();
+                let conns = &self.table;
+                let active = |ep: SocketAddr| active_flows(conns, ep);
+                let input = PickInput {
+                    src: t.src_addr(),
+                    dst: t.dst_addr(),
+                    proto: t.proto.number(),
+                    random,
+                    active: &active,
+                };
+                let cursor = self.cursors.entry((sp.name_hash, local)).or_default();
+                match pick(
+                    sp.scheduler,
+                    &sp.endpoints,
+                    fwd.candidates,
+                    Some(table),
+                    &input,
+                    cursor,
+                ) {
+                    Some(i) => i,
+                    // Categorisation guarantees candidates; treat an empty list as REJECT.
+                    None => return Verdict::Drop(DropCause::RejectUnanswerable),
+                }
+            }
+        };
+        let ep = &sp.endpoints[chosen as usize];
+        if let Affinity::ClientIp { timeout_secs } = sp.affinity {
+            self.affinity
+                .remember(sp.name_hash, t.src, ep.addr, now, timeout_secs as u64 * SEC);
+        }
+
+        let reply_dst = if fwd.masquerade_for(t.src, ep) {
+            let Some(snat_ip) = masq.source_for(ep.addr.ip()) else {
+                return Verdict::Drop(DropCause::NoSnatSource);
+            };
+            let Some(port) = self
+                .table
+                .allocate_snat_port(snat_ip, ep.addr, t.proto, now)
+            else {
+                return Verdict::Drop(DropCause::NoSnatPort);
+            };
+            SocketAddr::new(snat_ip, port)
+        } else {
+            t.src_addr()
+        };
+        let reply = Tuple::new(ep.addr, reply_dst, t.proto);
+        match self
+            .table
+            .insert(t, reply, fwd.port_index, f.tcp_flags(), now)
+        {
+            Ok(_) => {}
+            Err(InsertError::Full { .. }) => return Verdict::Drop(DropCause::TableFull),
+            Err(InsertError::Clash { .. }) => return Verdict::Drop(DropCause::Clash),
+            Err(_) => return Verdict::Drop(DropCause::NotNew),
+        }
+        forward(pkt, f, &reply.reversed(), true)
+    }
+
+    /// An ICMP error about a translated flow: translate the quote and the outer header
+    /// so the error reaches the other end about the packet it actually sent.
+    fn icmp_error(&mut self, pkt: &mut [u8], e: &rewrite::IcmpErrorPacket, now: u64) -> Verdict {
+        let quoted = e.inner();
+        let Some((dir, entry)) = self.table.get(&quoted.reversed(), now) else {
+            return Verdict::Pass;
+        };
+        let (orig, reply) = (*entry.orig(), *entry.reply());
+        // The error travels in `dir`; its quote is a packet of the opposite direction.
+        let (inner_to, outer_dst, outer_src) = match dir {
+            Direction::Reply => (orig, orig.src, (e.src() == reply.src).then_some(orig.dst)),
+            Direction::Original => (reply, reply.src, (e.src() == orig.src).then_some(reply.dst)),
+        };
+        match rewrite::rewrite_icmp_error(pkt, e, &inner_to, outer_src, outer_dst) {
+            Ok(()) => {}
+            Err(_) => return Verdict::Drop(DropCause::Malformed("icmp_rewrite")),
+        }
+        match rewrite::decrement_ttl(pkt) {
+            Ok(true) => {}
+            Ok(false) => return Verdict::Drop(DropCause::TtlExceeded),
+            Err(err) => return Verdict::Drop(DropCause::Malformed(err.reason())),
+        }
+        self.counters.icmp_errors_translated += 1;
+        Verdict::Forward {
+            new_flow: false,
+            dst: outer_dst,
+        }
+    }
+}
+
+fn forward(pkt: &mut [u8], f: &rewrite::FlowPacket, to: &Tuple, new_flow: bool) -> Verdict {
+    if let Err(e) = rewrite::rewrite(pkt, f, to) {
+        let _ = e;
+        return Verdict::Drop(DropCause::Malformed("rewrite"));
+    }
+    match rewrite::decrement_ttl(pkt) {
+        Ok(true) => Verdict::Forward {
+            new_flow,
+            dst: to.dst,
+        },
+        Ok(false) => Verdict::Drop(DropCause::TtlExceeded),
+        Err(e) => Verdict::Drop(DropCause::Malformed(ParseError::reason(&e))),
+    }
+}
+
+/// Flows of this worker currently sent to `ep` (for the least-connection schedulers).
+/// A scan; only the lc/wlc/sed/nq schedulers call it, once per new connection.
+fn active_flows(table: &ConnTable, ep: SocketAddr) -> u32 {
+    // `iter` takes `now` only to hide expired entries; u64::MIN keeps every live one.
+    table.iter(0).filter(|e| e.endpoint() == ep).count() as u32
+}
+
+#[cfg(test)]
+mod tests;

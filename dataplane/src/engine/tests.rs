@@ -1,0 +1,413 @@
+//! Packet-level round trips through parse → conntrack → decide → rewrite, on a fake
+//! clock: client → VIP and back, hairpin, NodePort with SNAT, ICMP errors about a
+//! translated flow, REJECT answers, expiry and stale UDP flows.
+
+use std::net::{IpAddr, SocketAddr};
+
+use conntrack::{ConnTable, SnatPorts, Timeouts};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use nat::k8s::{ClusterState, NodeSettings, build};
+use nat::rewrite::tcp_flags::{ACK, RST, SYN};
+use nat::rewrite::testutil::{build_tcp, build_tuple, icmp_error, verify_checksums};
+use nat::rewrite::{Parsed, parse};
+use nat::snapshot::Snapshot;
+use nat::tuple::{Protocol, Tuple};
+
+use super::*;
+
+const NODE: &str = "198.18.0.254";
+const VIP: &str = "198.19.0.10";
+
+fn snapshot(endpoints: &[&str], extra_service: &str) -> Snapshot {
+    let eps: String = endpoints
+        .iter()
+        .map(|e| format!("- {{addresses: [{e}], nodeName: node-a}}\n"))
+        .collect();
+    let svc = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo}}\nspec:\n  type: NodePort\n  clusterIP: {VIP}\n  ports: [{{port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP, name: http}}, {{port: 53, nodePort: 30053, protocol: UDP, name: dns}}]\n{extra_service}"
+    );
+    let slice = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints:{}",
+        if eps.is_empty() {
+            " []\n".to_string()
+        } else {
+            format!("\n{eps}")
+        }
+    );
+    let state = ClusterState {
+        services: vec![serde_yaml::from_str::<Service>(&svc).unwrap()],
+        endpoint_slices: vec![serde_yaml::from_str::<EndpointSlice>(&slice).unwrap()],
+        ..Default::default()
+    };
+    let settings = NodeSettings {
+        node_name: "node-a".into(),
+        node_ips: vec![NODE.parse().unwrap()],
+        cluster_cidrs: vec!["198.18.128.0/17".parse().unwrap()],
+        ..Default::default()
+    };
+    build(&state, &settings, 1).unwrap().snapshot
+}
+
+fn engine() -> Engine {
+    let table = ConnTable::new(
+        1024,
+        Timeouts::default(),
+        SnatPorts::new(32768..=32768 + 1023).unwrap(),
+    )
+    .unwrap();
+    Engine::new(table, 42)
+}
+
+const MASQ: FixedSource = FixedSource {
+    v4: Some(IpAddr::V4(std::net::Ipv4Addr::new(198, 18, 0, 254))),
+    v6: None,
+};
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+fn tuple_of(pkt: &[u8]) -> Tuple {
+    match parse(pkt).unwrap() {
+        Parsed::Flow(f) => f.tuple(),
+        other => panic!("{other:?}"),
+    }
+}
+
+struct Run {
+    e: Engine,
+    snap: Snapshot,
+    now: u64,
+}
+
+impl Run {
+    fn new(snap: Snapshot) -> Run {
+        Run {
+            e: engine(),
+            snap,
+            now: 1_000 * SEC,
+        }
+    }
+
+    fn send(&mut self, pkt: &mut Vec<u8>) -> Verdict {
+        let mut out = vec![0u8; 1500];
+        let v = self
+            .e
+            .process(&self.snap, pkt, self.now, None, &MASQ, &mut out);
+        if let Verdict::Respond { len, .. } = v {
+            *pkt = out[..len].to_vec();
+        }
+        v
+    }
+}
+
+#[test]
+fn client_to_vip_and_back_without_snat() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let client = sa("198.18.128.50:40000");
+    let orig = Tuple::new(client, sa("198.19.0.10:80"), Protocol::Tcp);
+    let mut syn = build_tcp(&orig, 1000, None, SYN, b"");
+    assert!(matches!(
+        r.send(&mut syn),
+        Verdict::Forward { new_flow: true, .. }
+    ));
+    verify_checksums(&syn);
+    // DNAT only: a pod inside the cluster CIDR keeps its address.
+    assert_eq!(
+        tuple_of(&syn),
+        Tuple::new(client, sa("198.18.128.11:8080"), Protocol::Tcp)
+    );
+    assert_eq!(syn[8], 63, "TTL decremented");
+
+    let back = Tuple::new(sa("198.18.128.11:8080"), client, Protocol::Tcp);
+    let mut synack = build_tcp(&back, 5000, Some(1001), SYN | ACK, b"");
+    assert!(matches!(
+        r.send(&mut synack),
+        Verdict::Forward {
+            new_flow: false,
+            ..
+        }
+    ));
+    verify_checksums(&synack);
+    assert_eq!(
+        tuple_of(&synack),
+        orig.reversed(),
+        "the answer comes from the VIP"
+    );
+
+    let mut ack = build_tcp(&orig, 1001, Some(5001), ACK, b"GET / HTTP/1.0\r\n\r\n");
+    assert!(matches!(
+        r.send(&mut ack),
+        Verdict::Forward {
+            new_flow: false,
+            ..
+        }
+    ));
+    verify_checksums(&ack);
+    assert_eq!(r.e.table.len(), 1);
+    assert_eq!(r.e.counters.new_flows, 1);
+    let (_, entry) = r.e.table.get(&orig, r.now).unwrap();
+    assert_eq!(entry.state().to_string(), "TCP ESTABLISHED");
+}
+
+#[test]
+fn outside_client_is_masqueraded_and_replies_find_their_way_back() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let client = sa("198.18.1.1:40000");
+    let orig = Tuple::new(client, sa("198.19.0.10:80"), Protocol::Tcp);
+    let mut syn = build_tcp(&orig, 1000, None, SYN, b"");
+    r.send(&mut syn);
+    let fwd = tuple_of(&syn);
+    assert_eq!(fwd.src, NODE.parse::<IpAddr>().unwrap(), "SNAT to the node");
+    assert!(
+        (32768..32768 + 1024).contains(&fwd.sport),
+        "port from this worker's range"
+    );
+    assert_eq!(fwd.dst_addr(), sa("198.18.128.11:8080"));
+    let mut synack = build_tcp(&fwd.reversed(), 7, Some(1001), SYN | ACK, b"");
+    r.send(&mut synack);
+    verify_checksums(&synack);
+    assert_eq!(tuple_of(&synack), orig.reversed());
+}
+
+#[test]
+fn hairpin_is_masqueraded() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let me = sa("198.18.128.11:45000");
+    let orig = Tuple::new(me, sa("198.19.0.10:80"), Protocol::Tcp);
+    let mut syn = build_tcp(&orig, 1, None, SYN, b"");
+    r.send(&mut syn);
+    let fwd = tuple_of(&syn);
+    assert_eq!(fwd.dst_addr(), sa("198.18.128.11:8080"));
+    assert_eq!(
+        fwd.src,
+        NODE.parse::<IpAddr>().unwrap(),
+        "the endpoint must not see itself"
+    );
+    let mut synack = build_tcp(&fwd.reversed(), 9, Some(2), SYN | ACK, b"");
+    r.send(&mut synack);
+    assert_eq!(tuple_of(&synack), orig.reversed());
+    verify_checksums(&synack);
+}
+
+#[test]
+fn node_port_with_snat_round_trip_udp() {
+    let mut r = Run::new(snapshot(&["198.18.128.11", "198.18.128.12"], ""));
+    let client = sa("198.18.1.1:5000");
+    let orig = Tuple::new(client, sa("198.18.0.254:30053"), Protocol::Udp);
+    let mut q = build_tuple(&orig, b"query");
+    assert!(matches!(
+        r.send(&mut q),
+        Verdict::Forward { new_flow: true, .. }
+    ));
+    verify_checksums(&q);
+    let fwd = tuple_of(&q);
+    assert_eq!(fwd.src, NODE.parse::<IpAddr>().unwrap());
+    assert_eq!(fwd.dport, 5353);
+    let mut a = build_tuple(&fwd.reversed(), b"answer");
+    r.send(&mut a);
+    verify_checksums(&a);
+    assert_eq!(
+        tuple_of(&a),
+        orig.reversed(),
+        "the answer comes from the NodePort"
+    );
+    // The same client's next datagram uses the same flow.
+    let mut q2 = build_tuple(&orig, b"again");
+    assert!(matches!(
+        r.send(&mut q2),
+        Verdict::Forward {
+            new_flow: false,
+            ..
+        }
+    ));
+    assert_eq!(tuple_of(&q2), fwd);
+}
+
+#[test]
+fn icmp_error_from_the_endpoint_reaches_the_client_about_its_own_packet() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let client = sa("198.18.1.1:5000");
+    let orig = Tuple::new(client, sa("198.19.0.10:53"), Protocol::Udp);
+    let mut q = build_tuple(&orig, b"query");
+    r.send(&mut q);
+    let fwd = tuple_of(&q);
+    // The endpoint answers "port unreachable", quoting the packet it received.
+    let ep_ip: IpAddr = "198.18.128.11".parse().unwrap();
+    let mut err = icmp_error(ep_ip, fwd.src, &q);
+    assert!(matches!(r.send(&mut err), Verdict::Forward { .. }));
+    verify_checksums(&err);
+    match parse(&err).unwrap() {
+        Parsed::IcmpError(e) => {
+            assert_eq!(e.inner(), orig, "the quote is the client's own packet");
+            assert_eq!(e.dst(), client.ip());
+            assert_eq!(e.src(), VIP.parse::<IpAddr>().unwrap(), "from the VIP");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r.e.counters.icmp_errors_translated, 1);
+    // A router's error keeps the router as its source.
+    let router: IpAddr = "198.18.0.1".parse().unwrap();
+    let mut q = build_tuple(&orig, b"query");
+    r.send(&mut q);
+    let mut err = icmp_error(router, fwd.src, &q);
+    r.send(&mut err);
+    match parse(&err).unwrap() {
+        Parsed::IcmpError(e) => {
+            assert_eq!(e.src(), router);
+            assert_eq!(e.inner(), orig);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn no_endpoints_answers_rst_and_port_unreachable_at_once() {
+    let mut r = Run::new(snapshot(&[], ""));
+    let client = sa("198.18.128.50:40000");
+    let orig = Tuple::new(client, sa("198.19.0.10:80"), Protocol::Tcp);
+    let mut syn = build_tcp(&orig, 1000, None, SYN, b"");
+    match r.send(&mut syn) {
+        Verdict::Respond { dst, .. } => assert_eq!(dst, client.ip()),
+        v => panic!("{v:?}"),
+    }
+    verify_checksums(&syn);
+    match parse(&syn).unwrap() {
+        Parsed::Flow(f) => {
+            assert_eq!(f.tuple(), orig.reversed());
+            assert_eq!(f.tcp_flags() & RST, RST);
+        }
+        other => panic!("{other:?}"),
+    }
+    let udp = Tuple::new(client, sa("198.19.0.10:53"), Protocol::Udp);
+    let mut q = build_tuple(&udp, b"q");
+    assert!(matches!(r.send(&mut q), Verdict::Respond { .. }));
+    verify_checksums(&q);
+    assert!(matches!(parse(&q).unwrap(), Parsed::IcmpError(e) if e.inner() == udp));
+    assert_eq!(r.e.counters.rejected, 2);
+    assert!(r.e.table.is_empty(), "a refused connection leaves no state");
+}
+
+#[test]
+fn not_a_service_passes_and_garbage_is_counted() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let t = Tuple::new(sa("198.18.1.1:1"), sa("198.18.0.254:22"), Protocol::Tcp);
+    let mut p = build_tcp(&t, 1, None, SYN, b"");
+    let before = p.clone();
+    assert_eq!(r.send(&mut p), Verdict::Pass);
+    assert_eq!(p, before, "passed packets are untouched");
+    let mut junk = vec![0x45, 0, 0, 10, 1, 2];
+    assert!(matches!(
+        r.send(&mut junk),
+        Verdict::Drop(DropCause::Malformed(_))
+    ));
+    assert_eq!(r.e.counters.dropped(), 1);
+}
+
+#[test]
+fn udp_flow_expires_and_the_next_datagram_decides_again() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let orig = Tuple::new(
+        sa("198.18.128.50:5000"),
+        sa("198.19.0.10:53"),
+        Protocol::Udp,
+    );
+    let mut q = build_tuple(&orig, b"q");
+    r.send(&mut q);
+    assert_eq!(r.e.table.len(), 1);
+    r.now += 31 * SEC; // past the unreplied UDP timeout (30s)
+    r.e.table.expire(r.now, 1024);
+    assert!(r.e.table.is_empty());
+    let mut q = build_tuple(&orig, b"q");
+    assert!(matches!(
+        r.send(&mut q),
+        Verdict::Forward { new_flow: true, .. }
+    ));
+}
+
+#[test]
+fn endpoint_removed_stale_udp_flows_cleared_and_new_flows_avoid_it() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let orig = Tuple::new(
+        sa("198.18.128.50:5000"),
+        sa("198.19.0.10:53"),
+        Protocol::Udp,
+    );
+    let mut q = build_tuple(&orig, b"q");
+    r.send(&mut q);
+    assert_eq!(tuple_of(&q).dst_addr(), sa("198.18.128.11:5353"));
+    // The endpoint goes away: the control plane publishes a new snapshot and clears the
+    // UDP flows to it (kube-proxy's conntrack cleanup).
+    r.snap = snapshot(&["198.18.128.12"], "");
+    assert_eq!(
+        r.e.table
+            .remove_udp_to_endpoint("198.18.128.11".parse().unwrap(), 5353),
+        1
+    );
+    let mut q = build_tuple(&orig, b"q");
+    r.send(&mut q);
+    assert_eq!(tuple_of(&q).dst_addr(), sa("198.18.128.12:5353"));
+}
+
+#[test]
+fn session_affinity_sticks_to_one_endpoint() {
+    let affinity =
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n";
+    let mut r = Run::new(snapshot(
+        &["198.18.128.11", "198.18.128.12", "198.18.128.13"],
+        affinity,
+    ));
+    let mut seen = std::collections::HashSet::new();
+    for port in 0..30u16 {
+        let orig = Tuple::new(
+            SocketAddr::new("198.18.128.50".parse().unwrap(), 40000 + port),
+            sa("198.19.0.10:80"),
+            Protocol::Tcp,
+        );
+        let mut syn = build_tcp(&orig, 1, None, SYN, b"");
+        r.send(&mut syn);
+        seen.insert(tuple_of(&syn).dst_addr());
+    }
+    assert_eq!(seen.len(), 1, "one client, one endpoint: {seen:?}");
+    // Without affinity, 30 connections spread.
+    let mut r = Run::new(snapshot(
+        &["198.18.128.11", "198.18.128.12", "198.18.128.13"],
+        "",
+    ));
+    let mut seen = std::collections::HashSet::new();
+    for port in 0..30u16 {
+        let orig = Tuple::new(
+            SocketAddr::new("198.18.128.50".parse().unwrap(), 40000 + port),
+            sa("198.19.0.10:80"),
+            Protocol::Tcp,
+        );
+        let mut syn = build_tcp(&orig, 1, None, SYN, b"");
+        r.send(&mut syn);
+        seen.insert(tuple_of(&syn).dst_addr());
+    }
+    assert_eq!(seen.len(), 3);
+}
+
+#[test]
+fn random_choice_spreads_like_uniform() {
+    let mut r = Run::new(snapshot(
+        &["198.18.128.11", "198.18.128.12", "198.18.128.13"],
+        "",
+    ));
+    let mut counts = std::collections::HashMap::<SocketAddr, u32>::new();
+    for i in 0..900u32 {
+        let orig = Tuple::new(
+            SocketAddr::new("198.18.128.50".parse().unwrap(), 10_000 + i as u16),
+            sa("198.19.0.10:80"),
+            Protocol::Tcp,
+        );
+        let mut syn = build_tcp(&orig, 1, None, SYN, b"");
+        r.send(&mut syn);
+        *counts.entry(tuple_of(&syn).dst_addr()).or_default() += 1;
+    }
+    // 300 expected each; 5 sigma of a binomial(900, 1/3) is ~71.
+    for (ep, c) in &counts {
+        assert!((229..=371).contains(c), "{ep}: {c} of 900 ({counts:?})");
+    }
+}
