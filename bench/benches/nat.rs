@@ -1,8 +1,9 @@
 //! Frontend lookup and new-connection decisions against clusters of 1 to 100k Services.
 //!
 //! Two lookup patterns per size: a hot working set (the same 64 Services, as a busy node
-//! sees its few heavy hitters) measures the algorithm; uniform over every Service measures
-//! what the memory hierarchy adds once the index outgrows the caches.
+//! sees its few heavy hitters) measures the algorithm; 65,536 lookups spread uniformly
+//! over every Service measure what the memory hierarchy adds once the index outgrows the
+//! caches.
 
 use std::hint::black_box;
 use std::net::SocketAddr;
@@ -40,11 +41,11 @@ fn frontend_lookup(c: &mut Criterion) {
             .unwrap()
             .snapshot;
         for (label, hot) in [("hot64", true), ("uniform", false)] {
-            let t = targets(n, 4096, hot, &mut rng);
+            let t = targets(n, 65_536, hot, &mut rng);
             let mut k = 0usize;
             g.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
                 b.iter(|| {
-                    k = (k + 1) & 4095;
+                    k = (k + 1) & 65_535;
                     black_box(snap.lookup_addr(black_box(t[k]), Protocol::Tcp, 80))
                 })
             });
@@ -67,11 +68,12 @@ fn new_connection(c: &mut Criterion) {
         let zero = |_: SocketAddr| 0u32;
         let mut cursor = RrCursor::default();
         let mut k = 0usize;
+        let src: std::net::IpAddr = "10.200.0.1".parse().unwrap();
         g.bench_with_input(BenchmarkId::new("decide_and_pick", n), &n, |b, _| {
             b.iter(|| {
                 k = (k + 1) & 4095;
                 let pkt = NewPacket {
-                    src: "10.200.0.1".parse().unwrap(),
+                    src,
                     dst: t[k],
                     dport: 80,
                     proto: Protocol::Tcp,

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # kxp's whole check, as CI runs it: system packages, formatting, lints, build, tests.
-# Run as root on a fresh machine: bash scripts/test.sh
+# Run as root on a fresh machine: bash tests/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/install-deps.sh
+bash tests/install-deps.sh
 
 echo "== cargo fmt --check"
 cargo fmt --all --check

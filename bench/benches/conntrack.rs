@@ -1,0 +1,89 @@
+//! Connection table: lookup of an established flow and insert of a new one, in a table
+//! holding 1M flows (and 1k for comparison). Memory per entry is printed once.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use conntrack::{ConnTable, SnatPorts, Timeouts};
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kxp_bench::XorShift;
+use nat::tuple::{Protocol, Tuple};
+
+const ACK: u8 = 0x10;
+const SYN: u8 = 0x02;
+
+/// Flow `i`: client 198.18.x.y:port -> VIP 198.19.0.1:80, DNAT to one of 16 endpoints.
+fn flow(i: u32) -> (Tuple, Tuple) {
+    let client = SocketAddr::new(
+        IpAddr::V4(Ipv4Addr::from(0xC612_0000u32 + (i >> 14))),
+        1024 + (i & 0x3fff) as u16,
+    );
+    let vip: SocketAddr = "198.19.0.1:80".parse().unwrap();
+    let ep = SocketAddr::new(
+        IpAddr::V4(Ipv4Addr::new(198, 19, 1, (i % 16) as u8 + 1)),
+        8080,
+    );
+    (
+        Tuple::new(client, vip, Protocol::Tcp),
+        Tuple::new(ep, client, Protocol::Tcp),
+    )
+}
+
+fn filled(n: u32) -> ConnTable {
+    let mut t = ConnTable::new(
+        n as usize + 1024,
+        Timeouts::default(),
+        SnatPorts::new(32768..=65535).unwrap(),
+    )
+    .unwrap();
+    for i in 0..n {
+        let (o, r) = flow(i);
+        t.insert(o, r, 0, SYN, 1).unwrap();
+    }
+    t
+}
+
+fn conntrack(c: &mut Criterion) {
+    let mut g = c.benchmark_group("conntrack");
+    g.sample_size(20)
+        .noise_threshold(0.03)
+        .measurement_time(Duration::from_secs(4));
+    for &n in &[1_000u32, 1_000_000] {
+        let mut t = filled(n);
+        println!(
+            "conntrack: {n} flows, {} bytes per entry (entry {} B + index), {:.1} MiB reserved",
+            t.bytes_per_entry_estimate(),
+            std::mem::size_of::<conntrack::Entry>(),
+            t.memory_bytes() as f64 / (1 << 20) as f64
+        );
+        let mut rng = XorShift(0x1234_5678_9abc_def1);
+        let keys: Vec<Tuple> = (0..65_536)
+            .map(|_| flow((rng.next_u64() % n as u64) as u32).0)
+            .collect();
+        let mut k = 0usize;
+        g.bench_with_input(BenchmarkId::new("lookup_established", n), &n, |b, _| {
+            b.iter(|| {
+                k = (k + 1) & 65_535;
+                black_box(
+                    t.on_packet(black_box(&keys[k]), ACK, 2)
+                        .map(|h| h.rewrite_to()),
+                )
+            })
+        });
+        // Insert + remove of fresh flows, so the table stays at n entries.
+        let mut next = n;
+        g.bench_with_input(BenchmarkId::new("insert_remove", n), &n, |b, _| {
+            b.iter(|| {
+                let (o, r) = flow(next);
+                next = next.wrapping_add(1);
+                black_box(t.insert(o, r, 0, SYN, 3).is_ok());
+                t.remove(&o)
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, conntrack);
+criterion_main!(benches);
