@@ -7,7 +7,7 @@ PACKAGES=(
   # xsk-rs builds libbpf and libxdp from source
   clang llvm libelf-dev zlib1g-dev pkg-config m4 libpcap-dev
   # network namespaces, veth, the kernel's NAT for comparisons, traffic generation
-  iproute2 nftables iptables ethtool netsniff-ng
+  iproute2 iputils-ping nftables iptables ethtool netsniff-ng
 )
 
 missing=()

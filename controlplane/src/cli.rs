@@ -22,8 +22,70 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the dataplane on interfaces, fed from a state file.
+    Run(RunArgs),
     /// Explain what kxp does with the first packet of a connection.
     Trace(TraceArgs),
+    /// Remove what a kxp that died left behind (XDP programs on interfaces).
+    Cleanup(CleanupArgs),
+    /// Build a throw-away topology and show kxp carrying real connections.
+    Demo,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// An interface to attach to (repeat: e.g. the uplink and the pods' veths).
+    #[arg(long = "interface", value_name = "IF", required = false)]
+    pub interfaces: Vec<String>,
+    /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML, watched for changes.
+    #[arg(long, value_name = "STATE.yaml")]
+    pub state_file: PathBuf,
+    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).
+    #[arg(long, value_name = "KUBE-PROXY-CONFIG.yaml")]
+    pub config: Option<PathBuf>,
+    /// This node's name (wins over the config file's hostnameOverride).
+    #[arg(long, value_name = "NODE")]
+    pub hostname_override: Option<String>,
+    /// The node's primary address(es); default: the host's addresses.
+    #[arg(long = "node-ip", value_name = "IP")]
+    pub node_ips: Vec<IpAddr>,
+    /// Number of workers (one per queue, queues 0..N-1 of every interface).
+    #[arg(long, value_name = "N", conflicts_with = "cpus")]
+    pub workers: Option<usize>,
+    /// CPUs to pin the workers to (one worker each), e.g. 1 or 0,1.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub cpus: Option<Vec<usize>>,
+    /// Where /healthz and /livez are served.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub healthz_bind_address: Option<std::net::SocketAddr>,
+    /// Source ports for masquerade (keep outside the kernel's ephemeral range).
+    #[arg(long, value_name = "LO-HI", value_parser = parse_port_range)]
+    pub snat_port_range: Option<(u16, u16)>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CleanupArgs {
+    /// Interfaces to clean (default: every interface of this network namespace).
+    #[arg(long = "interface", value_name = "IF")]
+    pub interfaces: Vec<String>,
+}
+
+fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
+    let (lo, hi) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s:?} is not LO-HI (e.g. 61000-65535)"))?;
+    let lo: u16 = lo
+        .trim()
+        .parse()
+        .map_err(|_| format!("{lo:?} is not a port"))?;
+    let hi: u16 = hi
+        .trim()
+        .parse()
+        .map_err(|_| format!("{hi:?} is not a port"))?;
+    if lo == 0 || lo > hi {
+        return Err(format!("{s:?}: need 1 <= LO <= HI"));
+    }
+    Ok((lo, hi))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -97,6 +159,21 @@ pub fn main() -> i32 {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Trace(args) => run_trace(args),
+        Command::Run(args) => crate::run::run(crate::run::RunOptions {
+            interfaces: args.interfaces,
+            state_file: args.state_file,
+            config: args.config,
+            flags: NodeFlags {
+                hostname_override: args.hostname_override,
+                node_ips: args.node_ips,
+            },
+            workers: args.workers,
+            cpus: args.cpus,
+            healthz_bind_address: args.healthz_bind_address,
+            snat_ports: args.snat_port_range,
+        }),
+        Command::Cleanup(args) => run_cleanup(args),
+        Command::Demo => crate::demo::demo(),
     }
 }
 
@@ -146,5 +223,25 @@ fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
+    let names: Vec<String> = if args.interfaces.is_empty() {
+        std::fs::read_dir("/sys/class/net")?
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    } else {
+        args.interfaces
+    };
+    let mut removed = 0;
+    for n in &names {
+        if dataplane::xdp::cleanup_interface(n)? {
+            println!("detached kxp's XDP program from {n}");
+            removed += 1;
+        }
+    }
+    println!("kxp cleanup: {removed} interface(s) cleaned");
     Ok(())
 }

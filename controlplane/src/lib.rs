@@ -4,6 +4,10 @@
 
 pub mod cli;
 pub mod config;
+pub mod demo;
+pub mod health;
+pub mod netns;
+pub mod run;
 pub mod settings;
 pub mod state;
 pub mod trace;

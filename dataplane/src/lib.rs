@@ -3,3 +3,9 @@
 //! of kxp allowed `unsafe`, each block with a `// SAFETY:` note.
 
 pub mod engine;
+pub mod fib;
+pub mod plane;
+pub mod sys;
+pub mod worker;
+pub mod xdp;
+pub mod xsk;

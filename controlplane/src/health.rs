@@ -1,0 +1,259 @@
+//! kube-proxy's health endpoints: `/healthz` (200 while the dataplane holds the current
+//! state, 503 when an update has waited longer than the health timeout) and `/livez`
+//! (the same, without node state), with kube-proxy's JSON body.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// kube-proxy's default `--healthz` timeout: an update queued and not programmed for
+/// longer than this makes the proxy unhealthy.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Default)]
+struct Times {
+    /// Last time the dataplane was programmed with the current state.
+    last_updated: Option<SystemTime>,
+    /// Oldest update waiting to be programmed.
+    queued_since: Option<SystemTime>,
+}
+
+/// What the health endpoints report.
+#[derive(Debug, Default)]
+pub struct Health {
+    times: Mutex<Times>,
+    node_eligible: AtomicBool,
+}
+
+impl Health {
+    pub fn new() -> Health {
+        Health {
+            times: Mutex::new(Times::default()),
+            node_eligible: AtomicBool::new(true),
+        }
+    }
+
+    /// An update arrived and is not programmed yet.
+    pub fn queued(&self) {
+        if let Ok(mut t) = self.times.lock() {
+            t.queued_since.get_or_insert_with(SystemTime::now);
+        }
+    }
+
+    /// The dataplane now holds the current state.
+    pub fn programmed(&self) {
+        if let Ok(mut t) = self.times.lock() {
+            t.last_updated = Some(SystemTime::now());
+            t.queued_since = None;
+        }
+    }
+
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.node_eligible.store(eligible, Ordering::Relaxed);
+    }
+
+    /// (healthy, body) for `/healthz` (`node` = true) or `/livez`.
+    pub fn report(&self, node: bool, now: SystemTime) -> (bool, String) {
+        let (last, queued) = match self.times.lock() {
+            Ok(t) => (t.last_updated, t.queued_since),
+            Err(_) => (None, None),
+        };
+        let fresh = match (last, queued) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(_), Some(q)) => now.duration_since(q).unwrap_or_default() <= HEALTH_TIMEOUT,
+        };
+        let eligible = self.node_eligible.load(Ordering::Relaxed);
+        let healthy = fresh && (!node || eligible);
+        let body = if node {
+            format!(
+                "{{\"lastUpdated\": \"{}\",\"currentTime\": \"{}\", \"nodeEligible\": {}}}",
+                last.map(rfc3339).unwrap_or_default(),
+                rfc3339(now),
+                eligible
+            )
+        } else {
+            format!(
+                "{{\"lastUpdated\": \"{}\",\"currentTime\": \"{}\"}}",
+                last.map(rfc3339).unwrap_or_default(),
+                rfc3339(now)
+            )
+        };
+        (healthy, body)
+    }
+}
+
+/// UTC RFC 3339 with nanoseconds, as Go's time.Time marshals it.
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = if month <= 2 { y + 1 } else { y };
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60,
+        d.subsec_nanos()
+    )
+}
+
+/// A small HTTP/1.1 server for `/healthz` and `/livez`.
+#[derive(Debug)]
+pub struct HealthServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HealthServer {
+    /// Binds and serves in a background thread.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub fn start(addr: SocketAddr, health: Arc<Health>) -> std::io::Result<HealthServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kxp-healthz".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            let _ = serve(stream, &health);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            })?;
+        Ok(HealthServer {
+            addr: local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(stream: TcpStream, health: &Health) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    // Drain the headers.
+    let mut h = String::new();
+    while reader.read_line(&mut h)? > 2 {
+        h.clear();
+    }
+    let path = line.split_whitespace().nth(1).unwrap_or("/");
+    let path = path.split('?').next().unwrap_or(path);
+    let (status, body) = match path {
+        "/healthz" => {
+            let (ok, body) = health.report(true, SystemTime::now());
+            (
+                if ok {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                },
+                body,
+            )
+        }
+        "/livez" => {
+            let (ok, body) = health.report(false, SystemTime::now());
+            (
+                if ok {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                },
+                body,
+            )
+        }
+        _ => ("404 Not Found", "404 page not found\n".to_string()),
+    };
+    let mut stream = stream;
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_known_dates() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000000Z");
+        let t = UNIX_EPOCH + Duration::new(1_764_460_800, 5);
+        assert_eq!(rfc3339(t), "2025-11-30T00:00:00.000000005Z");
+    }
+
+    #[test]
+    fn unhealthy_until_programmed_and_when_an_update_waits_too_long() {
+        let h = Health::new();
+        let now = SystemTime::now();
+        assert!(!h.report(true, now).0);
+        h.programmed();
+        assert!(h.report(true, now).0);
+        h.queued();
+        assert!(h.report(true, SystemTime::now()).0);
+        assert!(!h.report(true, SystemTime::now() + HEALTH_TIMEOUT * 2).0);
+        h.set_node_eligible(false);
+        h.programmed();
+        assert!(
+            !h.report(true, SystemTime::now()).0,
+            "healthz follows node state"
+        );
+        assert!(h.report(false, SystemTime::now()).0, "livez ignores it");
+    }
+
+    #[test]
+    fn serves_http() {
+        let h = Arc::new(Health::new());
+        h.programmed();
+        let s = HealthServer::start("127.0.0.1:0".parse().unwrap(), h).unwrap();
+        let mut c = TcpStream::connect(s.local_addr()).unwrap();
+        c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut resp = String::new();
+        std::io::Read::read_to_string(&mut c, &mut resp).unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200 OK"), "{resp}");
+        assert!(resp.contains("\"nodeEligible\": true"), "{resp}");
+        s.stop();
+    }
+}

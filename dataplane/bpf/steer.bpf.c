@@ -1,0 +1,342 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * kxp steering program: redirect to the AF_XDP socket of the receive queue
+ * only the packets kxp translates, and pass everything else (ARP, the node's
+ * own traffic, other ports) to the kernel untouched.
+ *
+ * A packet is redirected when any of these holds (first match is counted):
+ *  (a) (dst, dport, proto) is a Service frontend                  [frontends]
+ *  (b) dst is a node address and dport is in the SNAT port range  [local_addrs, config]
+ *      (replies of masqueraded flows)
+ *  (c) (src, sport, proto) is an endpoint and dst is not a node address
+ *      (replies of DNAT-only flows)                               [endpoints]
+ *  (d) an ICMP/ICMPv6 error quoting a packet of a flow above
+ * If no socket sits on the queue, bpf_redirect_map falls back to XDP_PASS
+ * (fail-open). Userspace (dataplane::xdp) mirrors every layout below.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#define IPPROTO_ICMPV6_ 58
+#define NEXTHDR_HOP 0
+#define NEXTHDR_ROUTING 43
+#define NEXTHDR_FRAGMENT 44
+#define NEXTHDR_DEST 60
+#define MAX_V6_EXT 6 /* extension headers walked before giving up (PASS) */
+
+/* 20 bytes, no implicit padding. addr: IPv6, or IPv4 as ::ffff:a.b.c.d;
+ * port in network byte order; proto: 6, 17 or 132; pad: 0. */
+struct steer_key {
+	__u8 addr[16];
+	__be16 port;
+	__u8 proto;
+	__u8 pad;
+};
+
+struct addr_key {
+	__u8 addr[16];
+};
+
+/* config[0]; host byte order. snat_hi == 0 disables rule (b). */
+struct steer_config {
+	__u16 snat_lo;
+	__u16 snat_hi;
+	__u32 flags;
+};
+#define CFG_STEER_VLAN (1u << 0) /* look inside one 802.1Q/802.1ad tag */
+
+/* stats indices (PERCPU_ARRAY of u64); seen == redirected + passed */
+enum {
+	ST_SEEN,
+	ST_REDIRECTED,
+	ST_PASSED,
+	ST_NO_SOCKET, /* a rule matched but xsks[queue] was empty: passed */
+	ST_FRONTEND, /* rule (a) */
+	ST_MASQ_REPLY, /* rule (b) */
+	ST_DNAT_REPLY, /* rule (c) */
+	ST_ICMP_ERROR, /* rule (d) */
+	ST_MAX,
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_XSKMAP);
+	__uint(max_entries, 256);
+	__type(key, __u32);
+	__type(value, __u32);
+} xsks SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct steer_key);
+	__type(value, __u8);
+} frontends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct steer_key);
+	__type(value, __u8);
+} endpoints SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, struct addr_key);
+	__type(value, __u8);
+} local_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct steer_config);
+} config SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, ST_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+struct vlan_hdr {
+	__be16 tci;
+	__be16 encap_proto;
+};
+
+struct frag_hdr {
+	__u8 nexthdr;
+	__u8 reserved;
+	__be16 frag_off;
+	__be32 identification;
+};
+
+/* One direction of a flow as two keys: src = (saddr, sport, proto) and
+ * dst = (daddr, dport, proto), ready for the map lookups. */
+struct tuple {
+	struct steer_key src;
+	struct steer_key dst;
+};
+
+static __always_inline void count(__u32 idx)
+{
+	__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+
+	if (v)
+		*v += 1;
+}
+
+static __always_inline int in_snat_range(const struct steer_config *cfg, __be16 port)
+{
+	__u16 p = bpf_ntohs(port);
+
+	return cfg && cfg->snat_hi && p >= cfg->snat_lo && p <= cfg->snat_hi;
+}
+
+static __always_inline void set_proto(struct tuple *t, __u8 proto)
+{
+	t->src.proto = proto;
+	t->dst.proto = proto;
+}
+
+/* Returns the L4 header, or NULL: truncated, not IPv4, non-first fragment. */
+static __always_inline void *parse_ipv4(void *l3, void *end, struct tuple *t)
+{
+	struct iphdr *ip = l3;
+
+	if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
+		return NULL;
+	if (ip->frag_off & bpf_htons(0x1fff))
+		return NULL;
+	t->src.addr[10] = 0xff;
+	t->src.addr[11] = 0xff;
+	__builtin_memcpy(&t->src.addr[12], &ip->saddr, 4);
+	t->dst.addr[10] = 0xff;
+	t->dst.addr[11] = 0xff;
+	__builtin_memcpy(&t->dst.addr[12], &ip->daddr, 4);
+	set_proto(t, ip->protocol);
+	return l3 + ip->ihl * 4;
+}
+
+/* Returns the upper-layer header after skipping hop-by-hop, routing and
+ * destination options headers and a first-fragment header, or NULL:
+ * truncated, not IPv6, non-first fragment, too many extension headers. */
+static __always_inline void *parse_ipv6(void *l3, void *end, struct tuple *t)
+{
+	struct ipv6hdr *ip6 = l3;
+	void *cur = ip6 + 1;
+	__u8 nh;
+
+	if (cur > end || ip6->version != 6)
+		return NULL;
+	__builtin_memcpy(t->src.addr, &ip6->saddr, 16);
+	__builtin_memcpy(t->dst.addr, &ip6->daddr, 16);
+	nh = ip6->nexthdr;
+	for (int i = 0; i < MAX_V6_EXT; i++) {
+		if (nh == NEXTHDR_HOP || nh == NEXTHDR_ROUTING || nh == NEXTHDR_DEST) {
+			struct ipv6_opt_hdr *h = cur;
+
+			if ((void *)(h + 1) > end)
+				return NULL;
+			nh = h->nexthdr;
+			cur += (h->hdrlen + 1) * 8;
+		} else if (nh == NEXTHDR_FRAGMENT) {
+			struct frag_hdr *f = cur;
+
+			if ((void *)(f + 1) > end || (f->frag_off & bpf_htons(0xfff8)))
+				return NULL;
+			nh = f->nexthdr;
+			cur = f + 1;
+		} else {
+			break;
+		}
+	}
+	if (nh == NEXTHDR_HOP || nh == NEXTHDR_ROUTING || nh == NEXTHDR_DEST ||
+	    nh == NEXTHDR_FRAGMENT)
+		return NULL;
+	set_proto(t, nh);
+	return cur;
+}
+
+static __always_inline int is_translated_proto(__u8 proto)
+{
+	return proto == IPPROTO_TCP || proto == IPPROTO_UDP || proto == IPPROTO_SCTP;
+}
+
+/* TCP, UDP and SCTP all begin with source port, destination port. */
+static __always_inline int parse_ports(void *l4, void *end, struct tuple *t)
+{
+	__be16 *p = l4;
+
+	if ((void *)(p + 2) > end)
+		return -1;
+	t->src.port = p[0];
+	t->dst.port = p[1];
+	return 0;
+}
+
+/* Rules (a)-(c); returns the stats index of the rule, or 0. */
+static __always_inline __u32 match_flow(struct tuple *t, const struct steer_config *cfg)
+{
+	int dst_local;
+
+	if (bpf_map_lookup_elem(&frontends, &t->dst))
+		return ST_FRONTEND;
+	dst_local = bpf_map_lookup_elem(&local_addrs, t->dst.addr) != NULL;
+	if (dst_local && in_snat_range(cfg, t->dst.port))
+		return ST_MASQ_REPLY;
+	if (!dst_local && bpf_map_lookup_elem(&endpoints, &t->src))
+		return ST_DNAT_REPLY;
+	return 0;
+}
+
+/* Rule (d): an ICMP error whose quoted packet (IP header + 8 bytes) is of a
+ * masqueraded flow, a DNAT-only flow, or a reply kxp sent from a frontend. */
+static __always_inline __u32 match_icmp(void *l4, void *end, int v6,
+					const struct steer_config *cfg)
+{
+	__u8 *icmp = l4;
+	struct tuple in = {};
+	void *inner_l4;
+	__u8 type;
+
+	if ((void *)(icmp + 8) > end)
+		return 0;
+	type = icmp[0];
+	if (v6) {
+		if (type < 1 || type > 4)
+			return 0;
+		inner_l4 = parse_ipv6(icmp + 8, end, &in);
+	} else {
+		if (type != 3 && type != 11 && type != 12)
+			return 0;
+		inner_l4 = parse_ipv4(icmp + 8, end, &in);
+	}
+	if (!inner_l4 || !is_translated_proto(in.src.proto) ||
+	    parse_ports(inner_l4, end, &in))
+		return 0;
+	if (bpf_map_lookup_elem(&local_addrs, in.src.addr) &&
+	    in_snat_range(cfg, in.src.port))
+		return ST_ICMP_ERROR;
+	if (bpf_map_lookup_elem(&endpoints, &in.dst))
+		return ST_ICMP_ERROR;
+	if (bpf_map_lookup_elem(&frontends, &in.src))
+		return ST_ICMP_ERROR;
+	return 0;
+}
+
+SEC("xdp")
+int kxp_steer(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	const struct steer_config *cfg;
+	struct tuple t = {};
+	__u32 zero = 0, reason;
+	__be16 h_proto;
+	void *l3, *l4;
+	int v6;
+	long act;
+
+	count(ST_SEEN);
+	cfg = bpf_map_lookup_elem(&config, &zero);
+	if ((void *)(eth + 1) > end)
+		goto pass;
+	h_proto = eth->h_proto;
+	l3 = eth + 1;
+	if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD)) {
+		struct vlan_hdr *vh = l3;
+
+		if (!cfg || !(cfg->flags & CFG_STEER_VLAN) || (void *)(vh + 1) > end)
+			goto pass;
+		h_proto = vh->encap_proto;
+		l3 = vh + 1;
+	}
+
+	if (h_proto == bpf_htons(ETH_P_IP)) {
+		v6 = 0;
+		l4 = parse_ipv4(l3, end, &t);
+	} else if (h_proto == bpf_htons(ETH_P_IPV6)) {
+		v6 = 1;
+		l4 = parse_ipv6(l3, end, &t);
+	} else {
+		goto pass; /* ARP, LLDP, ... */
+	}
+	if (!l4)
+		goto pass;
+
+	if (is_translated_proto(t.src.proto)) {
+		if (parse_ports(l4, end, &t))
+			goto pass;
+		reason = match_flow(&t, cfg);
+	} else if ((!v6 && t.src.proto == IPPROTO_ICMP) ||
+		   (v6 && t.src.proto == IPPROTO_ICMPV6_)) {
+		reason = match_icmp(l4, end, v6, cfg);
+	} else {
+		goto pass;
+	}
+	if (!reason)
+		goto pass;
+
+	count(reason);
+	act = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
+	if (act == XDP_REDIRECT) {
+		count(ST_REDIRECTED);
+		return XDP_REDIRECT;
+	}
+	count(ST_NO_SOCKET);
+pass:
+	count(ST_PASSED);
+	return XDP_PASS;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -1,0 +1,330 @@
+//! The immutable tables a worker reads: routes (an LPM per table and family), usable
+//! neighbours, links and addresses. Each part sits behind its own `Arc`, so a batch of
+//! neighbour events copies the neighbour map only, never the routes.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use super::{NextHop, Route};
+
+pub(super) type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
+
+/// Tables in lookup order: local (255), main (254), default (253), as the kernel's
+/// default policy rules (priorities 0, 32766, 32767) consult them.
+pub(super) const TABLES: [u32; 3] = [255, 254, 253];
+
+/// The mirrored forwarding state at one generation.
+#[derive(Debug, Clone, Default)]
+pub struct FibTable {
+    pub(super) generation: u64,
+    pub(super) attached: Arc<[u32]>,
+    pub(super) links: Arc<FastMap<u32, Link>>,
+    pub(super) addrs: Arc<Vec<Addr>>,
+    /// Only neighbours whose MAC may be used, keyed by (ifindex, address).
+    pub(super) neigh: Arc<FastMap<(u32, IpAddr), [u8; 6]>>,
+    /// `routes[family][table]`, family 0 = IPv4, 1 = IPv6, table as in [`TABLES`].
+    pub(super) routes: [[Arc<Lpm>; 3]; 2],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Link {
+    pub name: String,
+    pub mac: Option<[u8; 6]>,
+    pub up: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Addr {
+    pub ifindex: u32,
+    pub addr: IpAddr,
+    pub prefix_len: u8,
+    /// IPv4 secondary address (`ip addr` lists it after the primary one).
+    pub secondary: bool,
+    /// Not tentative, DAD-failed or deprecated: the kernel would pick it as a source.
+    pub preferred: bool,
+}
+
+/// What a route does with a matching packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Unicast,
+    /// local, broadcast, anycast: the kernel delivers to this host.
+    Local,
+    /// blackhole, unreachable, prohibit, multicast and kinds not modelled.
+    Reject,
+    /// Not in this table: go on with the next one.
+    Throw,
+}
+
+/// The first live nexthop of a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Hop {
+    pub ifindex: u32,
+    /// `None` for an on-link route (the destination itself is the neighbour).
+    pub gateway: Option<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct RouteEntry {
+    pub kind: Kind,
+    pub metric: u32,
+    pub tos: u8,
+    /// IPv6 source-specific route (`from` prefix): not modelled, never matched.
+    pub src_len: u8,
+    pub hop: Option<Hop>,
+    pub prefsrc: Option<IpAddr>,
+    /// Nexthop object or encapsulation: the lookup answers Unreachable.
+    pub unsupported: bool,
+}
+
+impl RouteEntry {
+    /// Whether the entry takes part in lookups (the kernel would match TOS and source
+    /// prefixes against packet fields the mirror does not see).
+    fn matches_any_packet(&self) -> bool {
+        self.tos == 0 && self.src_len == 0
+    }
+}
+
+/// Longest-prefix match over one table of one family: one hash map per prefix length
+/// present, longest first. A host has a handful of lengths (/32, /24, /0 ...), so a
+/// lookup is a few hash probes.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Lpm {
+    levels: Vec<Level>,
+}
+
+#[derive(Debug, Clone)]
+struct Level {
+    len: u8,
+    /// Masked address → entries of that prefix, best (lowest metric) first.
+    prefixes: FastMap<u128, Vec<RouteEntry>>,
+}
+
+pub(super) fn ip_bits(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+pub(super) fn width(ip: IpAddr) -> u8 {
+    if ip.is_ipv4() { 32 } else { 128 }
+}
+
+/// `bits` (an address of `width` bits) with everything past `len` cleared.
+pub(super) fn mask(bits: u128, len: u8, width: u8) -> u128 {
+    if len == 0 {
+        return 0;
+    }
+    let len = len.min(width);
+    let host = u32::from(width - len);
+    let ones = if width == 128 {
+        u128::MAX
+    } else {
+        (1u128 << width) - 1
+    };
+    bits & (ones >> host << host)
+}
+
+impl Lpm {
+    /// The best entry of the longest matching prefix, if any.
+    pub fn lookup(&self, bits: u128, width: u8) -> Option<&RouteEntry> {
+        self.levels.iter().find_map(|level| {
+            let entries = level.prefixes.get(&mask(bits, level.len, width))?;
+            entries.iter().find(|e| e.matches_any_packet())
+        })
+    }
+
+    /// Entries of one exact prefix, mutable (creating the level on demand).
+    pub fn entries_mut(&mut self, prefix: u128, len: u8) -> &mut Vec<RouteEntry> {
+        let at = match self.levels.binary_search_by(|l| len.cmp(&l.len)) {
+            Ok(at) => at,
+            Err(at) => {
+                self.levels.insert(
+                    at,
+                    Level {
+                        len,
+                        prefixes: FastMap::default(),
+                    },
+                );
+                at
+            }
+        };
+        self.levels[at].prefixes.entry(prefix).or_default()
+    }
+
+    /// Drops empty prefixes and levels after removals.
+    pub fn prune(&mut self, prefix: u128, len: u8) {
+        if let Ok(at) = self.levels.binary_search_by(|l| len.cmp(&l.len)) {
+            let level = &mut self.levels[at];
+            if level.prefixes.get(&prefix).is_some_and(Vec::is_empty) {
+                level.prefixes.remove(&prefix);
+            }
+            if level.prefixes.is_empty() {
+                self.levels.remove(at);
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.levels
+            .iter()
+            .map(|l| l.prefixes.values().map(Vec::len).sum::<usize>())
+            .sum()
+    }
+}
+
+/// A lookup's answer before the view turns "unresolved" into a resolution request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Resolved {
+    Route(Route),
+    Unresolved { ifindex: u32, next_hop: IpAddr },
+}
+
+impl FibTable {
+    /// Bumped on every publication; 0 until the first full dump is applied.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Number of mirrored routes (every table and family).
+    pub fn route_count(&self) -> usize {
+        self.routes.iter().flatten().map(|lpm| lpm.len()).sum()
+    }
+
+    /// Number of neighbours with a usable MAC.
+    pub fn neighbour_count(&self) -> usize {
+        self.neigh.len()
+    }
+
+    /// Every address of the host, deduplicated, in kernel order.
+    pub fn local_addrs(&self) -> Vec<IpAddr> {
+        let mut out: Vec<IpAddr> = Vec::with_capacity(self.addrs.len());
+        for a in self.addrs.iter() {
+            if !out.contains(&a.addr) {
+                out.push(a.addr);
+            }
+        }
+        out
+    }
+
+    /// The route entry the kernel's default rules would pick for `dst`.
+    pub(super) fn lookup(&self, dst: IpAddr) -> Option<&RouteEntry> {
+        let (bits, width) = (ip_bits(dst), width(dst));
+        let family = usize::from(dst.is_ipv6());
+        for lpm in &self.routes[family] {
+            match lpm.lookup(bits, width) {
+                Some(e) if e.kind == Kind::Throw => continue,
+                Some(e) => return Some(e),
+                None => continue,
+            }
+        }
+        None
+    }
+
+    pub(super) fn resolve(&self, dst: IpAddr) -> Resolved {
+        let reject = Resolved::Route(Route::Unreachable);
+        if is_multicast_or_unspecified(dst) {
+            return reject;
+        }
+        let Some(entry) = self.lookup(dst) else {
+            return reject;
+        };
+        match entry.kind {
+            Kind::Local => return Resolved::Route(Route::Local),
+            Kind::Reject | Kind::Throw => return reject,
+            Kind::Unicast => {}
+        }
+        let Some(hop) = entry.hop.filter(|_| !entry.unsupported) else {
+            return reject;
+        };
+        if !self.attached.contains(&hop.ifindex) {
+            return Resolved::Route(Route::NotAttached {
+                ifindex: hop.ifindex,
+            });
+        }
+        let Some(src_mac) = self
+            .links
+            .get(&hop.ifindex)
+            .filter(|l| l.up)
+            .and_then(|l| l.mac)
+        else {
+            return reject;
+        };
+        let next_hop = hop.gateway.unwrap_or(dst);
+        match self.neigh.get(&(hop.ifindex, next_hop)) {
+            Some(&dst_mac) => Resolved::Route(Route::Forward(NextHop {
+                ifindex: hop.ifindex,
+                src_mac,
+                dst_mac,
+            })),
+            None => Resolved::Unresolved {
+                ifindex: hop.ifindex,
+                next_hop,
+            },
+        }
+    }
+
+    pub(super) fn source_for(&self, dst: IpAddr) -> Option<IpAddr> {
+        let entry = self.lookup(dst)?;
+        if let Some(src) = entry.prefsrc {
+            return Some(src);
+        }
+        match entry.kind {
+            Kind::Local => return Some(dst),
+            Kind::Reject | Kind::Throw => return None,
+            Kind::Unicast => {}
+        }
+        let hop = entry.hop?;
+        // IPv4 picks an address on the gateway's subnet (inet_select_addr); IPv6 compares
+        // with the destination (RFC 6724 longest matching prefix, simplified).
+        let target = match hop.gateway {
+            Some(gw) if dst.is_ipv4() && gw.is_ipv4() => gw,
+            _ => dst,
+        };
+        let usable = |a: &&Addr| {
+            a.addr.is_ipv4() == dst.is_ipv4()
+                && a.preferred
+                // Link-local sources only towards link-local destinations.
+                && (!is_link_local(a.addr) || is_link_local(dst))
+        };
+        let on_link = |a: &&Addr| {
+            let w = width(a.addr);
+            mask(ip_bits(a.addr), a.prefix_len, w) == mask(ip_bits(target), a.prefix_len, w)
+        };
+        let egress = || {
+            self.addrs
+                .iter()
+                .filter(|a| a.ifindex == hop.ifindex)
+                .filter(usable)
+        };
+        egress()
+            .filter(|a| on_link(a) && !a.secondary)
+            .chain(egress().filter(on_link))
+            .chain(egress().filter(|a| !a.secondary))
+            .chain(egress())
+            .chain(
+                self.addrs
+                    .iter()
+                    .filter(usable)
+                    .filter(|a| !a.addr.is_loopback()),
+            )
+            .map(|a| a.addr)
+            .next()
+    }
+}
+
+fn is_link_local(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+    }
+}
+
+fn is_multicast_or_unspecified(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_multicast() || v4.is_unspecified() || v4.is_broadcast(),
+        IpAddr::V6(v6) => v6.is_multicast() || v6.is_unspecified(),
+    }
+}

@@ -1,0 +1,413 @@
+//! A poll-mode worker: one thread, pinned, owning the AF_XDP sockets of one queue on every
+//! attached interface, its connection table and its counters.
+//!
+//! Per iteration: load the current snapshot once (an `ArcSwap` load: no lock, no wait for
+//! the control plane), take packets handed over by other workers, receive a batch from
+//! each port, process every packet through the [`Engine`], route what it forwards with
+//! the FIB mirror, transmit, recycle, and expire a few conntrack entries. With nothing to
+//! do it spins briefly, then sleeps in `poll()` with a growing timeout, so an idle worker
+//! does not starve the rest of a small machine.
+//!
+//! Packets of a flow another worker owns are copied to that worker's inbox (a lock-free
+//! `ArrayQueue`) and counted: ownership follows the client's address and port (present
+//! in both directions of an un-masqueraded flow) or, for masqueraded replies, the SNAT
+//! port range the owner allocates from.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use crossbeam::queue::ArrayQueue;
+use nat::rewrite::{self, Parsed};
+use nat::snapshot::Snapshot;
+use nat::tuple::Tuple;
+
+use crate::engine::{Engine, MasqueradeSource, Verdict};
+use crate::fib::{FibView, Route};
+use crate::xsk::{Frame, WorkerIo};
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+
+/// A packet copied to the worker that owns its flow.
+#[derive(Debug)]
+pub struct Handoff {
+    pub frame: Vec<u8>,
+    pub port: usize,
+}
+
+/// A request from the control plane to a worker.
+#[derive(Debug)]
+pub enum Command {
+    /// Remove UDP flows to an endpoint that went away (kube-proxy's conntrack cleanup).
+    RemoveUdpTo(IpAddr, u16),
+    /// Send back a description of every flow (for `kxp conntrack list`).
+    ListFlows(crossbeam::channel::Sender<Vec<FlowInfo>>),
+}
+
+/// One conntrack entry, for display.
+#[derive(Debug, Clone)]
+pub struct FlowInfo {
+    pub worker: usize,
+    pub orig: Tuple,
+    pub reply: Tuple,
+    pub state: String,
+    pub expires_in_ms: u64,
+}
+
+/// Counters of one worker, written by it (Relaxed stores once per batch) and summed by
+/// whoever scrapes.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    pub rx_packets: AtomicU64,
+    pub rx_bytes: AtomicU64,
+    pub tx_packets: AtomicU64,
+    pub forwarded: AtomicU64,
+    pub new_flows: AtomicU64,
+    pub rejected: AtomicU64,
+    pub passed: AtomicU64,
+    pub dropped: AtomicU64,
+    pub neighbour_pending: AtomicU64,
+    pub no_route: AtomicU64,
+    pub handoffs_out: AtomicU64,
+    pub handoffs_in: AtomicU64,
+    pub handoff_full: AtomicU64,
+    pub conntrack_entries: AtomicU64,
+    pub conntrack_evictions: AtomicU64,
+    pub conntrack_inserts: AtomicU64,
+    pub busy_iterations: AtomicU64,
+    pub iterations: AtomicU64,
+    pub snapshot_generation: AtomicU64,
+    /// Drops by engine cause, `label=count` lines, refreshed every few batches.
+    pub drop_detail: std::sync::Mutex<Vec<(&'static str, u64)>>,
+}
+
+/// What the workers share with the control plane.
+#[derive(Debug)]
+pub struct Shared {
+    pub snapshot: ArcSwap<Snapshot>,
+    pub stop: AtomicBool,
+    pub stats: Vec<WorkerStats>,
+    pub inbox: Vec<ArrayQueue<Handoff>>,
+    pub commands: Vec<crossbeam::channel::Sender<Command>>,
+    /// SNAT port range, split evenly between workers.
+    pub snat_lo: u16,
+    pub snat_hi: u16,
+}
+
+impl Shared {
+    /// Which worker owns the SNAT port `port`.
+    pub fn snat_owner(&self, port: u16) -> Option<usize> {
+        conntrack::SnatPorts::owner(self.snat_lo..=self.snat_hi, self.stats.len(), port)
+    }
+}
+
+/// Everything a worker thread needs.
+#[derive(Debug)]
+pub struct Worker {
+    pub id: usize,
+    pub cpu: Option<usize>,
+    pub io: WorkerIo,
+    pub engine: Engine,
+    pub fib: FibView,
+    /// ifindex of each port (same order as the sockets).
+    pub port_ifindex: Vec<u32>,
+    pub shared: Arc<Shared>,
+    pub commands: crossbeam::channel::Receiver<Command>,
+}
+
+struct FibSource<'a>(&'a FibView);
+
+impl MasqueradeSource for FibSource<'_> {
+    fn source_for(&self, endpoint: IpAddr) -> Option<IpAddr> {
+        self.0.source_for(endpoint)
+    }
+}
+
+fn monotonic_ns(start: Instant) -> u64 {
+    start.elapsed().as_nanos() as u64 + 1_000_000_000
+}
+
+impl Worker {
+    /// Runs until `shared.stop` is set.
+    pub fn run(mut self) {
+        if let Some(cpu) = self.cpu
+            && let Err(e) = crate::sys::pin_to_cpu(cpu)
+        {
+            eprintln!("kxp: worker {}: cannot pin to CPU {cpu}: {e}", self.id);
+        }
+        let start = Instant::now();
+        let fds = self.io.fds();
+        let mut batch: Vec<Frame> = Vec::with_capacity(crate::xsk::BATCH);
+        let mut answer = vec![0u8; 2048];
+        let mut idle: u32 = 0;
+        let mut iterations: u64 = 0;
+        let mut busy: u64 = 0;
+        let workers = self.shared.stats.len();
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            let snap = self.shared.snapshot.load();
+            let now = monotonic_ns(start);
+            let mut work = 0usize;
+
+            while let Ok(cmd) = self.commands.try_recv() {
+                self.command(cmd, now);
+            }
+            for _ in 0..256 {
+                let Some(h) = self.shared.inbox[self.id].pop() else {
+                    break;
+                };
+                work += 1;
+                self.stat(|s| &s.handoffs_in, 1);
+                let Some(mut f) = self.io.alloc() else { break };
+                let n = h.frame.len().min(self.io.frame_capacity());
+                self.io.set_len(&mut f, n);
+                self.io.bytes(&mut f).copy_from_slice(&h.frame[..n]);
+                f.port = h.port;
+                self.handle(f, &snap, now, workers, &mut answer, true);
+            }
+            for port in 0..self.io.port_count() {
+                batch.clear();
+                let n = self.io.recv(port, &mut batch);
+                work += n;
+                for f in batch.drain(..) {
+                    self.handle(f, &snap, now, workers, &mut answer, false);
+                }
+            }
+            self.io.flush();
+            self.engine.table.expire(now, 64);
+
+            iterations += 1;
+            if work > 0 {
+                busy += 1;
+                idle = 0;
+            } else {
+                idle = idle.saturating_add(1);
+                if idle > 64 {
+                    // Back off: 1 ms, doubling to 16 ms; an arriving packet wakes us.
+                    let ms = 1i32 << ((idle - 64) / 64).min(4);
+                    crate::sys::poll_readable(&fds, ms);
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            if iterations.is_multiple_of(256) || idle == 65 {
+                self.publish(iterations, busy, snap.generation);
+            }
+        }
+        self.publish(iterations, busy, 0);
+    }
+
+    fn stat(&self, f: impl Fn(&WorkerStats) -> &AtomicU64, n: u64) {
+        f(&self.shared.stats[self.id]).fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn publish(&self, iterations: u64, busy: u64, generation: u64) {
+        let s = &self.shared.stats[self.id];
+        let c = &self.engine.counters;
+        s.forwarded.store(c.forwarded, Ordering::Relaxed);
+        s.new_flows.store(c.new_flows, Ordering::Relaxed);
+        s.rejected.store(c.rejected, Ordering::Relaxed);
+        s.passed.store(c.passed, Ordering::Relaxed);
+        s.dropped.store(c.dropped(), Ordering::Relaxed);
+        s.conntrack_entries
+            .store(self.engine.table.len() as u64, Ordering::Relaxed);
+        let st = self.engine.table.stats();
+        s.conntrack_evictions.store(st.evictions, Ordering::Relaxed);
+        s.conntrack_inserts.store(st.inserts, Ordering::Relaxed);
+        s.iterations.store(iterations, Ordering::Relaxed);
+        s.busy_iterations.store(busy, Ordering::Relaxed);
+        if generation != 0 {
+            s.snapshot_generation.store(generation, Ordering::Relaxed);
+        }
+        if let Ok(mut d) = s.drop_detail.try_lock() {
+            d.clear();
+            d.extend(c.drops.iter().map(|(k, v)| (k.label(), *v)));
+        }
+    }
+
+    fn command(&mut self, cmd: Command, now: u64) {
+        match cmd {
+            Command::RemoveUdpTo(ip, port) => {
+                self.engine.table.remove_udp_to_endpoint(ip, port);
+            }
+            Command::ListFlows(reply) => {
+                let flows = self
+                    .engine
+                    .table
+                    .iter(now)
+                    .map(|e| FlowInfo {
+                        worker: self.id,
+                        orig: *e.orig(),
+                        reply: *e.reply(),
+                        state: e.state().to_string(),
+                        expires_in_ms: e.remaining(now) / 1_000_000,
+                    })
+                    .collect();
+                let _ = reply.send(flows);
+            }
+        }
+    }
+
+    fn port_of(&self, ifindex: u32) -> Option<usize> {
+        self.port_ifindex.iter().position(|&i| i == ifindex)
+    }
+
+    fn handle(
+        &mut self,
+        mut f: Frame,
+        snap: &Snapshot,
+        now: u64,
+        workers: usize,
+        answer: &mut [u8],
+        handed: bool,
+    ) {
+        let in_port = f.port;
+        let len = self.io.bytes(&mut f).len();
+        self.stat(|s| &s.rx_packets, 1);
+        self.stat(|s| &s.rx_bytes, len as u64);
+        let frame = self.io.bytes(&mut f);
+        if frame.len() <= ETH_HLEN {
+            self.io.recycle(f);
+            return;
+        }
+        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        if ethertype != ETH_P_IP && ethertype != ETH_P_IPV6 {
+            self.io.recycle(f);
+            return;
+        }
+        if workers > 1 && !handed {
+            let owner = owner(snap, &frame[ETH_HLEN..], &self.shared, workers);
+            if owner != self.id {
+                let h = Handoff {
+                    frame: frame.to_vec(),
+                    port: in_port,
+                };
+                if self.shared.inbox[owner].push(h).is_ok() {
+                    self.stat(|s| &s.handoffs_out, 1);
+                } else {
+                    self.stat(|s| &s.handoff_full, 1);
+                }
+                self.io.recycle(f);
+                return;
+            }
+        }
+        let ifname = self.io.ifname(in_port).to_string();
+        let fib = self.fib.clone();
+        let frame = self.io.bytes(&mut f);
+        let verdict = {
+            let (_, l3) = frame.split_at_mut(ETH_HLEN);
+            self.engine
+                .process(snap, l3, now, Some(&ifname), &FibSource(&fib), answer)
+        };
+        match verdict {
+            Verdict::Forward { dst, .. } => self.route_out(f, dst),
+            Verdict::Pass => {
+                // Redirected by the XDP program but not part of a translated flow (an
+                // endpoint answering a direct connection): forward it as the kernel would.
+                let frame = self.io.bytes(&mut f);
+                let dst = match rewrite::parse(&frame[ETH_HLEN..]) {
+                    Ok(p) => p.dst(),
+                    Err(_) => {
+                        self.io.recycle(f);
+                        return;
+                    }
+                };
+                match rewrite::decrement_ttl(&mut frame[ETH_HLEN..]) {
+                    Ok(true) => self.route_out(f, dst),
+                    _ => self.io.recycle(f),
+                }
+            }
+            Verdict::Respond { len, .. } => {
+                let frame = self.io.bytes(&mut f);
+                let mut macs = [0u8; 12];
+                macs.copy_from_slice(&frame[..12]);
+                let total = ETH_HLEN + len;
+                if total > self.io.frame_capacity() {
+                    self.io.recycle(f);
+                    return;
+                }
+                self.io.set_len(&mut f, total);
+                let frame = self.io.bytes(&mut f);
+                // Back to the sender: its MAC becomes the destination.
+                frame[..6].copy_from_slice(&macs[6..12]);
+                frame[6..12].copy_from_slice(&macs[..6]);
+                frame[ETH_HLEN..total].copy_from_slice(&answer[..len]);
+                frame[12..14].copy_from_slice(
+                    &(if answer[0] >> 4 == 6 {
+                        ETH_P_IPV6
+                    } else {
+                        ETH_P_IP
+                    })
+                    .to_be_bytes(),
+                );
+                self.stat(|s| &s.tx_packets, 1);
+                self.io.send(in_port, f);
+            }
+            Verdict::Drop(_) => self.io.recycle(f),
+        }
+    }
+
+    fn route_out(&mut self, mut f: Frame, dst: IpAddr) {
+        match self.fib.route(dst) {
+            Route::Forward(nh) => match self.port_of(nh.ifindex) {
+                Some(port) => {
+                    let frame = self.io.bytes(&mut f);
+                    frame[..6].copy_from_slice(&nh.dst_mac);
+                    frame[6..12].copy_from_slice(&nh.src_mac);
+                    self.stat(|s| &s.tx_packets, 1);
+                    self.io.send(port, f);
+                }
+                None => {
+                    self.stat(|s| &s.no_route, 1);
+                    self.io.recycle(f);
+                }
+            },
+            Route::Pending => {
+                self.stat(|s| &s.neighbour_pending, 1);
+                self.io.recycle(f);
+            }
+            _ => {
+                self.stat(|s| &s.no_route, 1);
+                self.io.recycle(f);
+            }
+        }
+    }
+}
+
+/// The worker that owns the flow of `l3` (an IP packet).
+///
+/// - a reply to a masqueraded flow (destination port in the SNAT range, destination a
+///   node address): the worker whose share of the range holds the port;
+/// - a packet to a Service frontend: hash of the client (source) address and port;
+/// - anything else (a reply of an un-masqueraded flow): hash of the destination, which is
+///   the client;
+/// - an ICMP error: as the packet its quote answers (the quote reversed).
+pub fn owner(snap: &Snapshot, l3: &[u8], shared: &Shared, workers: usize) -> usize {
+    let t = match rewrite::parse(l3) {
+        Ok(Parsed::Flow(f)) => f.tuple(),
+        Ok(Parsed::IcmpError(e)) => e.inner().reversed(),
+        _ => return 0,
+    };
+    owner_of_tuple(snap, &t, shared, workers)
+}
+
+fn owner_of_tuple(snap: &Snapshot, t: &Tuple, shared: &Shared, workers: usize) -> usize {
+    let is_frontend = snap.lookup_addr(t.dst, t.proto, t.dport).is_some()
+        || snap.lookup_node_port(t.dst, t.proto, t.dport).is_some();
+    if !is_frontend
+        && (shared.snat_lo..=shared.snat_hi).contains(&t.dport)
+        && let Some(w) = shared.snat_owner(t.dport)
+    {
+        return w;
+    }
+    let (ip, port) = if is_frontend {
+        (t.src, t.sport)
+    } else {
+        (t.dst, t.dport)
+    };
+    let h = nat::select::hash_ip(ip, port as u64);
+    (h % workers as u64) as usize
+}

@@ -1,0 +1,82 @@
+//! [`SteerKey`]: the `(address, port, protocol)` keys of `frontends` and `endpoints`, and
+//! the byte layouts of every key the loader writes.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use nat::tuple::Protocol;
+
+use super::sync::MapKey;
+
+/// One `(address, port, protocol)` entry of `frontends` or `endpoints`.
+///
+/// IPv4-mapped IPv6 addresses are stored as IPv4, so that `::ffff:a.b.c.d` and
+/// `a.b.c.d` are the same key (they are the same bytes in the map).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SteerKey {
+    addr: IpAddr,
+    port: u16,
+    proto: Protocol,
+}
+
+impl SteerKey {
+    pub fn new(addr: IpAddr, port: u16, proto: Protocol) -> SteerKey {
+        SteerKey {
+            addr: addr.to_canonical(),
+            port,
+            proto,
+        }
+    }
+
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn proto(&self) -> Protocol {
+        self.proto
+    }
+
+    /// The 20-byte `struct steer_key`: 16 address bytes (IPv6, or `::ffff:a.b.c.d`), the
+    /// port in network byte order, the protocol number, one zero pad byte.
+    pub fn to_bytes(&self) -> [u8; 20] {
+        let mut k = [0u8; 20];
+        k[..16].copy_from_slice(&addr_bytes(self.addr));
+        k[16..18].copy_from_slice(&self.port.to_be_bytes());
+        k[18] = self.proto.number();
+        k
+    }
+}
+
+impl fmt::Display for SteerKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.addr {
+            IpAddr::V4(a) => write!(f, "{a}:{}/{}", self.port, self.proto),
+            IpAddr::V6(a) => write!(f, "[{a}]:{}/{}", self.port, self.proto),
+        }
+    }
+}
+
+impl MapKey for SteerKey {
+    type Bytes = [u8; 20];
+    fn to_bytes(&self) -> [u8; 20] {
+        SteerKey::to_bytes(self)
+    }
+}
+
+impl MapKey for IpAddr {
+    type Bytes = [u8; 16];
+    fn to_bytes(&self) -> [u8; 16] {
+        addr_bytes(*self)
+    }
+}
+
+pub(super) fn addr_bytes(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+        IpAddr::V6(a) => a.octets(),
+    }
+}

@@ -1,0 +1,82 @@
+//! [`SteerStats`]: the program's per-CPU counters (`stats`, a PERCPU_ARRAY of u64
+//! indexed as the `ST_*` enum in steer.bpf.c), summed over CPUs.
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+
+use super::XdpError;
+
+/// The program's counters, summed over CPUs. `seen == redirected + passed`; a packet
+/// that matched a rule counts once in exactly one of the four rule counters, and in
+/// `no_socket` too if the queue had no socket (it was then passed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SteerStats {
+    pub seen: u64,
+    pub redirected: u64,
+    pub passed: u64,
+    pub no_socket: u64,
+    /// Rule (a): to a Service frontend.
+    pub frontend: u64,
+    /// Rule (b): to a node address, in the SNAT port range.
+    pub masq_reply: u64,
+    /// Rule (c): from an endpoint, not to a node address.
+    pub dnat_reply: u64,
+    /// Rule (d): an ICMP error about a translated flow.
+    pub icmp_error: u64,
+}
+
+impl SteerStats {
+    /// The counts since `earlier` (counters only grow; saturating, never panics).
+    pub fn since(&self, earlier: &SteerStats) -> SteerStats {
+        SteerStats {
+            seen: self.seen.saturating_sub(earlier.seen),
+            redirected: self.redirected.saturating_sub(earlier.redirected),
+            passed: self.passed.saturating_sub(earlier.passed),
+            no_socket: self.no_socket.saturating_sub(earlier.no_socket),
+            frontend: self.frontend.saturating_sub(earlier.frontend),
+            masq_reply: self.masq_reply.saturating_sub(earlier.masq_reply),
+            dnat_reply: self.dnat_reply.saturating_sub(earlier.dnat_reply),
+            icmp_error: self.icmp_error.saturating_sub(earlier.icmp_error),
+        }
+    }
+}
+
+/// Reads and sums every counter of the `stats` map.
+pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
+    let mut c = [0u64; 8];
+    for (idx, slot) in (0u32..).zip(c.iter_mut()) {
+        let per_cpu = stats
+            .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|source| XdpError::Map {
+                map: "stats",
+                op: "lookup",
+                key: Some(format!("counter {idx}")),
+                source,
+            })?
+            .unwrap_or_default();
+        *slot = per_cpu
+            .iter()
+            .filter_map(|v| v.get(..8).and_then(|b| b.try_into().ok()))
+            .map(u64::from_ne_bytes)
+            .fold(0u64, u64::wrapping_add);
+    }
+    let [
+        seen,
+        redirected,
+        passed,
+        no_socket,
+        frontend,
+        masq_reply,
+        dnat_reply,
+        icmp_error,
+    ] = c;
+    Ok(SteerStats {
+        seen,
+        redirected,
+        passed,
+        no_socket,
+        frontend,
+        masq_reply,
+        dnat_reply,
+        icmp_error,
+    })
+}

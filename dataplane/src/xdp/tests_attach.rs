@@ -1,0 +1,262 @@
+//! The program on real interfaces: veth pairs in fresh network namespaces (addresses
+//! from 198.18.0.0/15 only), the three attach modes, refusing to replace another
+//! program, cleanup of leftovers, and packets redirected into an AF_XDP socket while the
+//! rest (ARP, other ports) reaches the kernel. Needs root.
+
+use std::collections::HashSet;
+use std::net::UdpSocket;
+use std::num::NonZeroU32;
+use std::os::fd::{AsFd, AsRawFd};
+use std::time::{Duration, Instant};
+
+use nat::tuple::Protocol;
+use xsk_rs::config::{BindFlags, LibxdpFlags, SocketConfig, UmemConfig};
+use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
+
+use super::testutil::{Netns, ip, require_root};
+use super::*;
+
+const IF: &str = "kxv0";
+const PEER: &str = "kxv1";
+const NONE: sys::XdpQuery = sys::XdpQuery {
+    drv_prog_id: 0,
+    skb_prog_id: 0,
+    hw_prog_id: 0,
+};
+
+/// One namespace holding both ends of a veth pair, up, without addresses.
+fn veth_pair() -> Netns {
+    let ns = Netns::new();
+    ns.ip(&["link", "add", IF, "type", "veth", "peer", "name", PEER]);
+    ns.ip(&["link", "set", IF, "up"]);
+    ns.ip(&["link", "set", PEER, "up"]);
+    ns
+}
+
+/// Call from inside the namespace.
+fn query(ifname: &str) -> sys::XdpQuery {
+    sys::xdp_query(resolve_ifindex(ifname).unwrap()).unwrap()
+}
+
+#[test]
+fn attach_in_each_mode_never_replacing_another_program() {
+    let ns = veth_pair();
+    ns.run(|| {
+        for (mode, runs_as, ip_shows) in [
+            (AttachMode::Link, AttachedAs::Native, "xdp"),
+            (AttachMode::Native, AttachedAs::Native, "xdp"),
+            (AttachMode::Generic, AttachedAs::Generic, "xdpgeneric"),
+        ] {
+            let s = Steering::load_and_attach(IF, mode).unwrap_or_else(|e| panic!("{mode}: {e}"));
+            assert_eq!(s.ifindex(), resolve_ifindex(IF).unwrap());
+            assert_eq!(s.ifname(), Some(IF));
+            assert_eq!(s.attached_as().unwrap(), Some(runs_as), "{mode}");
+            let shown = ip(&["link", "show", IF]).unwrap();
+            assert!(shown.contains(&format!(" {ip_shows} ")), "{mode}: {shown}");
+
+            for other in [AttachMode::Link, AttachMode::Native, AttachMode::Generic] {
+                let err = Steering::load_and_attach(IF, other).unwrap_err();
+                let msg = err.to_string();
+                assert!(
+                    matches!(err, XdpError::Attach { .. }),
+                    "{mode} then {other}: {msg}"
+                );
+                assert!(
+                    msg.contains("already attached"),
+                    "{mode} then {other}: {msg}"
+                );
+            }
+            assert_eq!(
+                s.attached_as().unwrap(),
+                Some(runs_as),
+                "{mode}: still ours"
+            );
+
+            // the other end: a second instance with its own maps, same queue numbers
+            let peer = Steering::load_and_attach(PEER, mode).unwrap();
+            assert_ne!(peer.prog_id(), s.prog_id());
+            s.set_snat_range(1000, 2000).unwrap();
+            peer.set_snat_range(3000, 4000).unwrap();
+
+            s.detach().unwrap();
+            assert_eq!(query(IF), NONE, "{mode}: detached");
+            assert_eq!(
+                peer.attached_as().unwrap(),
+                Some(runs_as),
+                "{mode}: peer untouched"
+            );
+            drop(peer);
+            assert_eq!(query(PEER), NONE, "{mode}: detached on drop");
+        }
+    });
+}
+
+#[test]
+fn cleanup_removes_leftovers_but_not_a_live_link() {
+    let ns = veth_pair();
+    ns.run(|| {
+        assert!(!cleanup_interface(IF).unwrap(), "nothing attached");
+        let ifindex = resolve_ifindex(IF).unwrap();
+        for flags in [sys::XDP_FLAGS_DRV_MODE, sys::XDP_FLAGS_SKB_MODE] {
+            // what a killed kxp leaves: a netlink-attached program nobody holds
+            let s = Steering::load().unwrap();
+            sys::xdp_attach(ifindex, s.prog.as_fd(), flags).unwrap();
+            drop(s);
+            assert_ne!(query(IF), NONE);
+            assert!(cleanup_interface(IF).unwrap(), "flags {flags}");
+            assert_eq!(query(IF), NONE);
+            assert!(!cleanup_interface(IF).unwrap());
+        }
+        let s = Steering::load_and_attach(IF, AttachMode::Link).unwrap();
+        let err = cleanup_interface(IF).unwrap_err();
+        assert!(matches!(err, XdpError::HeldByLink { .. }), "{err}");
+        assert!(err.to_string().contains("stop that process"), "{err}");
+        assert_eq!(s.attached_as().unwrap(), Some(AttachedAs::Native));
+        drop(s);
+        assert_eq!(query(IF), NONE, "closing the link detaches");
+    });
+}
+
+/// An AF_XDP socket on queue 0 of `ifname` (copy mode) with a small UMEM of its own,
+/// all frames on the fill ring.
+struct TestXsk {
+    umem: Umem,
+    rx: RxQueue,
+    _tx: TxQueue,
+    _fq: FillQueue,
+    _cq: CompQueue,
+}
+
+impl TestXsk {
+    fn open(ifname: &str) -> TestXsk {
+        let (umem, descs) =
+            Umem::new(UmemConfig::default(), NonZeroU32::new(64).unwrap(), false).unwrap();
+        let cfg = SocketConfig::builder()
+            .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
+            .bind_flags(BindFlags::XDP_COPY)
+            .build();
+        // SAFETY: the UMEM is this socket's alone, so the shared-UMEM caveat of
+        // Socket::new does not apply; libxdp loads no program (INHIBIT_PROG_LOAD).
+        let (tx, rx, rings) = unsafe { Socket::new(cfg, &umem, &ifname.parse().unwrap(), 0) }
+            .unwrap_or_else(|e| panic!("AF_XDP socket on {ifname}: {e}"));
+        let (mut fq, cq) = rings.expect("the first socket of a UMEM gets its fill/comp rings");
+        // SAFETY: the frames come from this UMEM and are on no ring yet.
+        let n = unsafe { fq.produce(&descs) };
+        assert_eq!(n, descs.len());
+        TestXsk {
+            umem,
+            rx,
+            _tx: tx,
+            _fq: fq,
+            _cq: cq,
+        }
+    }
+
+    fn fd(&self) -> i32 {
+        self.rx.fd().as_raw_fd()
+    }
+
+    /// Up to `want` received frames (copied out), waiting at most `timeout`.
+    fn recv(&mut self, want: usize, timeout: Duration) -> Vec<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut descs = vec![FrameDesc::default(); 16];
+        let mut out = Vec::new();
+        while out.len() < want && Instant::now() < deadline {
+            // SAFETY: the descriptors are filled from this socket's RX ring; the frames
+            // are never given back to the fill ring, so nothing reuses them.
+            let n = unsafe { self.rx.poll_and_consume(&mut descs, 50) }.unwrap();
+            for d in &descs[..n] {
+                // SAFETY: `d` is a frame of this UMEM that userspace now owns.
+                out.push(unsafe { self.umem.data(d) }.contents().to_vec());
+            }
+        }
+        out
+    }
+}
+
+fn udp_dport(frame: &[u8]) -> Option<u16> {
+    let ip = frame.get(14..)?;
+    let l4 = usize::from(ip.first()? & 0xf) * 4;
+    let p = ip.get(l4 + 2..l4 + 4)?;
+    Some(u16::from_be_bytes([p[0], p[1]]))
+}
+
+#[test]
+fn steered_packets_reach_the_socket_and_the_rest_the_kernel() {
+    require_root();
+    let (a, b) = (Netns::new(), Netns::new());
+    ip(&[
+        "link", "add", "kxa", "netns", &a.name, "type", "veth", "peer", "name", "kxb", "netns",
+        &b.name,
+    ])
+    .unwrap();
+    a.ip(&["addr", "add", "198.18.0.1/24", "dev", "kxa"]);
+    b.ip(&["addr", "add", "198.18.0.2/24", "dev", "kxb"]);
+    a.ip(&["link", "set", "kxa", "up"]);
+    b.ip(&["link", "set", "kxb", "up"]);
+    let send = |port: u16, n: usize| {
+        a.run(|| {
+            let sock = UdpSocket::bind("198.18.0.1:0").unwrap();
+            for _ in 0..n {
+                sock.send_to(b"kxp", ("198.18.0.2", port)).unwrap();
+            }
+        })
+    };
+
+    for mode in [AttachMode::Link, AttachMode::Generic] {
+        // forget the neighbours, so that ARP has to pass through the program again
+        a.ip(&["neigh", "flush", "dev", "kxa"]);
+        b.ip(&["neigh", "flush", "dev", "kxb"]);
+        b.run(|| {
+            let mut s = Steering::load_and_attach("kxb", mode).unwrap();
+            let vip = SteerKey::new("198.18.0.2".parse().unwrap(), 9000, Protocol::Udp);
+            s.sync_frontends(&HashSet::from([vip])).unwrap();
+            let kernel = UdpSocket::bind("198.18.0.2:9001").unwrap();
+            kernel
+                .set_read_timeout(Some(Duration::from_secs(3)))
+                .unwrap();
+            let mut xsk = TestXsk::open("kxb");
+            s.set_socket(0, xsk.fd()).unwrap();
+            let before = s.stats().unwrap();
+
+            send(9000, 5);
+            send(9001, 5);
+            let frames = xsk.recv(5, Duration::from_secs(3));
+            assert_eq!(frames.len(), 5, "{mode}: steered frames in the socket");
+            assert!(frames.iter().all(|f| udp_dport(f) == Some(9000)), "{mode}");
+            let mut buf = [0u8; 64];
+            for _ in 0..5 {
+                let (n, from) = kernel
+                    .recv_from(&mut buf)
+                    .expect("the kernel gets port 9001");
+                assert_eq!((&buf[..n], from.port() != 0), (&b"kxp"[..], true));
+            }
+            let d = s.stats().unwrap().since(&before);
+            assert_eq!(
+                (d.frontend, d.redirected, d.no_socket),
+                (5, 5, 0),
+                "{mode}: {d:?}"
+            );
+            assert!(d.passed >= 6, "{mode}: ARP and port 9001 passed: {d:?}");
+            assert_eq!(d.seen, d.redirected + d.passed, "{d:?}");
+
+            // fail-open: with the socket gone from xsks, matches go to the kernel
+            s.clear_socket(0).unwrap();
+            let before = s.stats().unwrap();
+            send(9000, 1);
+            let deadline = Instant::now() + Duration::from_secs(3);
+            let mut d = SteerStats::default();
+            while d.no_socket == 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+                d = s.stats().unwrap().since(&before);
+            }
+            assert_eq!(
+                (d.frontend, d.no_socket, d.redirected),
+                (1, 1, 0),
+                "{mode}: {d:?}"
+            );
+            assert!(xsk.recv(1, Duration::from_millis(200)).is_empty());
+            s.detach().unwrap();
+        });
+    }
+}

@@ -1,0 +1,535 @@
+//! The steering program on single frames (BPF_PROG_TEST_RUN, no interface): each rule's
+//! hits and near misses, header edge cases, and the incremental map sync. Needs root.
+
+use std::collections::HashSet;
+use std::hash::Hash;
+use std::net::{IpAddr, SocketAddr};
+
+use libbpf_rs::MapCore;
+use nat::rewrite::testutil::{self as pkt, Endpoints};
+use nat::tuple::{Protocol, Tuple};
+
+use super::testutil::{
+    ETH_8021AD, ETH_8021Q, ETH_ARP, ETH_IPV4, Rule, classify, eth, eth_ip, eth_vlan, steering,
+};
+use super::*;
+
+const PROTOS: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
+const SNAT: (u16, u16) = (61000, 61999); // Endpoints::node uses port 61000
+
+fn key(a: SocketAddr, p: Protocol) -> SteerKey {
+    SteerKey::new(a.ip(), a.port(), p)
+}
+
+fn set<T: Hash + Eq>(items: impl IntoIterator<Item = T>) -> HashSet<T> {
+    items.into_iter().collect()
+}
+
+fn port(a: SocketAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(a.ip(), port)
+}
+
+fn tuple(src: SocketAddr, dst: SocketAddr, p: Protocol) -> Tuple {
+    Tuple::new(src, dst, p)
+}
+
+fn frame(t: &Tuple) -> Vec<u8> {
+    eth_ip(&pkt::build_tuple(t, b"payload"))
+}
+
+/// What an ICMP error quotes: the IP header and the first 8 bytes of L4.
+fn quote(t: &Tuple) -> Vec<u8> {
+    let p = pkt::build_tuple(t, b"12345678");
+    let ip_len = if p[0] >> 4 == 6 {
+        40
+    } else {
+        usize::from(p[0] & 0xf) * 4
+    };
+    p[..ip_len + 8].to_vec()
+}
+
+fn icmp_error(src: IpAddr, dst: IpAddr, about: &Tuple) -> Vec<u8> {
+    eth_ip(&pkt::icmp_error(src, dst, &quote(about)))
+}
+
+/// Offset of the L4 header in an untagged frame with a plain IP header.
+fn l4_offset(f: &[u8]) -> usize {
+    if f[14] >> 4 == 6 {
+        14 + 40
+    } else {
+        14 + usize::from(f[14] & 0xf) * 4
+    }
+}
+
+#[test]
+fn steer_key_is_the_20_byte_c_layout() {
+    let k = SteerKey::new("198.18.0.10".parse().unwrap(), 0x1f90, Protocol::Sctp);
+    let mut want = [0u8; 20];
+    want[10..16].copy_from_slice(&[0xff, 0xff, 198, 18, 0, 10]);
+    want[16..19].copy_from_slice(&[0x1f, 0x90, 132]);
+    assert_eq!(k.to_bytes(), want);
+    let mapped = SteerKey::new(
+        "::ffff:198.18.0.10".parse().unwrap(),
+        0x1f90,
+        Protocol::Sctp,
+    );
+    assert_eq!(mapped, k, "v4-mapped v6 is the v4 key");
+    assert_eq!(k.to_string(), "198.18.0.10:8080/SCTP");
+    let v6 = SteerKey::new("2001:db8::1".parse().unwrap(), 443, Protocol::Tcp);
+    assert_eq!(v6.to_string(), "[2001:db8::1]:443/TCP");
+    assert_eq!(v6.to_bytes()[..2], [0x20, 0x01]);
+    assert_eq!(v6.to_bytes()[16..], [0x01, 0xbb, 6, 0]);
+}
+
+#[test]
+fn frontends_match_on_dst_port_and_protocol() {
+    let mut s = steering();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        s.sync_frontends(&set(PROTOS.map(|p| key(e.vip, p))))
+            .unwrap();
+        for p in PROTOS {
+            assert_eq!(
+                classify(&s, &frame(&e.original(p))),
+                Some(Rule::Frontend),
+                "{p} {e:?}"
+            );
+            // near misses: another port, another address, the VIP as source
+            let other_port = tuple(e.client, port(e.vip, 81), p);
+            assert_eq!(classify(&s, &frame(&other_port)), None);
+            let other_addr = tuple(e.client, e.backend, p);
+            assert_eq!(classify(&s, &frame(&other_addr)), None);
+            assert_eq!(classify(&s, &frame(&tuple(e.vip, e.client, p))), None);
+        }
+        // only TCP left: UDP and SCTP to the same address and port are not steered
+        s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
+        assert_eq!(
+            classify(&s, &frame(&e.original(Protocol::Tcp))),
+            Some(Rule::Frontend)
+        );
+        assert_eq!(classify(&s, &frame(&e.original(Protocol::Udp))), None);
+        assert_eq!(classify(&s, &frame(&e.original(Protocol::Sctp))), None);
+        // ping to the VIP is the kernel's
+        assert_eq!(
+            classify(&s, &eth_ip(&pkt::icmp_echo(e.client.ip(), e.vip.ip()))),
+            None
+        );
+    }
+}
+
+#[test]
+fn masquerade_replies_need_a_node_address_and_a_port_in_the_snat_range() {
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_local_addrs(&set([e.node.ip()])).unwrap();
+    let reply = tuple(e.backend, e.node, Protocol::Udp);
+    assert_eq!(classify(&s, &frame(&reply)), None, "no SNAT range set yet");
+    s.set_snat_range(SNAT.0, SNAT.1).unwrap();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        s.sync_local_addrs(&set([e.node.ip()])).unwrap();
+        let reply = |dport| frame(&tuple(e.backend, port(e.node, dport), Protocol::Udp));
+        for p in PROTOS {
+            let t = tuple(e.backend, e.node, p);
+            assert_eq!(classify(&s, &frame(&t)), Some(Rule::MasqReply), "{p}");
+        }
+        assert_eq!(classify(&s, &reply(SNAT.1)), Some(Rule::MasqReply));
+        assert_eq!(classify(&s, &reply(SNAT.0 - 1)), None, "below the range");
+        assert_eq!(classify(&s, &reply(SNAT.1 + 1)), None, "above the range");
+        assert_eq!(classify(&s, &reply(22)), None, "the node's own ssh");
+        let not_local = tuple(e.backend, port(e.client, SNAT.0), Protocol::Udp);
+        assert_eq!(
+            classify(&s, &frame(&not_local)),
+            None,
+            "dst is not a node address"
+        );
+    }
+}
+
+#[test]
+fn dnat_replies_come_from_an_endpoint_to_a_non_node_address() {
+    let mut s = steering();
+    s.set_snat_range(SNAT.0, SNAT.1).unwrap();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        s.sync_endpoints(&set([key(e.backend, Protocol::Tcp)]))
+            .unwrap();
+        s.sync_local_addrs(&set([e.node.ip()])).unwrap();
+        let reply = tuple(e.backend, e.client, Protocol::Tcp);
+        assert_eq!(classify(&s, &frame(&reply)), Some(Rule::DnatReply));
+        let wrong_proto = tuple(e.backend, e.client, Protocol::Udp);
+        assert_eq!(classify(&s, &frame(&wrong_proto)), None);
+        let wrong_port = tuple(port(e.backend, 8081), e.client, Protocol::Tcp);
+        assert_eq!(classify(&s, &frame(&wrong_port)), None);
+        // the node talking to the pod itself (kubelet probes): dst is a node address
+        let to_node = tuple(e.backend, port(e.node, 40000), Protocol::Tcp);
+        assert_eq!(
+            classify(&s, &frame(&to_node)),
+            None,
+            "dst local: the kernel's flow"
+        );
+        // the client's packets to the endpoint directly are not replies
+        assert_eq!(classify(&s, &frame(&e.dnat(Protocol::Tcp))), None);
+    }
+}
+
+#[test]
+fn icmp_errors_quoting_translated_flows() {
+    let mut s = steering();
+    s.set_snat_range(SNAT.0, SNAT.1).unwrap();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        let (router, client, node) = (e.router, e.client.ip(), e.node.ip());
+        let p = Protocol::Udp;
+        s.sync_local_addrs(&set([node])).unwrap();
+        s.sync_endpoints(&set([key(e.backend, p)])).unwrap();
+        s.sync_frontends(&set([key(e.vip, p)])).unwrap();
+
+        // about a masqueraded flow: the quoted packet went node:61000 -> backend
+        let masq = icmp_error(router, node, &e.masquerade(p));
+        assert_eq!(classify(&s, &masq), Some(Rule::IcmpError));
+        let outside = icmp_error(
+            router,
+            node,
+            &tuple(port(e.node, 50000), port(e.backend, 9), p),
+        );
+        assert_eq!(
+            classify(&s, &outside),
+            None,
+            "quoted sport outside the SNAT range"
+        );
+        // about a DNAT-only flow: client -> backend
+        assert_eq!(
+            classify(&s, &icmp_error(router, client, &e.dnat(p))),
+            Some(Rule::IcmpError)
+        );
+        let other = tuple(e.client, port(e.backend, 9), p);
+        assert_eq!(classify(&s, &icmp_error(router, client, &other)), None);
+        // from a client, about a reply kxp sent from the VIP
+        let about_reply = tuple(e.vip, e.client, p);
+        let from_client = icmp_error(client, e.vip.ip(), &about_reply);
+        assert_eq!(classify(&s, &from_client), Some(Rule::IcmpError));
+        let wrong_proto = tuple(e.vip, e.client, Protocol::Tcp);
+        assert_eq!(
+            classify(&s, &icmp_error(client, e.vip.ip(), &wrong_proto)),
+            None
+        );
+
+        // not an error type: v4 redirect (5) / v6 echo request (128); same quote
+        let mut not_error = masq.clone();
+        let off = l4_offset(&not_error);
+        not_error[off] = if node.is_ipv4() { 5 } else { 128 };
+        assert_eq!(classify(&s, &not_error), None);
+        // the quote cut short of the ports
+        let short = &masq[..masq.len() - 6];
+        assert_eq!(classify(&s, short), None);
+        assert_eq!(classify(&s, &eth_ip(&pkt::icmp_echo(router, node))), None);
+    }
+    // an IPv6 quote with extension headers is walked too
+    let e = Endpoints::v6();
+    let inner = pkt::insert_v6_ext(&quote(&e.masquerade(Protocol::Udp)), &[0, 60]);
+    let f = eth_ip(&pkt::icmp_error(e.router, e.node.ip(), &inner));
+    assert_eq!(classify(&s, &f), Some(Rule::IcmpError));
+}
+
+#[test]
+fn only_first_fragments_carry_ports() {
+    let mut s = steering();
+    let e4 = Endpoints::v4();
+    s.sync_frontends(&set([key(e4.vip, Protocol::Udp)]))
+        .unwrap();
+    let mut f = frame(&e4.original(Protocol::Udp));
+    f[20..22].copy_from_slice(&0x2000u16.to_be_bytes()); // MF, offset 0
+    assert_eq!(classify(&s, &f), Some(Rule::Frontend), "first fragment");
+    f[20..22].copy_from_slice(&0x2010u16.to_be_bytes()); // MF, offset 128 bytes
+    assert_eq!(classify(&s, &f), None, "non-first fragment");
+    f[20..22].copy_from_slice(&0x0010u16.to_be_bytes()); // last fragment
+    assert_eq!(classify(&s, &f), None, "last fragment");
+
+    let e6 = Endpoints::v6();
+    s.sync_frontends(&set([key(e6.vip, Protocol::Udp)]))
+        .unwrap();
+    let first = pkt::insert_v6_ext(&pkt::build(&e6, Protocol::Udp, b"x"), &[44]);
+    assert_eq!(
+        classify(&s, &eth_ip(&first)),
+        Some(Rule::Frontend),
+        "v6 first fragment"
+    );
+    let mut later = first.clone();
+    later[42..44].copy_from_slice(&(16u16 << 3 | 1).to_be_bytes()); // offset 16, M
+    assert_eq!(classify(&s, &eth_ip(&later)), None, "v6 non-first fragment");
+}
+
+#[test]
+fn ipv6_extension_headers_are_skipped_up_to_six() {
+    let mut s = steering();
+    let e = Endpoints::v6();
+    s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
+    let plain = pkt::build(&e, Protocol::Tcp, b"x");
+    for kinds in [&[0u8][..], &[0, 43, 60], &[0, 60, 43, 44, 60], &[60; 6]] {
+        let f = eth_ip(&pkt::insert_v6_ext(&plain, kinds));
+        assert_eq!(classify(&s, &f), Some(Rule::Frontend), "{kinds:?}");
+    }
+    let seven = eth_ip(&pkt::insert_v6_ext(&plain, &[60; 7]));
+    assert_eq!(classify(&s, &seven), None, "more than the program walks");
+    // a header length pointing past the end of the frame
+    let mut long = pkt::insert_v6_ext(&plain, &[60]);
+    long[41] = 255;
+    assert_eq!(classify(&s, &eth_ip(&long)), None);
+    // no next header (59), and the frame cut inside an extension header
+    let mut none = pkt::insert_v6_ext(&plain, &[60]);
+    none[40] = 59;
+    assert_eq!(classify(&s, &eth_ip(&none)), None);
+    let cut = eth_ip(&pkt::insert_v6_ext(&plain, &[0, 60]));
+    assert_eq!(classify(&s, &cut[..14 + 40 + 8 + 1]), None);
+}
+
+#[test]
+fn ipv4_options_shift_the_ports_and_bad_headers_pass() {
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_frontends(&set([key(e.vip, Protocol::Udp)])).unwrap();
+    let ip = pkt::build(&e, Protocol::Udp, b"x");
+    // IHL 6: four bytes of options (NOP NOP NOP EOL) before the UDP header
+    let mut with_opts = ip[..20].to_vec();
+    with_opts.extend_from_slice(&[1, 1, 1, 0]);
+    with_opts.extend_from_slice(&ip[20..]);
+    with_opts[0] = 0x46;
+    let total = u16::try_from(with_opts.len()).unwrap();
+    with_opts[2..4].copy_from_slice(&total.to_be_bytes());
+    assert_eq!(classify(&s, &eth_ip(&with_opts)), Some(Rule::Frontend));
+    // the same bytes read with IHL 5 would take the options as ports
+    let mut ihl4 = ip.clone();
+    ihl4[0] = 0x44;
+    assert_eq!(classify(&s, &eth_ip(&ihl4)), None, "IHL < 5");
+    let mut v6_in_v4 = ip.clone();
+    v6_in_v4[0] = 0x65;
+    assert_eq!(
+        classify(&s, &eth(ETH_IPV4, &v6_in_v4)),
+        None,
+        "version 6 under 0x0800"
+    );
+}
+
+#[test]
+fn vlan_tagged_frames_only_when_enabled() {
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
+    let ip = pkt::build(&e, Protocol::Tcp, b"x");
+    let tagged = eth_vlan(ETH_8021Q, &ip);
+    assert_eq!(classify(&s, &tagged), None, "off by default");
+    s.set_vlan_steering(true).unwrap();
+    assert_eq!(classify(&s, &tagged), Some(Rule::Frontend));
+    assert_eq!(
+        classify(&s, &eth_vlan(ETH_8021AD, &ip)),
+        Some(Rule::Frontend)
+    );
+    let e6 = Endpoints::v6();
+    s.sync_frontends(&set([key(e6.vip, Protocol::Tcp)]))
+        .unwrap();
+    let ip6 = pkt::build(&e6, Protocol::Tcp, b"x");
+    assert_eq!(
+        classify(&s, &eth_vlan(ETH_8021Q, &ip6)),
+        Some(Rule::Frontend)
+    );
+    // two tags (QinQ): not looked into
+    let mut qinq = eth_vlan(ETH_8021Q, &ip6);
+    qinq.splice(12..12, [0x88, 0xa8, 0, 200]);
+    assert_eq!(classify(&s, &qinq), None);
+    // the snat range set later keeps the flag
+    s.set_snat_range(SNAT.0, SNAT.1).unwrap();
+    assert_eq!(
+        classify(&s, &eth_vlan(ETH_8021Q, &ip6)),
+        Some(Rule::Frontend)
+    );
+    s.set_vlan_steering(false).unwrap();
+    assert_eq!(classify(&s, &eth_vlan(ETH_8021Q, &ip6)), None);
+}
+
+#[test]
+fn other_traffic_passes() {
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_frontends(&set([key(e.vip, Protocol::Udp)])).unwrap();
+    s.sync_local_addrs(&set([e.vip.ip()])).unwrap();
+    s.set_snat_range(1, 65535).unwrap();
+    // ARP for the VIP
+    let mut arp = vec![0, 1, 8, 0, 6, 4, 0, 1, 2, 0, 0, 0, 0, 1, 198, 18, 0, 1];
+    arp.extend_from_slice(&[0; 6]);
+    arp.extend_from_slice(&[198, 19, 0, 10]);
+    assert_eq!(classify(&s, &eth(ETH_ARP, &arp)), None);
+    // GRE (47) to a node address, LLDP, and a bare Ethernet header
+    let mut gre = pkt::build(&e, Protocol::Udp, b"x");
+    gre[9] = 47;
+    assert_eq!(classify(&s, &eth_ip(&gre)), None);
+    assert_eq!(classify(&s, &eth(0x88cc, &[0; 46])), None);
+    assert_eq!(classify(&s, &eth(ETH_IPV4, &[])), None);
+}
+
+#[test]
+fn truncated_frames_pass_without_reading_past_the_end() {
+    let mut s = steering();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        s.sync_frontends(&set([key(e.vip, Protocol::Udp)])).unwrap();
+        let f = frame(&e.original(Protocol::Udp));
+        let ports_end = l4_offset(&f) + 4;
+        for len in 14..f.len() {
+            let want = (len >= ports_end).then_some(Rule::Frontend);
+            assert_eq!(classify(&s, &f[..len]), want, "{len} bytes of {}", f.len());
+        }
+    }
+    let err = s.test_run(&[0u8; 13]).unwrap_err();
+    assert!(
+        matches!(err, XdpError::TestRunFrameSize { len: 13 }),
+        "{err}"
+    );
+}
+
+#[test]
+fn sync_touches_only_the_difference() {
+    let mut s = steering();
+    let keys: Vec<SteerKey> = (0..1000u16)
+        .map(|i| {
+            let addr = IpAddr::from([198, 19, (i >> 8) as u8, i as u8]);
+            SteerKey::new(addr, 80, Protocol::Tcp)
+        })
+        .collect();
+    let mut want = set(keys.iter().copied());
+    let st = s.sync_frontends(&want).unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 1000,
+            removed: 0,
+            unchanged: 0
+        }
+    );
+    assert_eq!(
+        s.sync_frontends(&want).unwrap(),
+        SyncStats {
+            added: 0,
+            removed: 0,
+            unchanged: 1000
+        }
+    );
+
+    let gone = keys[17];
+    let new = SteerKey::new("198.19.200.1".parse().unwrap(), 443, Protocol::Tcp);
+    want.remove(&gone);
+    want.insert(new);
+    let st = s.sync_frontends(&want).unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 1,
+            removed: 1,
+            unchanged: 999
+        }
+    );
+    let in_kernel: HashSet<Vec<u8>> = s.frontends.map().keys().collect();
+    assert_eq!(
+        in_kernel,
+        want.iter().map(|k| k.to_bytes().to_vec()).collect()
+    );
+
+    let client: SocketAddr = "198.18.0.1:40000".parse().unwrap();
+    let to = |k: SteerKey| {
+        frame(&tuple(
+            client,
+            SocketAddr::new(k.addr(), k.port()),
+            k.proto(),
+        ))
+    };
+    assert_eq!(classify(&s, &to(gone)), None);
+    assert_eq!(classify(&s, &to(new)), Some(Rule::Frontend));
+
+    let st = s.sync_frontends(&HashSet::new()).unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 0,
+            removed: 1000,
+            unchanged: 0
+        }
+    );
+    assert_eq!(s.frontends.map().keys().count(), 0);
+}
+
+#[test]
+fn local_addrs_are_canonical_and_capacity_is_checked_first() {
+    let mut s = steering();
+    let v4: IpAddr = "198.18.0.254".parse().unwrap();
+    let mapped: IpAddr = "::ffff:198.18.0.254".parse().unwrap();
+    let st = s.sync_local_addrs(&set([v4, mapped])).unwrap();
+    assert_eq!(st.added, 1);
+    assert_eq!(s.sync_local_addrs(&set([mapped])).unwrap().unchanged, 1);
+
+    let too_many =
+        set((0..=MAX_LOCAL_ADDRS as u32).map(|i| IpAddr::from((0xC612_0000 + i).to_be_bytes())));
+    let err = s.sync_local_addrs(&too_many).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            XdpError::MapFull {
+                map: "local_addrs",
+                capacity: 1024,
+                wanted: 1025
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(s.local_addrs.map().keys().count(), 1, "nothing touched");
+
+    assert_eq!(s.endpoints.map().max_entries() as usize, MAX_ENDPOINTS);
+    assert_eq!(s.frontends.map().max_entries() as usize, MAX_FRONTENDS);
+    assert_eq!(s.local_addrs.map().max_entries() as usize, MAX_LOCAL_ADDRS);
+    assert_eq!(s.xsks.max_entries(), MAX_QUEUES);
+    assert!(s.sync_endpoints(&HashSet::new()).is_ok());
+}
+
+#[test]
+fn bad_arguments_are_errors_that_say_what_to_do() {
+    let s = steering();
+    for (lo, hi) in [(0, 10), (2000, 1000)] {
+        let err = s.set_snat_range(lo, hi).unwrap_err();
+        assert!(err.to_string().contains("need 1 <= lo <= hi"), "{err}");
+    }
+    let err = s.set_socket(MAX_QUEUES, 3).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            XdpError::QueueOutOfRange {
+                queue: 256,
+                capacity: 256
+            }
+        ),
+        "{err}"
+    );
+    assert!(matches!(
+        s.set_socket(0, -1).unwrap_err(),
+        XdpError::BadSocketFd { fd: -1 }
+    ));
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let err = s
+        .set_socket(0, std::os::fd::AsRawFd::as_raw_fd(&udp))
+        .unwrap_err();
+    assert!(
+        matches!(err, XdpError::Map { map: "xsks", .. }),
+        "not an AF_XDP socket: {err}"
+    );
+    s.clear_socket(0).unwrap(); // nothing there: fine
+    assert_eq!(s.ifindex(), 0);
+    assert_eq!(s.attached_as().unwrap(), None);
+
+    let err = Steering::load_and_attach("no/such", AttachMode::Link).unwrap_err();
+    assert!(
+        matches!(err, XdpError::InvalidInterfaceName { .. }),
+        "{err}"
+    );
+    let err = Steering::load_and_attach("kxp-missing0", AttachMode::Link).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("interface kxp-missing0 not found"),
+        "{err}"
+    );
+    let err = cleanup_interface("kxp-missing0").unwrap_err();
+    assert!(matches!(err, XdpError::InterfaceNotFound { .. }), "{err}");
+    s.detach().unwrap(); // not attached: no-op
+}

@@ -1,0 +1,191 @@
+//! Test support: the root check, Ethernet framing of the IP packets `nat`'s test helpers
+//! build, classification of a frame by the program's counters, and throw-away network
+//! namespaces (`kxpx-PID-N`) deleted by a guard even when a test fails.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::{SteerStats, Steering, XDP_PASS, sys};
+
+pub const ETH_IPV4: u16 = 0x0800;
+pub const ETH_IPV6: u16 = 0x86dd;
+pub const ETH_ARP: u16 = 0x0806;
+pub const ETH_8021Q: u16 = 0x8100;
+pub const ETH_8021AD: u16 = 0x88a8;
+
+/// Fails the calling test unless it runs as root: loading BPF programs, attaching XDP
+/// and creating network namespaces need it, and a test that skipped would look passed.
+pub fn require_root() {
+    assert!(
+        sys::is_root(),
+        "this test loads BPF programs and creates network namespaces: it needs root \
+         (run `sudo -E cargo test -p dataplane xdp`)"
+    );
+}
+
+/// A freshly loaded, unattached program (its own empty maps).
+pub fn steering() -> Steering {
+    require_root();
+    Steering::load().unwrap_or_else(|e| panic!("loading the steering program: {e}"))
+}
+
+/// `payload` behind an Ethernet header of type `ethertype`.
+pub fn eth(ethertype: u16, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0x02, 0, 0, 0, 0, 0x02, 0x02, 0, 0, 0, 0, 0x01];
+    f.extend_from_slice(&ethertype.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// An IP packet (version from its first nibble) in an Ethernet frame.
+pub fn eth_ip(ip: &[u8]) -> Vec<u8> {
+    let ethertype = if ip.first().is_some_and(|b| b >> 4 == 6) {
+        ETH_IPV6
+    } else {
+        ETH_IPV4
+    };
+    eth(ethertype, ip)
+}
+
+/// An IP packet behind one VLAN tag (`tpid` 0x8100 or 0x88a8, VLAN id 100).
+pub fn eth_vlan(tpid: u16, ip: &[u8]) -> Vec<u8> {
+    let untagged = eth_ip(ip);
+    let mut f = untagged[..12].to_vec(); // MAC addresses
+    f.extend_from_slice(&tpid.to_be_bytes());
+    f.extend_from_slice(&100u16.to_be_bytes()); // TCI: VLAN 100
+    f.extend_from_slice(&untagged[12..]); // inner ethertype and packet
+    f
+}
+
+/// Which rule counter a frame moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    Frontend,
+    MasqReply,
+    DnatReply,
+    IcmpError,
+}
+
+/// Runs `frame` through the program (no socket in `xsks`) and returns the rule that
+/// matched, if any, checking the counters' invariants on the way.
+pub fn classify(s: &Steering, frame: &[u8]) -> Option<Rule> {
+    let before = s.stats().expect("reading stats");
+    let action = s.test_run(frame).expect("test run");
+    let d: SteerStats = s.stats().expect("reading stats").since(&before);
+    assert_eq!(
+        action, XDP_PASS,
+        "with no socket everything is passed (fail-open)"
+    );
+    assert_eq!((d.seen, d.passed, d.redirected), (1, 1, 0), "{d:?}");
+    let hits: Vec<Rule> = [
+        (d.frontend, Rule::Frontend),
+        (d.masq_reply, Rule::MasqReply),
+        (d.dnat_reply, Rule::DnatReply),
+        (d.icmp_error, Rule::IcmpError),
+    ]
+    .into_iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(_, r)| r)
+    .collect();
+    assert!(hits.len() <= 1, "one packet, one rule: {d:?}");
+    assert_eq!(
+        d.no_socket,
+        hits.len() as u64,
+        "a match without a socket is counted: {d:?}"
+    );
+    hits.first().copied()
+}
+
+/// Runs `ip` with `args`; its stdout, or an error with its stderr.
+pub fn ip(args: &[&str]) -> io::Result<String> {
+    let out = Command::new("ip").args(args).output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+const NETNS_PREFIX: &str = "kxpx-";
+
+/// A network namespace named `kxpx-PID-N`, deleted on drop (which also removes its
+/// interfaces and any XDP program on them). Ones left by a killed test run (their PID
+/// gone) are swept when the next one is created.
+#[derive(Debug)]
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new() -> Netns {
+        require_root();
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        sweep_stale();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{NETNS_PREFIX}{}-{n}", std::process::id());
+        ip(&["netns", "add", &name]).unwrap_or_else(|e| panic!("creating netns: {e}"));
+        let ns = Netns { name };
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// `ip -n NAME args...`, panicking on failure.
+    pub fn ip(&self, args: &[&str]) -> String {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        ip(&all).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Runs `f` on a thread inside this namespace (setns(2) affects only the calling
+    /// thread; sockets and netlink requests made there stay in the namespace).
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        std::thread::scope(|scope| {
+            let h = scope.spawn(|| {
+                enter(&self.name).unwrap_or_else(|e| panic!("entering netns {}: {e}", self.name));
+                f()
+            });
+            h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.name]);
+    }
+}
+
+fn enter(name: &str) -> io::Result<()> {
+    let f = File::open(format!("/var/run/netns/{name}"))?;
+    // SAFETY: `f` is an open network namespace fd for the duration of the call; setns
+    // changes only the calling thread's namespace.
+    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn sweep_stale() {
+    let Ok(list) = ip(&["netns", "list"]) else {
+        return;
+    };
+    for line in list.lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(rest) = name.strip_prefix(NETNS_PREFIX) else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = ip(&["netns", "del", name]);
+        }
+    }
+}

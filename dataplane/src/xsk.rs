@@ -1,0 +1,392 @@
+//! AF_XDP sockets of one worker (xsk-rs): one UMEM shared by a socket on each attached
+//! interface at the worker's queue, so a frame received on one interface can be sent on
+//! another without a copy.
+//!
+//! Frame ownership is what makes AF_XDP sound: a frame is owned either by the kernel (on
+//! the fill or TX ring) or by userspace, never both. Here userspace ownership is a
+//! [`Frame`] token — not `Clone`, not `Copy` — so a frame can be handed to one ring at a
+//! time and its bytes borrowed only through the token. Every `unsafe` call of xsk-rs is
+//! in this module, each justified by that invariant.
+
+use std::num::NonZeroU32;
+use std::os::fd::{AsRawFd, RawFd};
+
+use xsk_rs::config::{
+    BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig,
+};
+use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, TxQueue, Umem};
+
+/// A UMEM frame owned by userspace. Dropping it without giving it back
+/// ([`WorkerIo::recycle`], [`WorkerIo::send`]) leaks the frame, never corrupts it.
+#[derive(Debug)]
+pub struct Frame {
+    desc: FrameDesc,
+    /// Port the frame was received on (for generated frames: 0).
+    pub port: usize,
+}
+
+/// Sizes and modes of a worker's sockets.
+#[derive(Debug, Clone)]
+pub struct XskConfig {
+    /// Frames in the worker's UMEM (shared by all its ports).
+    pub frames: u32,
+    pub frame_size: u32,
+    pub ring_size: u32,
+    /// Copy mode (veth, most drivers without AF_XDP zero-copy); zero-copy otherwise.
+    pub copy_mode: bool,
+    /// Preferred busy polling: (busy-poll µs, budget).
+    pub busy_poll: Option<(u32, u32)>,
+}
+
+impl Default for XskConfig {
+    fn default() -> Self {
+        XskConfig {
+            frames: 8192,
+            frame_size: 2048,
+            ring_size: 2048,
+            copy_mode: true,
+            busy_poll: None,
+        }
+    }
+}
+
+/// Opening a socket failed.
+#[derive(Debug, thiserror::Error)]
+pub enum XskError {
+    #[error(
+        "cannot create the AF_XDP memory area ({frames} frames of {frame_size} bytes): {reason}"
+    )]
+    Umem {
+        frames: u32,
+        frame_size: u32,
+        reason: String,
+    },
+    #[error(
+        "cannot open an AF_XDP socket on {ifname} queue {queue}: {reason}; check that the \
+         kernel has CONFIG_XDP_SOCKETS, that kxp runs as root (CAP_NET_ADMIN, CAP_NET_RAW, \
+         CAP_BPF) and that the interface has that many queues (ethtool -l {ifname})"
+    )]
+    Socket {
+        ifname: String,
+        queue: u32,
+        reason: String,
+    },
+    #[error("invalid AF_XDP configuration: {0}")]
+    Config(String),
+    #[error("setting busy-poll socket options on {ifname}: {source}")]
+    BusyPoll {
+        ifname: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+struct Port {
+    ifname: String,
+    tx: TxQueue,
+    rx: RxQueue,
+    fq: FillQueue,
+    cq: CompQueue,
+    /// Frames waiting for room on the TX ring.
+    tx_pending: Vec<FrameDesc>,
+    /// Frames this port's fill ring holds (given, not yet received back).
+    in_fill: usize,
+}
+
+/// Per-port socket statistics from the kernel.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PortStats {
+    pub rx_dropped: u64,
+    pub rx_ring_full: u64,
+    pub rx_fill_ring_empty: u64,
+    pub tx_invalid: u64,
+    pub tx_ring_empty: u64,
+}
+
+/// One worker's sockets and frames.
+pub struct WorkerIo {
+    // Ports first: sockets must go before the UMEM they use.
+    ports: Vec<Port>,
+    umem: Umem,
+    free: Vec<FrameDesc>,
+    scratch: Vec<FrameDesc>,
+    /// Frames kept back from the fill rings for transmitting generated packets.
+    reserve: usize,
+    /// Frames each port's fill ring is kept at: the UMEM less the reserve, shared evenly,
+    /// so that no interface starves the others of receive buffers.
+    fill_target: usize,
+    frame_capacity: usize,
+}
+
+impl std::fmt::Debug for WorkerIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerIo")
+            .field(
+                "ports",
+                &self.ports.iter().map(|p| &p.ifname).collect::<Vec<_>>(),
+            )
+            .field("free", &self.free.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Most frames moved per ring call.
+pub const BATCH: usize = 64;
+
+impl WorkerIo {
+    /// Opens one socket per interface at `queue`, all on one new UMEM, and fills the fill
+    /// rings. The XDP program must redirect to these sockets (see [`WorkerIo::fd`]).
+    ///
+    /// # Errors
+    /// The UMEM or a socket cannot be created (the error says why and what to check).
+    pub fn open(cfg: &XskConfig, ifnames: &[String], queue: u32) -> Result<WorkerIo, XskError> {
+        let bad = |m: String| XskError::Config(m);
+        let frame_size = FrameSize::new(cfg.frame_size).map_err(|e| bad(e.to_string()))?;
+        let ring = QueueSize::new(cfg.ring_size).map_err(|e| bad(e.to_string()))?;
+        let frames = NonZeroU32::new(cfg.frames).ok_or_else(|| bad("frames must be > 0".into()))?;
+        let umem_cfg = UmemConfig::builder()
+            .frame_size(frame_size)
+            .fill_queue_size(ring)
+            .comp_queue_size(ring)
+            .build()
+            .map_err(|e| bad(e.to_string()))?;
+        let (umem, descs) = Umem::new(umem_cfg, frames, false).map_err(|e| XskError::Umem {
+            frames: cfg.frames,
+            frame_size: cfg.frame_size,
+            reason: e.to_string(),
+        })?;
+        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
+        bind |= if cfg.copy_mode {
+            BindFlags::XDP_COPY
+        } else {
+            BindFlags::XDP_ZEROCOPY
+        };
+        let sock_cfg = SocketConfig::builder()
+            .rx_queue_size(ring)
+            .tx_queue_size(ring)
+            .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
+            .bind_flags(bind)
+            .build();
+
+        let mut ports = Vec::with_capacity(ifnames.len());
+        for ifname in ifnames {
+            let sock_err = |reason: String| XskError::Socket {
+                ifname: ifname.clone(),
+                queue,
+                reason,
+            };
+            let iface: Interface = ifname
+                .parse()
+                .map_err(|_| sock_err("not a valid interface name".into()))?;
+            // SAFETY: INHIBIT_PROG_LOAD is set (kxp loads its own XDP program), which is
+            // the condition xsk-rs states for sharing a UMEM; each (interface, queue) is
+            // bound once per UMEM here.
+            let (tx, rx, fq_cq) = unsafe { xsk_rs::Socket::new(sock_cfg, &umem, &iface, queue) }
+                .map_err(|e| sock_err(e.to_string()))?;
+            let Some((fq, cq)) = fq_cq else {
+                return Err(sock_err(
+                    "the (interface, queue) pair is already bound".into(),
+                ));
+            };
+            ports.push(Port {
+                ifname: ifname.clone(),
+                tx,
+                rx,
+                fq,
+                cq,
+                tx_pending: Vec::with_capacity(BATCH),
+                in_fill: 0,
+            });
+        }
+
+        let fill_target = ((descs.len() - (descs.len() / 4).max(BATCH)) / ports.len().max(1))
+            .min(cfg.ring_size as usize);
+        let mut io = WorkerIo {
+            ports,
+            umem,
+            fill_target,
+            reserve: (descs.len() / 4).max(BATCH),
+            free: descs,
+            scratch: vec![FrameDesc::default(); BATCH],
+            frame_capacity: (cfg.frame_size as usize).saturating_sub(256),
+        };
+        if let Some((usecs, budget)) = cfg.busy_poll {
+            for p in &io.ports {
+                crate::sys::set_busy_poll(p.rx.fd().as_raw_fd(), usecs, budget).map_err(
+                    |source| XskError::BusyPoll {
+                        ifname: p.ifname.clone(),
+                        source,
+                    },
+                )?;
+            }
+        }
+        for i in 0..io.ports.len() {
+            io.refill(i);
+        }
+        Ok(io)
+    }
+
+    pub fn port_count(&self) -> usize {
+        self.ports.len()
+    }
+
+    pub fn ifname(&self, port: usize) -> &str {
+        &self.ports[port].ifname
+    }
+
+    /// The socket of `port`, to put in the XDP program's XSKMAP.
+    pub fn fd(&self, port: usize) -> RawFd {
+        self.ports[port].rx.fd().as_raw_fd()
+    }
+
+    /// Receives up to [`BATCH`] frames from `port` into `out`; returns how many.
+    pub fn recv(&mut self, port: usize, out: &mut Vec<Frame>) -> usize {
+        let p = &mut self.ports[port];
+        // SAFETY: `scratch` only receives descriptors; the frames the RX ring hands out
+        // are owned by userspace from here on, and each is wrapped in exactly one Frame.
+        let n = unsafe { p.rx.consume(&mut self.scratch) };
+        p.in_fill = p.in_fill.saturating_sub(n);
+        out.extend(self.scratch[..n].iter().map(|&desc| Frame { desc, port }));
+        n
+    }
+
+    /// The packet bytes of a frame (its current length).
+    pub fn bytes<'a>(&'a self, f: &'a mut Frame) -> &'a mut [u8] {
+        // SAFETY: `f` is the only handle to this frame (Frame is neither Clone nor Copy
+        // and frames on a ring have no Frame), so this is the only reference to its bytes.
+        let mut d = unsafe { self.umem.data_mut(&mut f.desc) };
+        let len = d.contents().len();
+        // Re-borrow for 'a: `d` borrows from self.umem and f.desc for 'a.
+        let ptr = d.contents_mut().as_mut_ptr();
+        // SAFETY: ptr/len come from the frame's data segment just borrowed for 'a; no
+        // other reference to it exists (see above).
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+
+    /// Sets a frame's packet length (up to the frame's data room).
+    pub fn set_len(&self, f: &mut Frame, len: usize) {
+        let len = len.min(self.frame_capacity);
+        // SAFETY: as in `bytes`: `f` is the frame's only handle.
+        let mut d = unsafe { self.umem.data_mut(&mut f.desc) };
+        d.cursor().set_pos(len);
+    }
+
+    /// Room for packet data in a frame.
+    pub fn frame_capacity(&self) -> usize {
+        self.frame_capacity
+    }
+
+    /// A free frame for a generated packet (an answer, a handed-off packet), if any.
+    pub fn alloc(&mut self) -> Option<Frame> {
+        if self.free.is_empty() {
+            self.reap();
+        }
+        self.free.pop().map(|desc| Frame { desc, port: 0 })
+    }
+
+    /// Gives a frame back (its packet is dropped).
+    pub fn recycle(&mut self, f: Frame) {
+        self.free.push(f.desc);
+    }
+
+    /// Queues a frame for transmission on `port` (sent by [`WorkerIo::flush`]).
+    pub fn send(&mut self, port: usize, f: Frame) {
+        self.ports[port].tx_pending.push(f.desc);
+        if self.ports[port].tx_pending.len() >= BATCH {
+            self.flush_port(port);
+        }
+    }
+
+    fn flush_port(&mut self, port: usize) {
+        let p = &mut self.ports[port];
+        if p.tx_pending.is_empty() {
+            return;
+        }
+        let room = p.tx.nb_free(p.tx_pending.len() as u32) as usize;
+        let n = room.min(p.tx_pending.len());
+        if n > 0 {
+            // SAFETY: the descriptors in tx_pending are frames of this UMEM owned by
+            // userspace (moved out of their Frame tokens) and on no ring.
+            let done = unsafe { p.tx.produce(&p.tx_pending[..n]) };
+            p.tx_pending.drain(..done);
+        }
+        if p.tx.needs_wakeup() {
+            // Copy mode: a sendto() makes the kernel transmit. Transient errors (EAGAIN,
+            // ENOBUFS) leave the frames on the ring for the next kick.
+            let _ = p.tx.wakeup();
+        }
+    }
+
+    /// Sends everything queued, reaps completed transmissions and tops the fill rings up.
+    pub fn flush(&mut self) {
+        for i in 0..self.ports.len() {
+            self.flush_port(i);
+        }
+        self.reap();
+        for i in 0..self.ports.len() {
+            self.refill(i);
+        }
+    }
+
+    fn reap(&mut self) {
+        for p in &mut self.ports {
+            loop {
+                // SAFETY: completed descriptors are frames the kernel has finished with;
+                // they go back to the free list, owned by userspace.
+                let n = unsafe { p.cq.consume(&mut self.scratch) };
+                if n == 0 {
+                    break;
+                }
+                self.free.extend_from_slice(&self.scratch[..n]);
+            }
+        }
+    }
+
+    fn refill(&mut self, port: usize) {
+        let share = self.free.len().saturating_sub(self.reserve);
+        let p = &mut self.ports[port];
+        let want = self.fill_target.saturating_sub(p.in_fill);
+        if share == 0 || want == 0 {
+            return;
+        }
+        let room = p.fq.nb_free(want as u32) as usize;
+        let n = room.min(share).min(want);
+        if n == 0 {
+            return;
+        }
+        let start = self.free.len() - n;
+        // SAFETY: frames in `free` are owned by userspace and on no ring.
+        let done = unsafe { p.fq.produce(&self.free[start..]) };
+        if done > 0 {
+            self.free.truncate(self.free.len() - done);
+            p.in_fill += done;
+        }
+        if p.fq.needs_wakeup() {
+            let _ = p.fq.wakeup(p.rx.fd_mut(), 0);
+        }
+    }
+
+    /// Kernel statistics of `port`'s socket.
+    pub fn stats(&self, port: usize) -> PortStats {
+        match self.ports[port].rx.fd().xdp_statistics() {
+            Ok(s) => PortStats {
+                rx_dropped: s.rx_dropped(),
+                rx_ring_full: s.rx_ring_full(),
+                rx_fill_ring_empty: s.rx_fill_ring_empty_descs(),
+                tx_invalid: s.tx_invalid_descs(),
+                tx_ring_empty: s.tx_ring_empty_descs(),
+            },
+            Err(_) => PortStats::default(),
+        }
+    }
+
+    /// Frames owned by userspace and not queued anywhere.
+    pub fn free_frames(&self) -> usize {
+        self.free.len()
+    }
+
+    /// All sockets' descriptors (for `poll`).
+    pub fn fds(&self) -> Vec<RawFd> {
+        (0..self.ports.len()).map(|i| self.fd(i)).collect()
+    }
+}

@@ -1,0 +1,533 @@
+//! End to end: real TCP and UDP connections across network namespaces through a running
+//! `kxp run` (AF_XDP sockets, the XDP steering program, the FIB mirror), as root.
+//!
+//! Topology per test (names carry a per-run suffix; addresses from 198.18.0.0/15 and
+//! 2001:db8::/32 only; everything removed on drop, also when an assertion fails):
+//!
+//! ```text
+//!  client 198.18.1.2 ──veth── 198.18.1.1 node (kxp) 198.18.2.1 ──veth── 198.18.2.2 web-1
+//!                                                    198.18.2.5 ──veth── 198.18.2.6 web-2
+//!                                                    198.18.2.9 ──veth── 198.18.2.10 web-3
+//! ```
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use controlplane::demo::{
+    Backend, KxpProcess, VIP, http_get, spawn_in, state_yaml_with, wait_healthy,
+};
+use controlplane::netns::{Topology, in_ns};
+
+const WEB: [&str; 3] = ["198.18.2.2", "198.18.2.6", "198.18.2.10"];
+const NODE_SIDE: [&str; 3] = ["198.18.2.1/30", "198.18.2.5/30", "198.18.2.9/30"];
+const POD_SIDE: [&str; 3] = ["198.18.2.2/30", "198.18.2.6/30", "198.18.2.10/30"];
+
+fn kxp_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("KXP_BIN") {
+        return PathBuf::from(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kxp");
+    assert!(
+        p.exists(),
+        "{} not found: run `cargo build -p controlplane` first",
+        p.display()
+    );
+    p
+}
+
+fn require_root() {
+    assert!(
+        dataplane::sys::is_root(),
+        "the end-to-end tests create network namespaces and attach XDP programs: run them as root"
+    );
+}
+
+struct Lab {
+    // Field order = drop order: kxp first, then servers, then namespaces.
+    kxp: Option<KxpProcess>,
+    servers: Vec<Backend>,
+    stop: Arc<AtomicBool>,
+    topo: Topology,
+    client: String,
+    node: String,
+    backends: Vec<String>,
+    dir: PathBuf,
+    generation: u32,
+}
+
+struct Opts<'a> {
+    prefix: &'a str,
+    queues: u32,
+    workers: usize,
+    cluster_cidr: &'a str,
+    extra_spec: &'a str,
+    endpoints: usize,
+}
+
+impl Default for Opts<'_> {
+    fn default() -> Self {
+        Opts {
+            prefix: "kxe",
+            queues: 1,
+            workers: 1,
+            cluster_cidr: "198.18.2.0/24",
+            extra_spec: "",
+            endpoints: 3,
+        }
+    }
+}
+
+impl Lab {
+    fn new(o: Opts<'_>) -> Lab {
+        require_root();
+        let mut topo = Topology::new(o.prefix);
+        let client = topo.add_ns("client").unwrap();
+        let node = topo.add_ns("node").unwrap();
+        topo.forwarding(&node).unwrap();
+        let link = |topo: &Topology, a: (&str, &str, &str), b: (&str, &str, &str)| {
+            if o.queues > 1 {
+                topo.link_multiqueue(a, b, o.queues).unwrap()
+            } else {
+                topo.link(a, b).unwrap()
+            }
+        };
+        link(
+            &topo,
+            (&node, "n-client", "198.18.1.1/24"),
+            (&client, "eth0", "198.18.1.2/24"),
+        );
+        in_ns(
+            &client,
+            &["ip", "route", "add", "default", "via", "198.18.1.1"],
+        )
+        .unwrap();
+        let mut backends = Vec::new();
+        let mut args: Vec<String> = vec!["--interface".into(), "n-client".into()];
+        for i in 0..3 {
+            let ns = topo.add_ns(&format!("web{}", i + 1)).unwrap();
+            let dev = format!("n-web{}", i + 1);
+            link(
+                &topo,
+                (&node, &dev, NODE_SIDE[i]),
+                (&ns, "eth0", POD_SIDE[i]),
+            );
+            let gw = NODE_SIDE[i].split('/').next().unwrap();
+            in_ns(&ns, &["ip", "route", "add", "default", "via", gw]).unwrap();
+            args.push("--interface".into());
+            args.push(dev);
+            backends.push(ns);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let names = ["web-1", "web-2", "web-3"];
+        let servers = backends
+            .iter()
+            .zip(names)
+            .map(|(ns, n)| Backend::start(ns, n, stop.clone()).unwrap())
+            .collect();
+
+        let dir = std::env::temp_dir().join(format!("{}-{}", o.prefix, std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let state = dir.join("state.yaml");
+        std::fs::write(&state, state_yaml_with(&WEB[..o.endpoints], o.extra_spec)).unwrap();
+        let config = dir.join("kube-proxy.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: \"{}\"\nhostnameOverride: node-a\n",
+                o.cluster_cidr
+            ),
+        )
+        .unwrap();
+        args.extend(
+            [
+                "--state-file",
+                state.to_str().unwrap(),
+                "--config",
+                config.to_str().unwrap(),
+                "--healthz-bind-address",
+                "127.0.0.1:10256",
+                "--workers",
+                &o.workers.to_string(),
+            ]
+            .map(String::from),
+        );
+        let mut kxp =
+            KxpProcess::spawn_exe(&kxp_bin(), &node, &args, &dir.join("kxp.log")).unwrap();
+        wait_healthy(
+            &node,
+            "127.0.0.1:10256".parse().unwrap(),
+            Duration::from_secs(30),
+            &mut kxp,
+        )
+        .unwrap();
+        Lab {
+            kxp: Some(kxp),
+            servers,
+            stop,
+            topo,
+            client,
+            node,
+            backends,
+            dir,
+            generation: 2,
+        }
+    }
+
+    fn in_client<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        spawn_in(&self.client, f).join().unwrap().unwrap()
+    }
+
+    fn in_ns<T: Send + 'static>(&self, ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        spawn_in(ns, f).join().unwrap().unwrap()
+    }
+
+    fn log(&self) -> String {
+        self.kxp.as_ref().map(|k| k.log_text()).unwrap_or_default()
+    }
+
+    /// Rewrites the state file and waits until kxp applied it.
+    fn set_endpoints(&mut self, eps: &[&str], extra_spec: &str) {
+        std::fs::write(
+            self.dir.join("state.yaml"),
+            state_yaml_with(eps, extra_spec),
+        )
+        .unwrap();
+        self.generation += 1;
+        let want = format!("(generation {}", self.generation);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.log().contains(&want) {
+            assert!(
+                Instant::now() < deadline,
+                "kxp did not apply the change:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `n` HTTP connections from the client to `addr`; (backend name → count, peers seen).
+    fn http_spread(
+        &self,
+        addr: SocketAddr,
+        n: usize,
+    ) -> (BTreeMap<String, usize>, Vec<String>, usize) {
+        self.in_client(move || {
+            let mut spread = BTreeMap::new();
+            let mut peers = Vec::new();
+            let mut failed = 0;
+            for _ in 0..n {
+                match http_get(addr, Duration::from_secs(3)) {
+                    Ok(body) if !body.is_empty() => {
+                        let mut w = body.split_whitespace();
+                        *spread
+                            .entry(w.next().unwrap_or("").to_string())
+                            .or_insert(0) += 1;
+                        peers.push(w.next().unwrap_or("").to_string());
+                    }
+                    _ => failed += 1,
+                }
+            }
+            (spread, peers, failed)
+        })
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if let Some(mut k) = self.kxp.take() {
+            k.terminate();
+        }
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for s in self.servers.drain(..) {
+            s.join();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = &self.topo;
+    }
+}
+
+/// Each of 3 backends gets a share consistent with uniform random: within 5 standard
+/// deviations of n/3 (binomial).
+fn assert_uniform(spread: &BTreeMap<String, usize>, n: usize) {
+    let p = 1.0 / 3.0;
+    let sd = (n as f64 * p * (1.0 - p)).sqrt();
+    let lo = (n as f64 * p - 5.0 * sd).floor() as usize;
+    let hi = (n as f64 * p + 5.0 * sd).ceil() as usize;
+    assert_eq!(spread.len(), 3, "every backend should be used: {spread:?}");
+    for (k, v) in spread {
+        assert!(
+            (lo..=hi).contains(v),
+            "{k}: {v} of {n}, expected {lo}..={hi}: {spread:?}"
+        );
+    }
+}
+
+fn vip(port: u16) -> SocketAddr {
+    format!("{VIP}:{port}").parse().unwrap()
+}
+
+#[test]
+fn cluster_ip_tcp_and_udp_spread_and_answer_from_the_vip() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe1",
+        ..Default::default()
+    });
+    let (spread, peers, failed) = lab.http_spread(vip(80), 300);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_uniform(&spread, 300);
+    // The client is outside the cluster CIDR: masqueraded, backends see the node.
+    assert!(
+        peers.iter().all(|p| p.starts_with("198.18.2.")),
+        "{peers:?}"
+    );
+
+    // UDP: 300 flows (one socket each), answers come back from the VIP.
+    let (spread, bad) = lab.in_client(|| {
+        let mut spread = BTreeMap::<String, usize>::new();
+        let mut bad = 0;
+        for _ in 0..300 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s.send_to(b"?", vip(9)).unwrap();
+            let mut buf = [0u8; 64];
+            match s.recv_from(&mut buf) {
+                Ok((n, from)) if from == vip(9) => {
+                    *spread
+                        .entry(String::from_utf8_lossy(&buf[..n]).into_owned())
+                        .or_insert(0) += 1
+                }
+                _ => bad += 1,
+            }
+        }
+        (spread, bad)
+    });
+    assert_eq!(
+        bad,
+        0,
+        "UDP answers must come from the VIP: {spread:?}\n{}",
+        lab.log()
+    );
+    assert_uniform(&spread, 300);
+}
+
+#[test]
+fn snat_only_for_clients_outside_the_cluster_cidr() {
+    // Client inside the cluster CIDR: no SNAT, the backend sees the client's address.
+    let lab = Lab::new(Opts {
+        prefix: "kxe2",
+        cluster_cidr: "198.18.0.0/16",
+        ..Default::default()
+    });
+    let (_, peers, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert!(peers.iter().all(|p| p == "198.18.1.2"), "{peers:?}");
+}
+
+#[test]
+fn hairpin_backend_reaches_itself_through_the_vip() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe3",
+        endpoints: 1,
+        ..Default::default()
+    });
+    let web1 = lab.backends[0].clone();
+    let body = lab.in_ns(&web1, || http_get(vip(80), Duration::from_secs(3)));
+    let body = body.expect("hairpin connection");
+    // web-1 answered, and saw the node (198.18.2.1), not itself.
+    assert_eq!(body, "web-1 198.18.2.1", "{}", lab.log());
+}
+
+#[test]
+fn node_port_and_external_traffic_policy_local() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe4",
+        ..Default::default()
+    });
+    let np: SocketAddr = "198.18.1.1:30080".parse().unwrap();
+    let (spread, peers, failed) = lab.http_spread(np, 60);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 3);
+    assert!(
+        peers.iter().all(|p| p.starts_with("198.18.2.")),
+        "Cluster policy masquerades: {peers:?}"
+    );
+    lab.set_endpoints(&WEB, "  externalTrafficPolicy: Local\n");
+    let (_, peers, failed) = lab.http_spread(np, 30);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert!(
+        peers.iter().all(|p| p == "198.18.1.2"),
+        "Local keeps the client address: {peers:?}"
+    );
+}
+
+#[test]
+fn no_endpoints_is_refused_at_once() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe5",
+        endpoints: 0,
+        ..Default::default()
+    });
+    let (tcp, udp) = lab.in_client(|| {
+        let t = Instant::now();
+        let r = TcpStream::connect_timeout(&vip(80), Duration::from_secs(3));
+        let tcp = (r.err().map(|e| e.kind()), t.elapsed());
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(vip(9)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let t = Instant::now();
+        s.send(b"?").unwrap();
+        let mut buf = [0u8; 16];
+        let udp = (s.recv(&mut buf).err().map(|e| e.kind()), t.elapsed());
+        (tcp, udp)
+    });
+    assert_eq!(
+        tcp.0,
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "{}",
+        lab.log()
+    );
+    assert!(
+        tcp.1 < Duration::from_millis(100),
+        "TCP refused after {:?}",
+        tcp.1
+    );
+    assert_eq!(
+        udp.0,
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "{}",
+        lab.log()
+    );
+    assert!(
+        udp.1 < Duration::from_millis(100),
+        "UDP refused after {:?}",
+        udp.1
+    );
+}
+
+#[test]
+fn endpoint_removed_while_connections_are_open() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe6",
+        ..Default::default()
+    });
+    // Long-lived TCP connections until every backend has one.
+    let mut conns: BTreeMap<String, TcpStream> = BTreeMap::new();
+    let client = lab.client.clone();
+    let opened: Vec<(String, TcpStream)> = spawn_in(&client, || {
+        let mut v = Vec::new();
+        for _ in 0..60 {
+            let mut s = TcpStream::connect_timeout(&vip(7), Duration::from_secs(3)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            s.write_all(b"hi").unwrap();
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf).unwrap();
+            let name = String::from_utf8_lossy(&buf[..n])
+                .split(':')
+                .next()
+                .unwrap()
+                .to_string();
+            v.push((name, s));
+        }
+        v
+    })
+    .join()
+    .unwrap()
+    .unwrap();
+    for (name, s) in opened {
+        conns.entry(name).or_insert(s);
+    }
+    assert_eq!(conns.len(), 3, "{}", lab.log());
+    // A UDP flow (fixed source port) to web-1.
+    let udp = lab.in_client(|| {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s
+    });
+    let find_udp_to_web1 = |lab: &Lab| -> UdpSocket {
+        lab.in_client(|| {
+            loop {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                s.send_to(b"?", vip(9)).unwrap();
+                let mut buf = [0u8; 16];
+                let (n, _) = s.recv_from(&mut buf).unwrap();
+                if &buf[..n] == b"web-1" {
+                    break s;
+                }
+            }
+        })
+    };
+    drop(udp);
+    let udp = find_udp_to_web1(&lab);
+
+    // web-1 goes away.
+    lab.set_endpoints(&WEB[1..], "");
+    // New connections avoid it.
+    let (spread, _, failed) = lab.http_spread(vip(80), 60);
+    assert_eq!(failed, 0);
+    assert!(!spread.contains_key("web-1"), "{spread:?}");
+    // The UDP flow to it was cleared: the same socket now reaches a surviving endpoint.
+    udp.send_to(b"?", vip(9)).unwrap();
+    let mut buf = [0u8; 16];
+    let (n, _) = udp
+        .recv_from(&mut buf)
+        .expect("answer after the endpoint left");
+    assert_ne!(&buf[..n], b"web-1");
+    // Established TCP connections to surviving endpoints are untouched.
+    for name in ["web-2", "web-3"] {
+        let s = conns.get_mut(name).unwrap();
+        s.write_all(b"again").unwrap();
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).unwrap();
+        assert_eq!(&buf[..n], format!("{name}:again").as_bytes());
+    }
+}
+
+#[test]
+fn two_workers_on_two_queue_veths() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe7",
+        queues: 2,
+        workers: 2,
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 300);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_uniform(&spread, 300);
+    let (_, peers, failed) = lab.http_spread("198.18.1.1:30080".parse().unwrap(), 30);
+    assert_eq!(failed, 0);
+    assert!(peers.iter().all(|p| p.starts_with("198.18.2.")));
+}
+
+#[test]
+fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe8",
+        ..Default::default()
+    });
+    // A plain TCP service of the node itself, on another port.
+    let node = lab.node.clone();
+    let listener = lab.in_ns(&node, || {
+        std::net::TcpListener::bind("198.18.1.1:2222").unwrap()
+    });
+    let ok = lab.in_client(|| {
+        TcpStream::connect_timeout(&"198.18.1.1:2222".parse().unwrap(), Duration::from_secs(2))
+            .is_ok()
+    });
+    assert!(ok, "a non-service port of the node must still answer");
+    drop(listener);
+    let ping = in_ns(&lab.client, &["ping", "-c", "2", "-W", "1", "198.18.1.1"]);
+    assert!(ping.is_ok(), "ping to the node: {ping:?}");
+    // Stop kxp: it exits 0 and leaves no XDP program behind.
+    let code = lab.kxp.as_mut().unwrap().terminate();
+    assert_eq!(code, Some(0), "{}", lab.log());
+    let links = in_ns(&lab.node, &["ip", "-d", "link", "show"]).unwrap();
+    let text = String::from_utf8_lossy(&links.stdout);
+    assert!(!text.contains("prog/xdp"), "{text}");
+    lab.kxp = None;
+}
