@@ -67,6 +67,8 @@ struct Opts<'a> {
     cluster_cidr: &'a str,
     extra_spec: &'a str,
     endpoints: usize,
+    /// Also give every link IPv6 addresses (2001:db8::/32) and use this state instead.
+    ipv6_state: Option<String>,
 }
 
 impl Default for Opts<'_> {
@@ -78,6 +80,7 @@ impl Default for Opts<'_> {
             cluster_cidr: "198.18.2.0/24",
             extra_spec: "",
             endpoints: 3,
+            ipv6_state: None,
         }
     }
 }
@@ -106,6 +109,24 @@ impl Lab {
             &["ip", "route", "add", "default", "via", "198.18.1.1"],
         )
         .unwrap();
+        let v6 = o.ipv6_state.is_some();
+        if v6 {
+            add6(&node, "n-client", "2001:db8:1::1/64");
+            add6(&client, "eth0", "2001:db8:1::2/64");
+            in_ns(
+                &client,
+                &[
+                    "ip",
+                    "-6",
+                    "route",
+                    "add",
+                    "default",
+                    "via",
+                    "2001:db8:1::1",
+                ],
+            )
+            .unwrap();
+        }
         let mut backends = Vec::new();
         let mut args: Vec<String> = vec!["--interface".into(), "n-client".into()];
         for i in 0..3 {
@@ -118,6 +139,12 @@ impl Lab {
             );
             let gw = NODE_SIDE[i].split('/').next().unwrap();
             in_ns(&ns, &["ip", "route", "add", "default", "via", gw]).unwrap();
+            if v6 {
+                add6(&node, &dev, &format!("2001:db8:2:{}::1/64", i + 1));
+                add6(&ns, "eth0", &format!("2001:db8:2:{}::2/64", i + 1));
+                let gw6 = format!("2001:db8:2:{}::1", i + 1);
+                in_ns(&ns, &["ip", "-6", "route", "add", "default", "via", &gw6]).unwrap();
+            }
             args.push("--interface".into());
             args.push(dev);
             backends.push(ns);
@@ -133,7 +160,11 @@ impl Lab {
         let dir = std::env::temp_dir().join(format!("{}-{}", o.prefix, std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let state = dir.join("state.yaml");
-        std::fs::write(&state, state_yaml_with(&WEB[..o.endpoints], o.extra_spec)).unwrap();
+        let text = match &o.ipv6_state {
+            Some(t) => t.clone(),
+            None => state_yaml_with(&WEB[..o.endpoints], o.extra_spec),
+        };
+        std::fs::write(&state, text).unwrap();
         let config = dir.join("kube-proxy.yaml");
         std::fs::write(
             &config,
@@ -235,6 +266,11 @@ impl Lab {
             (spread, peers, failed)
         })
     }
+}
+
+/// An IPv6 address on a device, without duplicate-address detection (usable at once).
+fn add6(ns: &str, dev: &str, cidr: &str) {
+    in_ns(ns, &["ip", "-6", "addr", "add", cidr, "dev", dev, "nodad"]).unwrap();
 }
 
 impl Drop for Lab {
@@ -502,6 +538,12 @@ fn two_workers_on_two_queue_veths() {
     let (_, peers, failed) = lab.http_spread("198.18.1.1:30080".parse().unwrap(), 30);
     assert_eq!(failed, 0);
     assert!(peers.iter().all(|p| p.starts_with("198.18.2.")));
+    let mut lab = lab;
+    assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
+    let log = lab.log();
+    let totals = log.lines().find(|l| l.contains("totals:")).unwrap_or("");
+    println!("two workers: {totals}");
+    assert!(totals.contains("handoffs"), "{log}");
 }
 
 #[test]
@@ -530,4 +572,77 @@ fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
     let text = String::from_utf8_lossy(&links.stdout);
     assert!(!text.contains("prog/xdp"), "{text}");
     lab.kxp = None;
+}
+
+const V6_STATE: &str = r#"apiVersion: v1
+kind: Service
+metadata: {name: web6, namespace: demo}
+spec:
+  clusterIP: "2001:db8:ffff::10"
+  clusterIPs: ["2001:db8:ffff::10"]
+  ipFamilies: [IPv6]
+  ports:
+  - {name: http, port: 80, targetPort: 8081, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-a
+  namespace: demo
+  labels: {kubernetes.io/service-name: web6}
+addressType: IPv6
+ports: [{name: http, port: 8081, protocol: TCP}]
+endpoints:
+- addresses: ["2001:db8:2:1::2"]
+- addresses: ["2001:db8:2:2::2"]
+- addresses: ["2001:db8:2:3::2"]
+"#;
+
+#[test]
+fn ipv6_cluster_ip_with_tcp() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe9",
+        ipv6_state: Some(V6_STATE.to_string()),
+        ..Default::default()
+    });
+    let vip6: SocketAddr = "[2001:db8:ffff::10]:80".parse().unwrap();
+    // The backends' HTTP servers are IPv4; give each an IPv6 one on 8081.
+    let stop = lab.stop.clone();
+    let mut servers = Vec::new();
+    for (ns, name) in lab.backends.iter().zip(["web-1", "web-2", "web-3"]) {
+        let stop = stop.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        servers.push(spawn_in(ns, move || {
+            let l = std::net::TcpListener::bind("[::]:8081").unwrap();
+            l.set_nonblocking(true).unwrap();
+            tx.send(()).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok((mut s, peer)) = l.accept() {
+                    s.set_nonblocking(false).unwrap();
+                    let mut buf = [0u8; 256];
+                    let _ = s.read(&mut buf);
+                    let body = format!("{name} {}\n", peer.ip());
+                    let _ = write!(
+                        s,
+                        "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                } else {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }));
+        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    }
+    let (spread, peers, failed) = lab.http_spread(vip6, 90);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 3, "{spread:?}");
+    // The cluster CIDR is IPv4 only, so IPv6 has no local-traffic detector and kube-proxy
+    // does not masquerade ClusterIP traffic: the backend sees the client, and its answers
+    // find the way back through the DNAT-only reply path.
+    assert!(peers.iter().all(|p| p == "2001:db8:1::2"), "{peers:?}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in servers {
+        let _ = s.join();
+    }
 }
