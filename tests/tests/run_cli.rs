@@ -1,0 +1,118 @@
+//! `kxp run` and `kxp cleanup` refuse what they cannot do with a clear message and exit
+//! status 2, before touching anything.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn kxp_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("KXP_BIN") {
+        return PathBuf::from(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kxp");
+    assert!(
+        p.exists(),
+        "{} not found: run `cargo build -p controlplane` first",
+        p.display()
+    );
+    p
+}
+
+fn fixture(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// Runs kxp; (exit code, stderr).
+fn kxp(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(kxp_bin()).args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn unknown_interface_is_named() {
+    let state = fixture("web.yaml");
+    let (code, err) = kxp(&[
+        "run",
+        "--interface",
+        "kxp-no-such-if0",
+        "--state-file",
+        &state,
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("interface kxp-no-such-if0 not found"), "{err}");
+    assert!(err.contains("--interface NAME"), "{err}");
+}
+
+#[test]
+fn too_many_workers_for_the_queues_says_what_to_do() {
+    let state = fixture("web.yaml");
+    // The loopback interface has one receive queue.
+    let (code, err) = kxp(&[
+        "run",
+        "--interface",
+        "lo",
+        "--state-file",
+        &state,
+        "--workers",
+        "2",
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("receive queue"), "{err}");
+    assert!(err.contains("--workers 1"), "{err}");
+}
+
+#[test]
+fn invalid_state_file_at_start_is_refused() {
+    let dir = std::env::temp_dir().join(format!("kxp-run-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec:\n  ports: [{port: many}]\n",
+    )
+    .unwrap();
+    let (code, err) = kxp(&[
+        "run",
+        "--interface",
+        "lo",
+        "--state-file",
+        bad.to_str().unwrap(),
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("spec.ports[0].port"), "{err}");
+}
+
+#[test]
+fn missing_state_file_flag_is_a_usage_error() {
+    let (code, err) = kxp(&["run", "--interface", "lo"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--state-file"), "{err}");
+}
+
+#[test]
+fn cleanup_of_a_clean_interface_reports_nothing_removed() {
+    let out = Command::new(kxp_bin())
+        .args(["cleanup", "--interface", "lo"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("0 interface(s) cleaned"));
+}
