@@ -32,6 +32,31 @@ pub enum Command {
     Demo,
 }
 
+/// Flags that say which node kxp is on (shared by `run` and `trace`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeArgs {
+    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).
+    #[arg(long, value_name = "KUBE-PROXY-CONFIG.yaml")]
+    pub config: Option<PathBuf>,
+    /// This node's name (wins over the config file's hostnameOverride).
+    #[arg(long, value_name = "NODE")]
+    pub hostname_override: Option<String>,
+    /// A local address of the node (repeat for each; the first of each family is the
+    /// primary). `trace` without any uses the Node object's status.addresses; `run`
+    /// without any uses the host's addresses.
+    #[arg(long = "node-ip", value_name = "IP")]
+    pub node_ips: Vec<IpAddr>,
+}
+
+impl NodeArgs {
+    fn flags(&self) -> NodeFlags {
+        NodeFlags {
+            hostname_override: self.hostname_override.clone(),
+            node_ips: self.node_ips.clone(),
+        }
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// An interface to attach to (repeat: e.g. the uplink and the pods' veths).
@@ -40,15 +65,8 @@ pub struct RunArgs {
     /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML, watched for changes.
     #[arg(long, value_name = "STATE.yaml")]
     pub state_file: PathBuf,
-    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).
-    #[arg(long, value_name = "KUBE-PROXY-CONFIG.yaml")]
-    pub config: Option<PathBuf>,
-    /// This node's name (wins over the config file's hostnameOverride).
-    #[arg(long, value_name = "NODE")]
-    pub hostname_override: Option<String>,
-    /// The node's primary address(es); default: the host's addresses.
-    #[arg(long = "node-ip", value_name = "IP")]
-    pub node_ips: Vec<IpAddr>,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// Number of workers (one per queue, queues 0..N-1 of every interface).
     #[arg(long, value_name = "N", conflicts_with = "cpus")]
     pub workers: Option<usize>,
@@ -108,16 +126,8 @@ pub struct TraceArgs {
     /// `kind: List`, e.g. `kubectl get svc,endpointslices,nodes,servicecidrs -A -o yaml`).
     #[arg(long, value_name = "STATE.yaml")]
     pub state: PathBuf,
-    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1).
-    #[arg(long, value_name = "KUBE-PROXY-CONFIG.yaml")]
-    pub config: Option<PathBuf>,
-    /// This node's name (wins over the config file's hostnameOverride).
-    #[arg(long, value_name = "NODE")]
-    pub hostname_override: Option<String>,
-    /// A local address of the node (repeat for each; the first of each family is the
-    /// primary). Without any, the Node object's status.addresses are used.
-    #[arg(long = "node-ip", value_name = "IP")]
-    pub node_ips: Vec<IpAddr>,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// Source address of the packet.
     #[arg(long, value_name = "IP")]
     pub src: IpAddr,
@@ -162,11 +172,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => crate::run::run(crate::run::RunOptions {
             interfaces: args.interfaces,
             state_file: args.state_file,
-            config: args.config,
-            flags: NodeFlags {
-                hostname_override: args.hostname_override,
-                node_ips: args.node_ips,
-            },
+            config: args.node.config.clone(),
+            flags: args.node.flags(),
             workers: args.workers,
             cpus: args.cpus,
             healthz_bind_address: args.healthz_bind_address,
@@ -186,19 +193,17 @@ fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
         );
     }
     let cfg = args
+        .node
         .config
         .as_deref()
         .map(KubeProxyConfiguration::load)
         .transpose()?;
     let origin = args
+        .node
         .config
         .as_ref()
         .map_or_else(|| "flags".to_string(), |p| p.display().to_string());
-    let flags = NodeFlags {
-        hostname_override: args.hostname_override.clone(),
-        node_ips: args.node_ips.clone(),
-    };
-    let settings = node_settings(cfg.as_ref(), &flags, &origin)?;
+    let settings = node_settings(cfg.as_ref(), &args.node.flags(), &origin)?;
     let state = load_state(&args.state)?;
     let built = nat::k8s::build(&state, &settings, 1)
         .map_err(|e| anyhow::anyhow!("state file {}: {e}", args.state.display()))?;

@@ -68,29 +68,12 @@ impl Topology {
         Ok(name)
     }
 
-    /// A veth pair between two namespaces, up, with an address on each end (CIDR form),
-    /// checksum and segmentation offloads off on the `b` side so packets on the wire
-    /// carry complete checksums (a real NIC computes them; a veth passes partial ones).
+    /// A veth pair between two namespaces, up, with an address on each end (CIDR form;
+    /// empty for none); checksum and segmentation offloads off on the `b` side so packets
+    /// on the wire carry complete checksums (a real NIC computes them; a veth passes
+    /// partial ones).
     pub fn link(&self, a: (&str, &str, &str), b: (&str, &str, &str)) -> io::Result<()> {
-        let (ns_a, dev_a, _) = a;
-        let (ns_b, dev_b, _) = b;
-        ip(&[
-            "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns",
-            ns_b,
-        ])?;
-        for (ns, dev, addr) in [a, b] {
-            if !addr.is_empty() {
-                ip(&["-n", ns, "addr", "add", addr, "dev", dev])?;
-            }
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-        }
-        let _ = in_ns(
-            ns_b,
-            &[
-                "ethtool", "-K", dev_b, "tx", "off", "tso", "off", "gso", "off",
-            ],
-        );
-        Ok(())
+        self.link_multiqueue(a, b, 1)
     }
 
     /// Like [`Topology::link`] with `queues` RX/TX queues on both ends.
@@ -102,7 +85,7 @@ impl Topology {
     ) -> io::Result<()> {
         let (ns_a, dev_a, _) = a;
         let (ns_b, dev_b, _) = b;
-        let q = queues.to_string();
+        let q = queues.max(1).to_string();
         ip(&[
             "link",
             "add",
