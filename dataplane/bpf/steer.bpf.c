@@ -11,6 +11,10 @@
  *  (c) (src, sport, proto) is an endpoint and dst is not a node address
  *      (replies of DNAT-only flows)                               [endpoints]
  *  (d) an ICMP/ICMPv6 error quoting a packet of a flow above
+ *  (e) any other TCP/UDP/SCTP packet to a ClusterIP (any port) or to an
+ *      address inside a Service CIDR: kxp rejects the first (no Service on
+ *      that port) and drops the second (unallocated), as kube-proxy does
+ *                                                 [cluster_ips, service_cidrs]
  * If no socket sits on the queue, bpf_redirect_map falls back to XDP_PASS
  * (fail-open). Userspace (dataplane::xdp) mirrors every layout below.
  */
@@ -42,6 +46,13 @@ struct addr_key {
 	__u8 addr[16];
 };
 
+/* LPM trie key: prefixlen in host byte order, then the address as in
+ * addr_key; an IPv4 CIDR a.b.c.d/n is ::ffff:a.b.c.d/(n + 96). */
+struct lpm_key {
+	__u32 prefixlen;
+	__u8 addr[16];
+};
+
 /* config[0]; host byte order. snat_hi == 0 disables rule (b). */
 struct steer_config {
 	__u16 snat_lo;
@@ -60,6 +71,7 @@ enum {
 	ST_MASQ_REPLY, /* rule (b) */
 	ST_DNAT_REPLY, /* rule (c) */
 	ST_ICMP_ERROR, /* rule (d) */
+	ST_CLUSTER_IP, /* rule (e) */
 	ST_MAX,
 };
 
@@ -92,6 +104,22 @@ struct {
 	__type(key, struct addr_key);
 	__type(value, __u8);
 } local_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct addr_key);
+	__type(value, __u8);
+} cluster_ips SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 256);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct lpm_key);
+	__type(value, __u8);
+} service_cidrs SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -223,9 +251,10 @@ static __always_inline int parse_ports(void *l4, void *end, struct tuple *t)
 	return 0;
 }
 
-/* Rules (a)-(c); returns the stats index of the rule, or 0. */
+/* Rules (a)-(c) and (e); returns the stats index of the rule, or 0. */
 static __always_inline __u32 match_flow(struct tuple *t, const struct steer_config *cfg)
 {
+	struct lpm_key cidr = { .prefixlen = 128 };
 	int dst_local;
 
 	if (bpf_map_lookup_elem(&frontends, &t->dst))
@@ -235,6 +264,11 @@ static __always_inline __u32 match_flow(struct tuple *t, const struct steer_conf
 		return ST_MASQ_REPLY;
 	if (!dst_local && bpf_map_lookup_elem(&endpoints, &t->src))
 		return ST_DNAT_REPLY;
+	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
+		return ST_CLUSTER_IP;
+	__builtin_memcpy(cidr.addr, t->dst.addr, 16);
+	if (bpf_map_lookup_elem(&service_cidrs, &cidr))
+		return ST_CLUSTER_IP;
 	return 0;
 }
 

@@ -282,12 +282,17 @@ impl Dataplane {
                 let _ = view.route(ep.addr.ip());
             }
         }
+        let cluster_ips: HashSet<IpAddr> = snap.ports.iter().map(|sp| sp.cluster_ip).collect();
+        let service_cidrs: HashSet<ipnet::IpNet> =
+            snap.node.service_cidrs.iter().copied().collect();
         let mut first_err = None;
         for s in &mut self.steering {
             for r in [
                 s.sync_local_addrs(&local).map(|_| ()),
                 s.sync_frontends(&frontends).map(|_| ()),
                 s.sync_endpoints(&endpoints).map(|_| ()),
+                s.sync_cluster_ips(&cluster_ips).map(|_| ()),
+                s.sync_service_cidrs(&service_cidrs).map(|_| ()),
             ] {
                 if let Err(e) = r {
                     first_err.get_or_insert(e);

@@ -12,7 +12,12 @@
 //!   port range;
 //! - (c) replies of DNAT-only flows: `(src, sport, proto)` in `endpoints` and dst
 //!   not a node address (the node's own traffic to a pod is left to the kernel);
-//! - (d) ICMP/ICMPv6 errors quoting a packet of such a flow.
+//! - (d) ICMP/ICMPv6 errors quoting a packet of such a flow;
+//! - (e) any other TCP/UDP/SCTP packet to a ClusterIP (`cluster_ips`, any port) or to
+//!   an address inside a Service CIDR (`service_cidrs`, an LPM trie): kube-proxy
+//!   rejects the first (no Service on that port) and drops the second (no Service owns
+//!   the address), and so does kxp's engine, which must see them for that. Pings and
+//!   other protocols to those addresses stay the kernel's.
 //!
 //! It is fail-open: with no socket in `xsks` for the queue (kxp starting, restarting or
 //! gone), matching packets go to the kernel too. Each [`Steering`] is its own program
@@ -44,6 +49,7 @@ use std::io;
 use std::net::IpAddr;
 use std::os::fd::{AsFd, OwnedFd, RawFd};
 
+use ipnet::IpNet;
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, Object, Program};
 
 pub use cleanup::cleanup_interface;
@@ -64,6 +70,10 @@ pub const MAX_FRONTENDS: usize = 262_144;
 pub const MAX_ENDPOINTS: usize = 262_144;
 /// Capacity of `local_addrs`.
 pub const MAX_LOCAL_ADDRS: usize = 1024;
+/// Capacity of `cluster_ips`.
+pub const MAX_CLUSTER_IPS: usize = 65_536;
+/// Capacity of `service_cidrs`.
+pub const MAX_SERVICE_CIDRS: usize = 256;
 
 /// XDP action values (`enum xdp_action`).
 pub const XDP_DROP: u32 = 1;
@@ -135,6 +145,8 @@ pub struct Steering {
     frontends: SyncedMap<SteerKey>,
     endpoints: SyncedMap<SteerKey>,
     local_addrs: SyncedMap<IpAddr>,
+    cluster_ips: SyncedMap<IpAddr>,
+    service_cidrs: SyncedMap<IpNet>,
 }
 
 impl fmt::Debug for Steering {
@@ -148,16 +160,18 @@ impl fmt::Debug for Steering {
 
 struct Loaded {
     prog: OwnedFd,
-    maps: [MapHandle; 6],
+    maps: [MapHandle; 8],
 }
 
-const MAP_NAMES: [&str; 6] = [
+const MAP_NAMES: [&str; 8] = [
     "xsks",
     "config",
     "stats",
     "frontends",
     "endpoints",
     "local_addrs",
+    "cluster_ips",
+    "service_cidrs",
 ];
 
 fn take_parts(obj: &Object) -> Result<Loaded, XdpError> {
@@ -185,8 +199,8 @@ fn take_parts(obj: &Object) -> Result<Loaded, XdpError> {
             source,
         })
     };
-    let [a, b, c, d, e, f] = MAP_NAMES.map(dup);
-    let maps = [a?, b?, c?, d?, e?, f?];
+    let [a, b, c, d, e, f, g, h] = MAP_NAMES.map(dup);
+    let maps = [a?, b?, c?, d?, e?, f?, g?, h?];
     Ok(Loaded { prog, maps })
 }
 
@@ -216,7 +230,16 @@ impl Steering {
         };
         let prog_id = Program::id_from_fd(loaded.prog.as_fd())
             .map_err(|source| XdpError::ProgInfo { source })?;
-        let [xsks, config, stats, frontends, endpoints, local_addrs] = loaded.maps;
+        let [
+            xsks,
+            config,
+            stats,
+            frontends,
+            endpoints,
+            local_addrs,
+            cluster_ips,
+            service_cidrs,
+        ] = loaded.maps;
         Ok(Steering {
             prog: loaded.prog,
             prog_id,
@@ -227,6 +250,8 @@ impl Steering {
             frontends: SyncedMap::new(frontends, "frontends"),
             endpoints: SyncedMap::new(endpoints, "endpoints"),
             local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
+            cluster_ips: SyncedMap::new(cluster_ips, "cluster_ips"),
+            service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
         })
     }
 
@@ -437,6 +462,33 @@ impl Steering {
     pub fn sync_local_addrs(&mut self, want: &HashSet<IpAddr>) -> Result<SyncStats, XdpError> {
         let canonical: HashSet<IpAddr> = want.iter().map(|a| a.to_canonical()).collect();
         self.local_addrs.sync(&canonical)
+    }
+
+    /// Makes `cluster_ips` hold exactly the ClusterIPs `want` (rule (e): TCP, UDP and SCTP
+    /// to them on any port, so that kxp rejects ports no Service serves); incremental, as
+    /// [`Steering::sync_frontends`]. IPv4-mapped IPv6 addresses count as their IPv4
+    /// address.
+    ///
+    /// # Errors
+    /// As [`Steering::sync_frontends`].
+    pub fn sync_cluster_ips(&mut self, want: &HashSet<IpAddr>) -> Result<SyncStats, XdpError> {
+        let canonical: HashSet<IpAddr> = want.iter().map(|a| a.to_canonical()).collect();
+        self.cluster_ips.sync(&canonical)
+    }
+
+    /// Makes `service_cidrs` hold exactly the Service CIDRs `want` (rule (e): TCP, UDP
+    /// and SCTP to any address inside one, so that kxp drops traffic to unallocated
+    /// ClusterIPs); incremental, as [`Steering::sync_frontends`]. Host bits are ignored
+    /// (`198.19.0.1/16` is `198.19.0.0/16`) and an IPv4-mapped IPv6 prefix of length 96
+    /// or more counts as its IPv4 prefix. IPv4 prefixes are stored v4-mapped, so an IPv6
+    /// prefix shorter than /96 that contains `::ffff:0:0` (such as `::/0`) covers IPv4
+    /// too.
+    ///
+    /// # Errors
+    /// As [`Steering::sync_frontends`].
+    pub fn sync_service_cidrs(&mut self, want: &HashSet<IpNet>) -> Result<SyncStats, XdpError> {
+        let canonical: HashSet<IpNet> = want.iter().map(|&n| key::canonical_net(n)).collect();
+        self.service_cidrs.sync(&canonical)
     }
 
     /// The counters, summed over CPUs.

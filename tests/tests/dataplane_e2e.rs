@@ -646,3 +646,54 @@ fn ipv6_cluster_ip_with_tcp() {
         let _ = s.join();
     }
 }
+
+#[test]
+fn cluster_ip_wrong_port_rejected_and_unallocated_dropped() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe10",
+        ..Default::default()
+    });
+    // The Service still answers on its own port.
+    let (_, _, failed) = lab.http_spread(vip(80), 10);
+    assert_eq!(failed, 0, "{}", lab.log());
+    let (wrong_port, unallocated) = lab.in_client(|| {
+        let connect = |to: &str| {
+            let to: SocketAddr = to.parse().unwrap();
+            let t = Instant::now();
+            let r = TcpStream::connect_timeout(&to, Duration::from_secs(1));
+            (r.err().map(|e| e.kind()), t.elapsed())
+        };
+        // No Service port 81 on the ClusterIP: kube-proxy rejects (TCP RST).
+        let wrong_port = connect("198.19.0.10:81");
+        // Inside the ServiceCIDR 198.19.0.0/16 but no Service owns it: dropped.
+        let unallocated = connect("198.19.0.99:80");
+        (wrong_port, unallocated)
+    });
+    assert_eq!(
+        wrong_port.0,
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "198.19.0.10:81 after {:?}\n{}",
+        wrong_port.1,
+        lab.log()
+    );
+    assert!(
+        wrong_port.1 < Duration::from_millis(100),
+        "TCP refused after {:?}",
+        wrong_port.1
+    );
+    assert!(
+        matches!(
+            unallocated.0,
+            Some(std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock)
+        ),
+        "198.19.0.99:80 must time out (dropped), got {:?} after {:?}\n{}",
+        unallocated.0,
+        unallocated.1,
+        lab.log()
+    );
+    assert!(
+        unallocated.1 >= Duration::from_millis(900),
+        "dropped, so only the 1 s timeout ends it: {:?}",
+        unallocated.1
+    );
+}

@@ -4,6 +4,8 @@
 use std::fmt;
 use std::net::IpAddr;
 
+use ipnet::{IpNet, Ipv4Net};
+
 use nat::tuple::Protocol;
 
 use super::sync::MapKey;
@@ -72,6 +74,37 @@ impl MapKey for IpAddr {
     fn to_bytes(&self) -> [u8; 16] {
         addr_bytes(*self)
     }
+}
+
+/// The 20-byte `struct lpm_key` of `service_cidrs`: the prefix length (host byte order),
+/// then the address as in [`addr_bytes`]; an IPv4 prefix is stored v4-mapped, its length
+/// plus 96.
+impl MapKey for IpNet {
+    type Bytes = [u8; 20];
+    fn to_bytes(&self) -> [u8; 20] {
+        let prefix_len = match self {
+            IpNet::V4(n) => u32::from(n.prefix_len()) + 96,
+            IpNet::V6(n) => u32::from(n.prefix_len()),
+        };
+        let mut k = [0u8; 20];
+        k[..4].copy_from_slice(&prefix_len.to_ne_bytes());
+        k[4..].copy_from_slice(&addr_bytes(self.addr()));
+        k
+    }
+}
+
+/// `net` as `service_cidrs` holds it: host bits cleared (the trie would take
+/// `10.0.0.1/8` and `10.0.0.0/8` for the same entry), and an IPv4-mapped IPv6 prefix of
+/// length 96 or more as its IPv4 prefix (the same bytes in the map).
+pub(super) fn canonical_net(net: IpNet) -> IpNet {
+    if let IpNet::V6(n) = net
+        && let Some(v4) = n.addr().to_ipv4_mapped()
+        && let Some(len) = n.prefix_len().checked_sub(96)
+        && let Ok(n4) = Ipv4Net::new(v4, len)
+    {
+        return IpNet::V4(n4.trunc());
+    }
+    net.trunc()
 }
 
 pub(super) fn addr_bytes(addr: IpAddr) -> [u8; 16] {

@@ -6,7 +6,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use super::XdpError;
 
 /// The program's counters, summed over CPUs. `seen == redirected + passed`; a packet
-/// that matched a rule counts once in exactly one of the four rule counters, and in
+/// that matched a rule counts once in exactly one of the five rule counters, and in
 /// `no_socket` too if the queue had no socket (it was then passed).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SteerStats {
@@ -22,6 +22,9 @@ pub struct SteerStats {
     pub dnat_reply: u64,
     /// Rule (d): an ICMP error about a translated flow.
     pub icmp_error: u64,
+    /// Rule (e): to a ClusterIP on a port no Service serves, or to an address inside a
+    /// Service CIDR that no Service owns (kxp rejects / drops them).
+    pub cluster_ip: u64,
 }
 
 impl SteerStats {
@@ -36,13 +39,14 @@ impl SteerStats {
             masq_reply: self.masq_reply.saturating_sub(earlier.masq_reply),
             dnat_reply: self.dnat_reply.saturating_sub(earlier.dnat_reply),
             icmp_error: self.icmp_error.saturating_sub(earlier.icmp_error),
+            cluster_ip: self.cluster_ip.saturating_sub(earlier.cluster_ip),
         }
     }
 }
 
 /// Reads and sums every counter of the `stats` map.
 pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
-    let mut c = [0u64; 8];
+    let mut c = [0u64; 9];
     for (idx, slot) in (0u32..).zip(c.iter_mut()) {
         let per_cpu = stats
             .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
@@ -68,6 +72,7 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         masq_reply,
         dnat_reply,
         icmp_error,
+        cluster_ip,
     ] = c;
     Ok(SteerStats {
         seen,
@@ -78,5 +83,6 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         masq_reply,
         dnat_reply,
         icmp_error,
+        cluster_ip,
     })
 }

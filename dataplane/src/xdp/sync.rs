@@ -1,4 +1,4 @@
-//! Incremental mirroring of a wanted key set into a BPF hash map: the kernel sees only
+//! Incremental mirroring of a wanted key set into a BPF map: the kernel sees only
 //! the difference from what was installed last, so one Service changing among 10k costs
 //! a handful of syscalls, not a rewrite.
 
@@ -27,7 +27,8 @@ pub(super) trait MapKey: Eq + Hash + Clone + fmt::Display {
     fn to_bytes(&self) -> Self::Bytes;
 }
 
-/// A BPF hash map (values: one byte, 1) and the key set this process installed in it.
+/// A BPF hash map or LPM trie (values: one byte, 1) and the key set this process
+/// installed in it.
 #[derive(Debug)]
 pub(super) struct SyncedMap<K> {
     map: MapHandle,

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::hash::Hash;
 use std::net::{IpAddr, SocketAddr};
 
+use ipnet::IpNet;
 use libbpf_rs::MapCore;
 use nat::rewrite::testutil::{self as pkt, Endpoints};
 use nat::tuple::{Protocol, Tuple};
@@ -31,6 +32,14 @@ fn port(a: SocketAddr, port: u16) -> SocketAddr {
 
 fn tuple(src: SocketAddr, dst: SocketAddr, p: Protocol) -> Tuple {
     Tuple::new(src, dst, p)
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+fn sock(s: &str) -> SocketAddr {
+    s.parse().unwrap()
 }
 
 fn frame(t: &Tuple) -> Vec<u8> {
@@ -379,6 +388,223 @@ fn truncated_frames_pass_without_reading_past_the_end() {
     assert!(
         matches!(err, XdpError::TestRunFrameSize { len: 13 }),
         "{err}"
+    );
+}
+
+#[test]
+fn cluster_ips_are_steered_on_every_port_but_pings_pass() {
+    let mut s = steering();
+    s.set_snat_range(SNAT.0, SNAT.1).unwrap();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
+        s.sync_endpoints(&set([key(e.backend, Protocol::Tcp)]))
+            .unwrap();
+        s.sync_cluster_ips(&set([e.vip.ip()])).unwrap();
+        // the frontend itself is still rule (a): (e) only catches what (a)-(c) leave
+        assert_eq!(
+            classify(&s, &frame(&e.original(Protocol::Tcp))),
+            Some(Rule::Frontend)
+        );
+        for p in PROTOS {
+            for dport in [81, 1, 65535] {
+                let t = tuple(e.client, port(e.vip, dport), p);
+                assert_eq!(classify(&s, &frame(&t)), Some(Rule::ClusterIp), "{p} {t}");
+            }
+            // the ClusterIP as source, and another address of the same range
+            assert_eq!(classify(&s, &frame(&tuple(e.vip, e.client, p))), None);
+            let other = SocketAddr::new(e.router, 81);
+            assert_eq!(classify(&s, &frame(&tuple(e.client, other, p))), None);
+        }
+        // replies from an endpoint stay rule (c)
+        let reply = tuple(e.backend, e.client, Protocol::Tcp);
+        assert_eq!(classify(&s, &frame(&reply)), Some(Rule::DnatReply));
+        // ping and other protocols to the ClusterIP are the kernel's
+        let ping = pkt::icmp_echo(e.client.ip(), e.vip.ip());
+        assert_eq!(classify(&s, &eth_ip(&ping)), None, "ping {e:?}");
+        if e.vip.is_ipv4() {
+            let mut gre = pkt::build_tuple(&tuple(e.client, port(e.vip, 81), Protocol::Udp), b"x");
+            gre[9] = 47;
+            assert_eq!(classify(&s, &eth_ip(&gre)), None, "GRE");
+        }
+        // gone from the set: passed again (the frontend stays)
+        s.sync_cluster_ips(&HashSet::new()).unwrap();
+        let t = tuple(e.client, port(e.vip, 81), Protocol::Udp);
+        assert_eq!(classify(&s, &frame(&t)), None);
+        assert_eq!(
+            classify(&s, &frame(&e.original(Protocol::Tcp))),
+            Some(Rule::Frontend)
+        );
+    }
+    // v4-mapped IPv6 is the IPv4 address
+    let e = Endpoints::v4();
+    let mapped: IpAddr = "::ffff:198.19.0.10".parse().unwrap();
+    s.sync_cluster_ips(&set([mapped, e.vip.ip()])).unwrap();
+    assert_eq!(s.cluster_ips.map().keys().count(), 1);
+    let t = tuple(e.client, port(e.vip, 81), Protocol::Tcp);
+    assert_eq!(classify(&s, &frame(&t)), Some(Rule::ClusterIp));
+}
+
+#[test]
+fn service_cidrs_steer_unallocated_addresses_of_their_family_only() {
+    let mut s = steering();
+    s.sync_service_cidrs(&set([net("198.19.0.0/16"), net("2001:db8:ffff::/112")]))
+        .unwrap();
+    let v4 = sock("198.18.0.1:40000");
+    let v6 = sock("[2001:db8::1]:40000");
+    for (client, dst, want) in [
+        (v4, "198.19.0.99:80", true),
+        (v4, "198.19.0.0:80", true),
+        (v4, "198.19.255.255:53", true),
+        (v4, "198.18.255.255:80", false),
+        (v4, "198.20.0.0:80", false),
+        (v4, "10.0.0.1:80", false),
+        (v6, "[2001:db8:ffff::99]:80", true),
+        (v6, "[2001:db8:ffff::ffff]:80", true),
+        (v6, "[2001:db8:ffff::1:0]:80", false),
+        (v6, "[2001:db8:fffe::99]:80", false),
+    ] {
+        for p in PROTOS {
+            let t = tuple(client, sock(dst), p);
+            let got = classify(&s, &frame(&t));
+            assert_eq!(got, want.then_some(Rule::ClusterIp), "{p} to {dst}");
+        }
+    }
+    // pings into the range pass
+    for dst in ["198.19.0.99", "2001:db8:ffff::99"] {
+        let dst: IpAddr = dst.parse().unwrap();
+        let src = if dst.is_ipv4() { v4.ip() } else { v6.ip() };
+        let ping = eth_ip(&pkt::icmp_echo(src, dst));
+        assert_eq!(classify(&s, &ping), None, "ping {dst}");
+    }
+    // IPv4 /0 covers every IPv4 address and no IPv6 one; exact /32 and /128
+    s.sync_service_cidrs(&set([net("0.0.0.0/0"), net("2001:db8:ffff::7/128")]))
+        .unwrap();
+    for (client, dst, want) in [
+        (v4, "203.0.113.9:443", true),
+        (v6, "[2001:db8:5::1]:443", false),
+        (v6, "[2001:db8:ffff::7]:443", true),
+        (v6, "[2001:db8:ffff::8]:443", false),
+    ] {
+        let t = tuple(client, sock(dst), Protocol::Tcp);
+        assert_eq!(
+            classify(&s, &frame(&t)),
+            want.then_some(Rule::ClusterIp),
+            "{dst}"
+        );
+    }
+    s.sync_service_cidrs(&set([net("198.19.0.10/32")])).unwrap();
+    let t = |dst| tuple(v4, sock(dst), Protocol::Udp);
+    assert_eq!(
+        classify(&s, &frame(&t("198.19.0.10:9"))),
+        Some(Rule::ClusterIp)
+    );
+    assert_eq!(classify(&s, &frame(&t("198.19.0.11:9"))), None);
+}
+
+#[test]
+fn cluster_ip_and_service_cidr_sync_is_incremental_and_canonical() {
+    let mut s = steering();
+    let v4 = sock("198.18.0.1:40000");
+    let to = |dst: &str| frame(&tuple(v4, sock(dst), Protocol::Tcp));
+
+    // service_cidrs: nested prefixes, host bits, v4-mapped, the key layout
+    let st = s
+        .sync_service_cidrs(&set([
+            net("198.19.0.0/16"),
+            net("198.19.5.0/24"),
+            net("2001:db8:ffff::/112"),
+        ]))
+        .unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 3,
+            removed: 0,
+            unchanged: 0
+        }
+    );
+    let st = s
+        .sync_service_cidrs(&set([
+            net("198.19.0.1/16"),         // host bits: the same prefix
+            net("::ffff:198.19.5.0/120"), // v4-mapped: 198.19.5.0/24
+            net("2001:db8:ffff::/112"),
+        ]))
+        .unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 0,
+            removed: 0,
+            unchanged: 3
+        }
+    );
+    let mut want_key = [0u8; 20];
+    want_key[..4].copy_from_slice(&(16u32 + 96).to_ne_bytes());
+    want_key[14..18].copy_from_slice(&[0xff, 0xff, 198, 19]);
+    let in_kernel: HashSet<Vec<u8>> = s.service_cidrs.map().keys().collect();
+    assert_eq!(in_kernel.len(), 3);
+    assert!(in_kernel.contains(&want_key[..]), "{in_kernel:?}");
+
+    // the /16 goes: the /24 inside it still matches, the rest of the /16 no more
+    let st = s
+        .sync_service_cidrs(&set([net("198.19.5.0/24"), net("2001:db8:ffff::/112")]))
+        .unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 0,
+            removed: 1,
+            unchanged: 2
+        }
+    );
+    assert_eq!(classify(&s, &to("198.19.5.1:80")), Some(Rule::ClusterIp));
+    assert_eq!(classify(&s, &to("198.19.6.1:80")), None);
+
+    let too_many = set((0..=MAX_SERVICE_CIDRS as u32)
+        .map(|i| IpNet::new(IpAddr::from((0x0a00_0000 + (i << 8)).to_be_bytes()), 24).unwrap()));
+    let err = s.sync_service_cidrs(&too_many).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            XdpError::MapFull {
+                map: "service_cidrs",
+                capacity: 256,
+                wanted: 257
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(s.service_cidrs.map().keys().count(), 2, "nothing touched");
+    let exactly = set(too_many.into_iter().take(MAX_SERVICE_CIDRS));
+    let st = s.sync_service_cidrs(&exactly).unwrap();
+    assert_eq!((st.added, st.removed), (256, 2));
+    assert_eq!(classify(&s, &to("10.0.7.7:80")), Some(Rule::ClusterIp));
+    assert_eq!(classify(&s, &to("198.19.5.1:80")), None);
+    assert_eq!(s.sync_service_cidrs(&HashSet::new()).unwrap().removed, 256);
+    assert_eq!(s.service_cidrs.map().keys().count(), 0);
+    assert_eq!(classify(&s, &to("10.0.7.7:80")), None);
+
+    // cluster_ips: only the difference
+    let ips: Vec<IpAddr> = (1..=3u8).map(|i| IpAddr::from([198, 19, 0, i])).collect();
+    assert_eq!(s.sync_cluster_ips(&set(ips.clone())).unwrap().added, 3);
+    let st = s
+        .sync_cluster_ips(&set([ips[0], ips[1], "2001:db8:ffff::10".parse().unwrap()]))
+        .unwrap();
+    assert_eq!(
+        st,
+        SyncStats {
+            added: 1,
+            removed: 1,
+            unchanged: 2
+        }
+    );
+    assert_eq!(s.cluster_ips.map().keys().count(), 3);
+    assert_eq!(classify(&s, &to("198.19.0.2:8080")), Some(Rule::ClusterIp));
+    assert_eq!(classify(&s, &to("198.19.0.3:8080")), None);
+    assert_eq!(s.cluster_ips.map().max_entries() as usize, MAX_CLUSTER_IPS);
+    assert_eq!(
+        s.service_cidrs.map().max_entries() as usize,
+        MAX_SERVICE_CIDRS
     );
 }
 

@@ -67,6 +67,7 @@ pub enum Rule {
     MasqReply,
     DnatReply,
     IcmpError,
+    ClusterIp,
 }
 
 /// Runs `frame` through the program (no socket in `xsks`) and returns the rule that
@@ -85,6 +86,7 @@ pub fn classify(s: &Steering, frame: &[u8]) -> Option<Rule> {
         (d.masq_reply, Rule::MasqReply),
         (d.dnat_reply, Rule::DnatReply),
         (d.icmp_error, Rule::IcmpError),
+        (d.cluster_ip, Rule::ClusterIp),
     ]
     .into_iter()
     .filter(|(n, _)| *n > 0)
