@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::PathBuf;
+
+use kxp_tests::kxp_bin;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
@@ -26,19 +28,6 @@ use controlplane::netns::{Topology, in_ns};
 const WEB: [&str; 3] = ["198.18.2.2", "198.18.2.6", "198.18.2.10"];
 const NODE_SIDE: [&str; 3] = ["198.18.2.1/30", "198.18.2.5/30", "198.18.2.9/30"];
 const POD_SIDE: [&str; 3] = ["198.18.2.2/30", "198.18.2.6/30", "198.18.2.10/30"];
-
-fn kxp_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("KXP_BIN") {
-        return PathBuf::from(p);
-    }
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kxp");
-    assert!(
-        p.exists(),
-        "{} not found: run `cargo build -p controlplane` first",
-        p.display()
-    );
-    p
-}
 
 fn require_root() {
     assert!(
@@ -696,4 +685,30 @@ fn cluster_ip_wrong_port_rejected_and_unallocated_dropped() {
         "dropped, so only the 1 s timeout ends it: {:?}",
         unallocated.1
     );
+}
+
+#[test]
+fn unreadable_edit_keeps_the_last_good_state() {
+    let lab = Lab::new(Opts {
+        prefix: "kxea",
+        ..Default::default()
+    });
+    std::fs::write(
+        lab.dir.join("state.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: [this is not a spec\n",
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !lab.log().contains("keeping the last good state") {
+        assert!(
+            Instant::now() < deadline,
+            "the bad edit was not reported:\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(lab.log().contains("state.yaml"), "{}", lab.log());
+    let (spread, _, failed) = lab.http_spread(vip(80), 60);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 3, "{spread:?}");
 }

@@ -2,20 +2,9 @@
 //! status 2, before touching anything.
 
 use std::path::PathBuf;
-use std::process::Command;
 
-fn kxp_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("KXP_BIN") {
-        return PathBuf::from(p);
-    }
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kxp");
-    assert!(
-        p.exists(),
-        "{} not found: run `cargo build -p controlplane` first",
-        p.display()
-    );
-    p
-}
+use kxp_tests::kxp_bin;
+use std::process::Command;
 
 fn fixture(name: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -9,6 +9,7 @@
 //! The binary is not built here: `cargo build -p controlplane` first, or point `KXP_BIN` at
 //! a `kxp` binary.
 
+use kxp_tests::kxp_bin;
 use std::collections::BTreeSet;
 use std::fmt;
 use std::fs;
@@ -290,23 +291,6 @@ fn corpus_is_non_empty_and_every_file_parses() {
     );
     let cases: usize = corpus.iter().map(|(_, f)| f.cases.len()).sum();
     assert!(cases > 0, "the corpus has no cases");
-}
-
-/// The `kxp` binary: `KXP_BIN`, else `target/debug/kxp` of this workspace.
-fn kxp_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("KXP_BIN") {
-        let bin = PathBuf::from(bin);
-        assert!(bin.is_file(), "KXP_BIN={} is not a file", bin.display());
-        return bin;
-    }
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kxp");
-    assert!(
-        bin.is_file(),
-        "the kxp binary is not at {}: run `cargo build -p controlplane` first \
-         (or set KXP_BIN to a kxp binary, e.g. when CARGO_TARGET_DIR is elsewhere)",
-        bin.display()
-    );
-    bin
 }
 
 /// A scratch directory under the system temp dir, removed on drop.
