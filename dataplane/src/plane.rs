@@ -200,16 +200,16 @@ impl Dataplane {
             }
             let table = conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
                 .map_err(|e| DataplaneError::Conntrack(e.to_string()))?;
-            workers.push(Worker {
+            workers.push(Worker::new(
                 id,
-                cpu: cfg.cpus.as_ref().map(|c| c[id]),
+                cfg.cpus.as_ref().map(|c| c[id]),
                 io,
-                engine: Engine::new(table, 0x9E37_79B9_7F4A_7C15 ^ id as u64),
-                fib: fib.view(),
-                port_ifindex: ifindexes.clone(),
-                shared: shared.clone(),
-                commands: rx,
-            });
+                Engine::new(table, 0x9E37_79B9_7F4A_7C15 ^ id as u64),
+                fib.view(),
+                ifindexes.clone(),
+                shared.clone(),
+                rx,
+            ));
         }
         let mut dp = Dataplane {
             shared: shared.clone(),

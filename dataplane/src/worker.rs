@@ -117,6 +117,22 @@ pub struct Worker {
     pub port_ifindex: Vec<u32>,
     pub shared: Arc<Shared>,
     pub commands: crossbeam::channel::Receiver<Command>,
+    /// Interface name of each port (for interface-based local-traffic detection).
+    pub port_names: Vec<String>,
+    local: Local,
+}
+
+/// Counters the worker keeps as plain integers and publishes once per few batches.
+#[derive(Debug, Default, Clone, Copy)]
+struct Local {
+    rx_packets: u64,
+    rx_bytes: u64,
+    tx_packets: u64,
+    handoffs_out: u64,
+    handoffs_in: u64,
+    handoff_full: u64,
+    neighbour_pending: u64,
+    no_route: u64,
 }
 
 struct FibSource<'a>(&'a FibView);
@@ -132,6 +148,36 @@ fn monotonic_ns(start: Instant) -> u64 {
 }
 
 impl Worker {
+    /// A worker for queue `id`; `io` holds its sockets (one per interface, in the order of
+    /// `port_ifindex`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: usize,
+        cpu: Option<usize>,
+        io: WorkerIo,
+        engine: Engine,
+        fib: FibView,
+        port_ifindex: Vec<u32>,
+        shared: Arc<Shared>,
+        commands: crossbeam::channel::Receiver<Command>,
+    ) -> Worker {
+        let port_names = (0..io.port_count())
+            .map(|p| io.ifname(p).to_string())
+            .collect();
+        Worker {
+            id,
+            cpu,
+            io,
+            engine,
+            fib,
+            port_ifindex,
+            shared,
+            commands,
+            port_names,
+            local: Local::default(),
+        }
+    }
+
     /// Runs until `shared.stop` is set.
     pub fn run(mut self) {
         if let Some(cpu) = self.cpu
@@ -160,7 +206,7 @@ impl Worker {
                     break;
                 };
                 work += 1;
-                self.stat(|s| &s.handoffs_in, 1);
+                self.local.handoffs_in += 1;
                 let Some(mut f) = self.io.alloc() else { break };
                 let n = h.frame.len().min(self.io.frame_capacity());
                 self.io.set_len(&mut f, n);
@@ -200,12 +246,21 @@ impl Worker {
         self.publish(iterations, busy, 0);
     }
 
-    fn stat(&self, f: impl Fn(&WorkerStats) -> &AtomicU64, n: u64) {
-        f(&self.shared.stats[self.id]).fetch_add(n, Ordering::Relaxed);
-    }
-
     fn publish(&self, iterations: u64, busy: u64, generation: u64) {
         let s = &self.shared.stats[self.id];
+        let l = self.local;
+        for (a, v) in [
+            (&s.rx_packets, l.rx_packets),
+            (&s.rx_bytes, l.rx_bytes),
+            (&s.tx_packets, l.tx_packets),
+            (&s.handoffs_out, l.handoffs_out),
+            (&s.handoffs_in, l.handoffs_in),
+            (&s.handoff_full, l.handoff_full),
+            (&s.neighbour_pending, l.neighbour_pending),
+            (&s.no_route, l.no_route),
+        ] {
+            a.store(v, Ordering::Relaxed);
+        }
         let c = &self.engine.counters;
         s.forwarded.store(c.forwarded, Ordering::Relaxed);
         s.new_flows.store(c.new_flows, Ordering::Relaxed);
@@ -266,8 +321,8 @@ impl Worker {
     ) {
         let in_port = f.port;
         let len = self.io.bytes(&mut f).len();
-        self.stat(|s| &s.rx_packets, 1);
-        self.stat(|s| &s.rx_bytes, len as u64);
+        self.local.rx_packets += 1;
+        self.local.rx_bytes += len as u64;
         let frame = self.io.bytes(&mut f);
         if frame.len() <= ETH_HLEN {
             self.io.recycle(f);
@@ -286,21 +341,25 @@ impl Worker {
                     port: in_port,
                 };
                 if self.shared.inbox[owner].push(h).is_ok() {
-                    self.stat(|s| &s.handoffs_out, 1);
+                    self.local.handoffs_out += 1;
                 } else {
-                    self.stat(|s| &s.handoff_full, 1);
+                    self.local.handoff_full += 1;
                 }
                 self.io.recycle(f);
                 return;
             }
         }
-        let ifname = self.io.ifname(in_port).to_string();
-        let fib = self.fib.clone();
         let frame = self.io.bytes(&mut f);
         let verdict = {
             let (_, l3) = frame.split_at_mut(ETH_HLEN);
-            self.engine
-                .process(snap, l3, now, Some(&ifname), &FibSource(&fib), answer)
+            self.engine.process(
+                snap,
+                l3,
+                now,
+                Some(&self.port_names[in_port]),
+                &FibSource(&self.fib),
+                answer,
+            )
         };
         match verdict {
             Verdict::Forward { dst, .. } => self.route_out(f, dst),
@@ -343,7 +402,7 @@ impl Worker {
                     })
                     .to_be_bytes(),
                 );
-                self.stat(|s| &s.tx_packets, 1);
+                self.local.tx_packets += 1;
                 self.io.send(in_port, f);
             }
             Verdict::Drop(_) => self.io.recycle(f),
@@ -357,20 +416,20 @@ impl Worker {
                     let frame = self.io.bytes(&mut f);
                     frame[..6].copy_from_slice(&nh.dst_mac);
                     frame[6..12].copy_from_slice(&nh.src_mac);
-                    self.stat(|s| &s.tx_packets, 1);
+                    self.local.tx_packets += 1;
                     self.io.send(port, f);
                 }
                 None => {
-                    self.stat(|s| &s.no_route, 1);
+                    self.local.no_route += 1;
                     self.io.recycle(f);
                 }
             },
             Route::Pending => {
-                self.stat(|s| &s.neighbour_pending, 1);
+                self.local.neighbour_pending += 1;
                 self.io.recycle(f);
             }
             _ => {
-                self.stat(|s| &s.no_route, 1);
+                self.local.no_route += 1;
                 self.io.recycle(f);
             }
         }
