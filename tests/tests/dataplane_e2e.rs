@@ -623,6 +623,12 @@ fn ipv6_cluster_ip_with_tcp() {
         }));
         rx.recv_timeout(Duration::from_secs(5)).unwrap();
     }
+    // Neighbour discovery on fresh links (addresses just added, link-local ones still
+    // tentative) can cost the very first packets a retransmission: wait until one request
+    // gets through, then count.
+    let warm =
+        lab.in_client(move || (0..10).any(|_| http_get(vip6, Duration::from_secs(2)).is_ok()));
+    assert!(warm, "no IPv6 request got through:\n{}", lab.log());
     let (spread, peers, failed) = lab.http_spread(vip6, 90);
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(spread.len(), 3, "{spread:?}");
