@@ -79,6 +79,11 @@ pub struct RunArgs {
     /// Source ports for masquerade (keep outside the kernel's ephemeral range).
     #[arg(long, value_name = "LO-HI", value_parser = parse_port_range)]
     pub snat_port_range: Option<(u16, u16)>,
+    /// Preferred busy polling on the AF_XDP sockets: USECS[,BUDGET] (SO_BUSY_POLL,
+    /// SO_PREFER_BUSY_POLL, SO_BUSY_POLL_BUDGET, default budget 64); pair it with the
+    /// interfaces' napi_defer_hard_irqs and gro_flush_timeout. Off by default.
+    #[arg(long, value_name = "USECS[,BUDGET]", value_parser = parse_busy_poll)]
+    pub busy_poll: Option<(u32, u32)>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -104,6 +109,22 @@ fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
         return Err(format!("{s:?}: need 1 <= LO <= HI"));
     }
     Ok((lo, hi))
+}
+
+fn parse_busy_poll(s: &str) -> Result<(u32, u32), String> {
+    let (us, budget) = s.split_once(',').unwrap_or((s, "64"));
+    let us: u32 = us
+        .trim()
+        .parse()
+        .map_err(|_| format!("{us:?} is not a number of microseconds"))?;
+    let budget: u32 = budget
+        .trim()
+        .parse()
+        .map_err(|_| format!("{budget:?} is not a budget (packets)"))?;
+    if us == 0 || budget == 0 {
+        return Err(format!("{s:?}: need USECS >= 1 and BUDGET >= 1"));
+    }
+    Ok((us, budget))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -178,6 +199,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cpus: args.cpus,
             healthz_bind_address: args.healthz_bind_address,
             snat_ports: args.snat_port_range,
+            busy_poll: args.busy_poll,
         }),
         Command::Cleanup(args) => run_cleanup(args),
         Command::Demo => crate::demo::demo(),

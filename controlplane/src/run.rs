@@ -30,6 +30,8 @@ pub struct RunOptions {
     pub cpus: Option<Vec<usize>>,
     pub healthz_bind_address: Option<SocketAddr>,
     pub snat_ports: Option<(u16, u16)>,
+    /// Preferred busy polling on the AF_XDP sockets: (µs, budget).
+    pub busy_poll: Option<(u32, u32)>,
 }
 
 /// Reads the configuration, starts the dataplane and serves until a signal.
@@ -95,6 +97,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     if let Some(r) = opts.snat_ports {
         dp_cfg.snat_ports = r;
     }
+    dp_cfg.xsk.busy_poll = opts.busy_poll;
     if let Some(ct) = cfg.as_ref().and_then(|c| c.conntrack.as_ref()) {
         dp_cfg.timeouts = timeouts_from(ct);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

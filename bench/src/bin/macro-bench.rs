@@ -1,0 +1,1803 @@
+//! The macro benchmark: one generator, one topology, three kinds of router, in one run.
+//!
+//! ```text
+//!  gen netns ──veth── router netns ──veth── back netns
+//!  trafgen (CPU0)     plain forwarding,     3 endpoint addresses, a netdev-ingress
+//!  + latency probes   kube-proxy nftables   counter that counts and drops the sink
+//!                     or kxp (CPU1)         traffic, a UDP socket for the probes
+//! ```
+//!
+//! Every case sends the same trafgen packets (64-byte frames on the wire: 60 bytes + FCS,
+//! UDP to the Service VIP 198.19.0.10:9000) in two traffic modes: 1,024 established flows
+//! (source ports 10000–11023) and a new connection every packet (source address and port
+//! both change, 16 M distinct tuples). The rate is what arrives at the backend's
+//! interface per second, measured over a window after a warm-up; the median of the runs
+//! is reported. Latency is one-way, from a low-rate probe through the VIP: the sender
+//! stamps CLOCK_REALTIME into the payload, the backend's kernel stamps the arrival
+//! (SO_TIMESTAMPNS), and an hdrhistogram collects the difference — once with no load and
+//! once under each traffic mode (separate runs, so the timestamping does not cost the
+//! throughput runs anything).
+//!
+//! Everything lives in namespaces named `kxm-{role}-{pid}` with addresses from
+//! 198.18.0.0/15 only; the namespaces (with their veths, rules, XDP programs and
+//! conntrack entries) are deleted when the program ends, also on an error or Ctrl-C.
+//! See `bench/MACRO.md`.
+
+use std::fmt::Write as _;
+use std::io;
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use controlplane::netns::{Topology, in_ns, ip};
+use hdrhistogram::Histogram;
+
+const VIP: &str = "198.19.0.10";
+const SINK_PORT: u16 = 9000;
+const PROBE_PORT: u16 = 7000;
+const PROBE_SPORT: u16 = 40000;
+const GEN_IP: &str = "198.18.1.2";
+const R_GEN_IP: &str = "198.18.1.1";
+const R_BACK_IP: &str = "198.18.2.1";
+const ENDPOINTS: [&str; 3] = ["198.18.2.2", "198.18.2.3", "198.18.2.4"];
+const CLUSTER_CIDR: &str = "198.18.0.0/16";
+const SERVICE_CIDR: &str = "198.19.0.0/16";
+const GEN_CPU: usize = 0;
+const ROUTER_CPU: usize = 1;
+const HEALTHZ: &str = "127.0.0.1:10256";
+
+/// kxp's macro benchmark against the kernel (run as root; see bench/MACRO.md).
+#[derive(Debug, Parser)]
+#[command(name = "macro-bench")]
+struct Args {
+    /// Smoke test: one run per case, short durations.
+    #[arg(long)]
+    quick: bool,
+    /// Throughput runs per case and mode (the median is reported) [default: 3, --quick 1].
+    #[arg(long)]
+    runs: Option<usize>,
+    /// Measured seconds per run [default: 3, --quick 1].
+    #[arg(long)]
+    secs: Option<f64>,
+    /// Cases: plain, nft, kxp, kxp-threaded, kxp-busypoll (comma separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "plain,nft,kxp,kxp-threaded,kxp-busypoll"
+    )]
+    cases: Vec<String>,
+    /// Traffic modes: est (1,024 established flows), new (a new connection every packet).
+    #[arg(long, value_delimiter = ',', default_value = "est,new")]
+    modes: Vec<String>,
+    /// The kxp binary [default: `kxp` next to this program, built with cargo if missing].
+    #[arg(long)]
+    kxp: Option<PathBuf>,
+    /// Latency probes per second.
+    #[arg(long, default_value_t = 1000)]
+    probe_rate: u32,
+    /// Skip the latency phases.
+    #[arg(long)]
+    no_latency: bool,
+    /// `kxp run --busy-poll` value of the kxp-busypoll case (USECS,BUDGET).
+    #[arg(long, default_value = "50,64")]
+    busy_poll: String,
+    /// Before each run, wait up to this many seconds for other processes to use less
+    /// than --quiet-pct of a CPU [default: 30, --quick 0].
+    #[arg(long)]
+    quiet_wait: Option<f64>,
+    /// See --quiet-wait.
+    #[arg(long, default_value_t = 10.0)]
+    quiet_pct: f64,
+    /// Keep the working directory (trafgen configs, nft ruleset, kxp logs) and print it.
+    #[arg(long)]
+    keep: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Est,
+    New,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Est => "est",
+            Mode::New => "new",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Case {
+    Plain,
+    Nft,
+    Kxp,
+    KxpThreaded,
+    KxpBusyPoll,
+}
+
+impl Case {
+    fn parse(s: &str) -> anyhow::Result<Case> {
+        Ok(match s.trim() {
+            "plain" => Case::Plain,
+            "nft" => Case::Nft,
+            "kxp" => Case::Kxp,
+            "kxp-threaded" => Case::KxpThreaded,
+            "kxp-busypoll" => Case::KxpBusyPoll,
+            o => bail!("unknown case {o:?} (plain, nft, kxp, kxp-threaded, kxp-busypoll)"),
+        })
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Case::Plain => "plain",
+            Case::Nft => "nft",
+            Case::Kxp => "kxp",
+            Case::KxpThreaded => "kxp-threaded",
+            Case::KxpBusyPoll => "kxp-busypoll",
+        }
+    }
+    fn describe(self) -> &'static str {
+        match self {
+            Case::Plain => "plain forwarding, no NAT (RPS: CPU1)",
+            Case::Nft => "kube-proxy nftables DNAT, 1 Service, 3 endpoints (RPS: CPU1)",
+            Case::Kxp => "kxp, 1 worker on CPU1; veth NAPI where the kernel puts it",
+            Case::KxpThreaded => "kxp, 1 worker on CPU1; threaded veth NAPI pinned to CPU1",
+            Case::KxpBusyPoll => "kxp --busy-poll, 1 worker on CPU1; napi_defer_hard_irqs=2",
+        }
+    }
+    fn is_kxp(self) -> bool {
+        matches!(self, Case::Kxp | Case::KxpThreaded | Case::KxpBusyPoll)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Stop flag, bounded sleeps, processes we start.
+
+#[derive(Debug, Clone)]
+struct Stop(Arc<AtomicBool>);
+
+impl Stop {
+    fn check(&self) -> anyhow::Result<()> {
+        if self.0.load(Ordering::Relaxed) {
+            bail!("interrupted");
+        }
+        Ok(())
+    }
+    /// Sleeps `d` in short slices; an error as soon as a signal asked us to stop.
+    fn sleep(&self, d: Duration) -> anyhow::Result<()> {
+        let end = Instant::now() + d;
+        loop {
+            self.check()?;
+            let now = Instant::now();
+            if now >= end {
+                return Ok(());
+            }
+            std::thread::sleep((end - now).min(Duration::from_millis(20)));
+        }
+    }
+}
+
+/// A child process in its own process group; signalled (group) and reaped on drop.
+#[derive(Debug)]
+struct Proc {
+    child: Child,
+    name: String,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command, name: &str, log: &Path) -> anyhow::Result<Proc> {
+        let out = std::fs::File::create(log)?;
+        let err = out.try_clone()?;
+        cmd.stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0);
+        let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        Ok(Proc {
+            child,
+            name: name.to_string(),
+            log: log.to_path_buf(),
+        })
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        let pgid = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) with a negative pid signals the process group we created for
+        // this child (process_group(0) made its pid the group id); no memory is involved.
+        unsafe {
+            libc::kill(-pgid, sig);
+        }
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// `sig` to the group, then up to `grace` for it to exit, then SIGKILL.
+    fn stop(&mut self, sig: libc::c_int, grace: Duration) -> Option<ExitStatus> {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            return Some(st);
+        }
+        self.signal(sig);
+        let end = Instant::now() + grace;
+        while Instant::now() < end {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("macro-bench: {} did not exit; SIGKILL", self.name);
+        self.signal(libc::SIGKILL);
+        self.child.wait().ok()
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop(libc::SIGTERM, Duration::from_secs(5));
+    }
+}
+
+struct RemoveDir(PathBuf, bool);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        if self.1 {
+            eprintln!("macro-bench: kept {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn sh_in(ns: &str, script: &str) -> io::Result<std::process::Output> {
+    in_ns(ns, &["sh", "-c", script])
+}
+
+fn stdout_of(o: io::Result<std::process::Output>) -> io::Result<String> {
+    o.map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+// ---------------------------------------------------------------------------------------
+// The lab: namespaces, links, addresses, counters.
+
+/// Field order is drop order: the topology (namespaces) goes last.
+struct Lab {
+    genns: String,
+    router: String,
+    back: String,
+    /// Router-side device names (carry the pid so that kthreads can be found by name).
+    rg: String,
+    rb: String,
+    rg_mac: String,
+    gen_mac: String,
+    dir: PathBuf,
+    stop: Stop,
+    _dir_guard: RemoveDir,
+    _topo: Topology,
+}
+
+fn mac_of(ns: &str, dev: &str) -> anyhow::Result<String> {
+    let out = stdout_of(ip(&["-n", ns, "-br", "link", "show", dev]))?;
+    out.split_whitespace()
+        .nth(2)
+        .map(str::to_string)
+        .with_context(|| format!("no MAC address for {dev} in {ns}: {out:?}"))
+}
+
+impl Lab {
+    fn new(stop: Stop, keep: bool) -> anyhow::Result<Lab> {
+        let pid = std::process::id();
+        let mut topo = Topology::new("kxm");
+        let genns = topo.add_ns("gen")?;
+        let router = topo.add_ns("router")?;
+        let back = topo.add_ns("back")?;
+        topo.forwarding(&router)?;
+        let rg = format!("rg{pid}");
+        let rb = format!("rb{pid}");
+        topo.link(
+            (&router, &rg, &format!("{R_GEN_IP}/24")),
+            (&genns, "eth0", &format!("{GEN_IP}/24")),
+        )?;
+        topo.link(
+            (&router, &rb, &format!("{R_BACK_IP}/24")),
+            (&back, "eth0", &format!("{}/24", ENDPOINTS[0])),
+        )?;
+        for ep in &ENDPOINTS[1..] {
+            ip(&[
+                "-n",
+                &back,
+                "addr",
+                "add",
+                &format!("{ep}/24"),
+                "dev",
+                "eth0",
+            ])?;
+        }
+        ip(&["-n", &genns, "route", "add", "default", "via", R_GEN_IP])?;
+        ip(&["-n", &back, "route", "add", "default", "via", R_BACK_IP])?;
+
+        let rg_mac = mac_of(&router, &rg)?;
+        let rb_mac = mac_of(&router, &rb)?;
+        let gen_mac = mac_of(&genns, "eth0")?;
+        let back_mac = mac_of(&back, "eth0")?;
+        // Static neighbours: no ARP during a run, for the kernel nor for kxp.
+        let perm = |ns: &str, addr: &str, mac: &str, dev: &str| {
+            ip(&[
+                "-n",
+                ns,
+                "neigh",
+                "replace",
+                addr,
+                "lladdr",
+                mac,
+                "dev",
+                dev,
+                "nud",
+                "permanent",
+            ])
+        };
+        perm(&genns, R_GEN_IP, &rg_mac, "eth0")?;
+        perm(&router, GEN_IP, &gen_mac, &rg)?;
+        for ep in ENDPOINTS {
+            perm(&router, ep, &back_mac, &rb)?;
+        }
+        perm(&back, R_BACK_IP, &rb_mac, "eth0")?;
+
+        // The router accepts the new-connection sources (198.18.64.0/18, not on its link).
+        sh_in(
+            &router,
+            &format!(
+                "for d in all default {rg} {rb}; do echo 0 > /proc/sys/net/ipv4/conf/$d/rp_filter; done"
+            ),
+        )?;
+        // Kernel packet processing of the router (and the backend behind it) on CPU1, of
+        // the generator's side on CPU0: packets trafgen sends take the backlog path, so
+        // RPS on the receiving veth decides the CPU (veths have no IRQ to steer).
+        let r_mask = format!("{:x}", 1u32 << ROUTER_CPU);
+        let g_mask = format!("{:x}", 1u32 << GEN_CPU);
+        sh_in(
+            &router,
+            &format!(
+                "echo {r_mask} > /sys/class/net/{rg}/queues/rx-0/rps_cpus; echo {r_mask} > /sys/class/net/{rb}/queues/rx-0/rps_cpus"
+            ),
+        )?;
+        sh_in(
+            &back,
+            &format!("echo {r_mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus"),
+        )?;
+        sh_in(
+            &genns,
+            &format!("echo {g_mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus"),
+        )?;
+
+        // The backend counts the sink traffic at its interface and drops it there (no
+        // socket to wake, no ICMP port-unreachable back through the router).
+        let rules = format!(
+            "table netdev kxmbench {{\n  counter delivered {{ }}\n  chain ingress {{\n    type filter hook ingress device \"eth0\" priority 0; policy accept;\n    udp dport {SINK_PORT} counter name \"delivered\" drop\n  }}\n}}\n"
+        );
+        let dir = std::env::temp_dir().join(format!("kxp-macro-{pid}"));
+        std::fs::create_dir_all(&dir)?;
+        let guard = RemoveDir(dir.clone(), keep);
+        let f = dir.join("backend.nft");
+        std::fs::write(&f, rules)?;
+        in_ns(&back, &["nft", "-f", &f.display().to_string()])
+            .context("loading the backend's counter (is nftables installed?)")?;
+
+        Ok(Lab {
+            genns,
+            router,
+            back,
+            rg,
+            rb,
+            rg_mac,
+            gen_mac,
+            dir,
+            stop,
+            _dir_guard: guard,
+            _topo: topo,
+        })
+    }
+
+    /// Packets counted at the backend so far, and when.
+    fn delivered(&self) -> anyhow::Result<(u64, Instant)> {
+        let t0 = Instant::now();
+        let out = stdout_of(in_ns(
+            &self.back,
+            &["nft", "list", "counter", "netdev", "kxmbench", "delivered"],
+        ))?;
+        let t1 = Instant::now();
+        let n = out
+            .split_whitespace()
+            .skip_while(|w| *w != "packets")
+            .nth(1)
+            .and_then(|w| w.parse().ok())
+            .with_context(|| format!("cannot read the backend counter: {out:?}"))?;
+        Ok((n, t0 + (t1 - t0) / 2))
+    }
+
+    /// Packets dropped on the way in so far: the generator veth's TX drops (its peer's
+    /// queue was full), the router veths' RX drops (XDP drops and failed redirects, e.g. a
+    /// full AF_XDP ring), the backend veth's RX drops, and the backlog drops of every CPU
+    /// (/proc/net/softnet_stat, system-wide).
+    fn drops(&self) -> u64 {
+        let read = |ns: &str, files: &[String]| -> u64 {
+            let mut cmd = vec!["cat"];
+            cmd.extend(files.iter().map(String::as_str));
+            stdout_of(in_ns(ns, &cmd))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|w| w.parse::<u64>().ok())
+                .sum()
+        };
+        let st = |dev: &str, what: &str| format!("/sys/class/net/{dev}/statistics/{what}");
+        let mut n = read(&self.genns, &[st("eth0", "tx_dropped")]);
+        n += read(
+            &self.router,
+            &[st(&self.rg, "rx_dropped"), st(&self.rb, "tx_dropped")],
+        );
+        n += read(&self.back, &[st("eth0", "rx_dropped")]);
+        let softnet = std::fs::read_to_string("/proc/net/softnet_stat").unwrap_or_default();
+        n += softnet
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter_map(|h| u64::from_str_radix(h, 16).ok())
+            .sum::<u64>();
+        n
+    }
+
+    fn trafgen_cfg(&self, mode: Mode) -> anyhow::Result<PathBuf> {
+        let src = match mode {
+            // 1,024 flows: one client address, 1,024 source ports.
+            Mode::Est => format!(
+                "ipv4(sa={GEN_IP}, da={VIP}, ttl=64),\n  udp(sp=dinc(10000, 11023), dp={SINK_PORT}),"
+            ),
+            // A new tuple every packet: 198.18.[64-127].[1-251] x ports 1024-65535
+            // (periods 64, 251 and 64512: 16.2 M distinct tuples before one repeats).
+            Mode::New => format!(
+                "ipv4(sa=198.18.64.1, sa[2]=dinc(64, 127), sa[3]=dinc(1, 251), da={VIP}, ttl=64),\n  udp(sp=dinc(1024, 65535), dp={SINK_PORT}),"
+            ),
+        };
+        let cfg = format!(
+            "{{\n  eth(da={}, sa={}),\n  {src}\n  fill(0x2e, 18)\n}}\n",
+            self.rg_mac, self.gen_mac
+        );
+        let p = self.dir.join(format!("trafgen-{}.cfg", mode.name()));
+        std::fs::write(&p, cfg)?;
+        Ok(p)
+    }
+
+    fn start_trafgen(&self, cfg: &Path, max_packets: u64, tag: &str) -> anyhow::Result<Proc> {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.genns, "taskset", "-c"])
+            .arg(GEN_CPU.to_string())
+            .args(["trafgen", "-o", "eth0", "-i"])
+            .arg(cfg)
+            // -t 0: one sendto per packet (TX_RING fails with EAGAIN on this kernel);
+            // -P 1: one process (pinned to CPU0); --no-sock-mem -Q: leave the host's socket memory
+            // sysctls and IRQ affinities alone.
+            .args(["-t", "0", "-P", "1", "--no-sock-mem", "-Q", "-n"])
+            .arg(max_packets.to_string());
+        Proc::spawn(cmd, "trafgen", &self.dir.join(format!("trafgen-{tag}.log")))
+    }
+}
+
+fn cpu_times() -> Vec<[u64; 8]> {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    s.lines()
+        .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
+        .map(|l| {
+            let mut a = [0u64; 8];
+            for (i, v) in l.split_whitespace().skip(1).take(8).enumerate() {
+                a[i] = v.parse().unwrap_or(0);
+            }
+            a
+        })
+        .collect()
+}
+
+/// Per CPU over a window: (busy %, softirq %).
+fn cpu_usage(a: &[[u64; 8]], b: &[[u64; 8]]) -> Vec<(f64, f64)> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let d: Vec<f64> = (0..8).map(|i| y[i].saturating_sub(x[i]) as f64).collect();
+            let total: f64 = d.iter().sum::<f64>().max(1.0);
+            let idle = d[3] + d[4];
+            (100.0 * (total - idle) / total, 100.0 * d[6] / total)
+        })
+        .collect()
+}
+
+/// CPU time (clock ticks) of every user-space process that is not ours: not this
+/// program, not in a process group we started (trafgen, kxp). Kernel threads (children
+/// of kthreadd) are left out: ksoftirqd and the NAPI threads do our packets' work.
+fn foreign_ticks(ours: &[u32]) -> std::collections::HashMap<u32, u64> {
+    let me = std::process::id();
+    let mut m = std::collections::HashMap::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return m;
+    };
+    for e in rd.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me || pid == 2 {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // After the comm: state ppid pgrp ... utime(14th field) stime(15th).
+        let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let (ppid, pgrp) = (num(1) as u32, num(2) as u32);
+        if ppid == 2 || ours.contains(&pgrp) {
+            continue;
+        }
+        m.insert(pid, num(11) + num(12));
+    }
+    m
+}
+
+/// Share of one CPU (percent) other processes used between two [`foreign_ticks`].
+fn foreign_pct(
+    a: &std::collections::HashMap<u32, u64>,
+    b: &std::collections::HashMap<u32, u64>,
+    secs: f64,
+) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let ticks: u64 = b
+        .iter()
+        .map(|(pid, t)| t.saturating_sub(a.get(pid).copied().unwrap_or(0)))
+        .sum();
+    100.0 * ticks as f64 / hz / secs.max(1e-3)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+// ---------------------------------------------------------------------------------------
+// Routers.
+
+/// kube-proxy's chain-name suffix hash (it uses base32(sha256(name))[:8]; any stable
+/// 8-character hash gives the same rules to the kernel).
+fn chain_hash(name: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    (0..8)
+        .map(|i| A[((h >> (i * 5)) & 31) as usize] as char)
+        .collect()
+}
+
+/// The ruleset kube-proxy's nftables mode writes for one ClusterIP Service (ports
+/// sink 9000/UDP and probe 7000/UDP, three endpoints), following
+/// pkg/proxy/nftables/proxier.go (the base chains, sets and maps of its
+/// TestOverallNFTablesRules, then per service port a `service-…` chain with the
+/// masquerade check and `numgen random mod N vmap`, and per endpoint an `endpoint-…`
+/// chain with the hairpin check and `dnat to`).
+fn kube_proxy_ruleset() -> String {
+    let mut r = String::new();
+    let _ = write!(
+        r,
+        r#"add table ip kube-proxy {{ comment "rules for kube-proxy" ; }}
+add set ip kube-proxy cluster-ips {{ type ipv4_addr ; comment "Active ClusterIPs" ; }}
+add set ip kube-proxy nodeport-ips {{ type ipv4_addr ; comment "IPs that accept NodePort traffic" ; }}
+add map ip kube-proxy firewall-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; comment "destinations that are subject to LoadBalancerSourceRanges" ; }}
+add map ip kube-proxy no-endpoint-nodeports {{ type inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to service nodeports with no endpoints" ; }}
+add map ip kube-proxy no-endpoint-services {{ type ipv4_addr . inet_proto . inet_service : verdict ; comment "vmap to drop or reject packets to services with no endpoints" ; }}
+add map ip kube-proxy service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; comment "ClusterIP, ExternalIP and LoadBalancer IP traffic" ; }}
+add map ip kube-proxy service-nodeports {{ type inet_proto . inet_service : verdict ; comment "NodePort traffic" ; }}
+add chain ip kube-proxy cluster-ips-check
+add chain ip kube-proxy filter-prerouting-pre-dnat {{ type filter hook prerouting priority -110 ; }}
+add chain ip kube-proxy filter-output-pre-dnat {{ type filter hook output priority -110 ; }}
+add chain ip kube-proxy filter-forward {{ type filter hook forward priority 0 ; }}
+add chain ip kube-proxy filter-input {{ type filter hook input priority 0 ; }}
+add chain ip kube-proxy filter-output {{ type filter hook output priority 0 ; }}
+add chain ip kube-proxy firewall-check
+add chain ip kube-proxy mark-for-masquerade
+add chain ip kube-proxy masquerading
+add chain ip kube-proxy nat-output {{ type nat hook output priority -100 ; }}
+add chain ip kube-proxy nat-postrouting {{ type nat hook postrouting priority 100 ; }}
+add chain ip kube-proxy nat-prerouting {{ type nat hook prerouting priority -100 ; }}
+add chain ip kube-proxy nodeport-endpoints-check
+add chain ip kube-proxy reject-chain {{ comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }}
+add chain ip kube-proxy services
+add chain ip kube-proxy service-endpoints-check
+add rule ip kube-proxy cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"
+add rule ip kube-proxy cluster-ips-check ip daddr {{ {SERVICE_CIDR} }} drop comment "Drop traffic to unallocated ClusterIPs"
+add rule ip kube-proxy filter-prerouting-pre-dnat ct state new jump firewall-check
+add rule ip kube-proxy filter-forward ct state new jump service-endpoints-check
+add rule ip kube-proxy filter-forward ct state new jump cluster-ips-check
+add rule ip kube-proxy filter-input ct state new jump nodeport-endpoints-check
+add rule ip kube-proxy filter-input ct state new jump service-endpoints-check
+add rule ip kube-proxy filter-output ct state new jump service-endpoints-check
+add rule ip kube-proxy filter-output-pre-dnat ct state new jump firewall-check
+add rule ip kube-proxy filter-output ct state new jump cluster-ips-check
+add rule ip kube-proxy firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips
+add rule ip kube-proxy mark-for-masquerade mark set mark or 0x4000
+add rule ip kube-proxy masquerading mark and 0x4000 == 0 return
+add rule ip kube-proxy masquerading mark set mark xor 0x4000
+add rule ip kube-proxy masquerading masquerade fully-random
+add rule ip kube-proxy nat-output jump services
+add rule ip kube-proxy nat-postrouting jump masquerading
+add rule ip kube-proxy nat-prerouting jump services
+add rule ip kube-proxy nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports
+add rule ip kube-proxy reject-chain reject
+add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips
+add rule ip kube-proxy services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports
+add element ip kube-proxy nodeport-ips {{ {R_GEN_IP} }}
+add rule ip kube-proxy service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services
+"#
+    );
+    let _ = writeln!(r, "add element ip kube-proxy cluster-ips {{ {VIP} }}");
+    for (port_name, port) in [("sink", SINK_PORT), ("probe", PROBE_PORT)] {
+        let spn = format!("bench/sink/udp/{port_name}");
+        let svc_chain = format!("service-{}-{spn}", chain_hash(&spn));
+        let mut vmap = Vec::new();
+        let mut ep_rules = String::new();
+        for (i, ep) in ENDPOINTS.iter().enumerate() {
+            let epn = format!("{spn}__{ep}/{port}");
+            let ep_chain = format!("endpoint-{}-{epn}", chain_hash(&epn));
+            let _ = writeln!(ep_rules, "add chain ip kube-proxy {ep_chain}");
+            let _ = writeln!(
+                ep_rules,
+                "add rule ip kube-proxy {ep_chain} ip saddr {ep} jump mark-for-masquerade"
+            );
+            let _ = writeln!(
+                ep_rules,
+                "add rule ip kube-proxy {ep_chain} meta l4proto udp dnat to {ep}:{port}"
+            );
+            vmap.push(format!("{i} : goto {ep_chain}"));
+        }
+        // Chains first (a vmap's goto needs its target), then their rules.
+        let _ = writeln!(r, "add chain ip kube-proxy {svc_chain}");
+        r.push_str(&ep_rules);
+        let _ = writeln!(
+            r,
+            "add rule ip kube-proxy {svc_chain} ip daddr {VIP} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade"
+        );
+        let _ = writeln!(
+            r,
+            "add rule ip kube-proxy {svc_chain} numgen random mod {} vmap {{ {} }}",
+            ENDPOINTS.len(),
+            vmap.join(" , ")
+        );
+        let _ = writeln!(
+            r,
+            "add element ip kube-proxy service-ips {{ {VIP} . udp . {port} : goto {svc_chain} }}"
+        );
+    }
+    r
+}
+
+fn state_yaml() -> String {
+    let mut eps = String::new();
+    for ep in ENDPOINTS {
+        let _ = writeln!(eps, "- addresses: [{ep}]\n  conditions: {{ready: true}}");
+    }
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: sink, namespace: bench}}
+spec:
+  type: ClusterIP
+  clusterIP: {VIP}
+  clusterIPs: [{VIP}]
+  ipFamilies: [IPv4]
+  ports:
+  - {{name: sink, port: {SINK_PORT}, targetPort: {SINK_PORT}, protocol: UDP}}
+  - {{name: probe, port: {PROBE_PORT}, targetPort: {PROBE_PORT}, protocol: UDP}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: sink-1
+  namespace: bench
+  labels: {{kubernetes.io/service-name: sink}}
+addressType: IPv4
+ports:
+- {{name: sink, port: {SINK_PORT}, protocol: UDP}}
+- {{name: probe, port: {PROBE_PORT}, protocol: UDP}}
+endpoints:
+{eps}---
+apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata: {{name: kubernetes}}
+spec: {{cidrs: [{SERVICE_CIDR}]}}
+"#
+    )
+}
+
+/// A router case set up in the lab; undone on drop.
+struct Router<'a> {
+    lab: &'a Lab,
+    case: Case,
+    kxp: Option<Proc>,
+}
+
+impl<'a> Router<'a> {
+    fn setup(
+        lab: &'a Lab,
+        case: Case,
+        kxp_bin: &Path,
+        busy_poll: &str,
+        tag: &str,
+    ) -> anyhow::Result<Router<'a>> {
+        let mut r = Router {
+            lab,
+            case,
+            kxp: None,
+        };
+        match case {
+            Case::Plain => {
+                // The VIP is the backend's own address; the router just routes it there.
+                ip(&[
+                    "-n",
+                    &lab.router,
+                    "route",
+                    "add",
+                    &format!("{VIP}/32"),
+                    "via",
+                    ENDPOINTS[0],
+                ])?;
+                ip(&[
+                    "-n",
+                    &lab.back,
+                    "addr",
+                    "add",
+                    &format!("{VIP}/32"),
+                    "dev",
+                    "lo",
+                ])?;
+            }
+            Case::Nft => {
+                let f = lab.dir.join("kube-proxy.nft");
+                std::fs::write(&f, kube_proxy_ruleset())?;
+                in_ns(&lab.router, &["nft", "-f", &f.display().to_string()])
+                    .context("loading the kube-proxy ruleset")?;
+            }
+            Case::Kxp | Case::KxpThreaded | Case::KxpBusyPoll => {
+                let state = lab.dir.join("state.yaml");
+                let config = lab.dir.join("kube-proxy.yaml");
+                std::fs::write(&state, state_yaml())?;
+                std::fs::write(
+                    &config,
+                    format!(
+                        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\n"
+                    ),
+                )?;
+                if case == Case::KxpBusyPoll {
+                    lab.napi_knobs(2, 200_000)?;
+                }
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", &lab.router, "env", "KXP_LOG_STATS=1"])
+                    .arg(kxp_bin)
+                    .args(["run", "--interface", &lab.rg, "--interface", &lab.rb])
+                    .arg("--state-file")
+                    .arg(&state)
+                    .arg("--config")
+                    .arg(&config)
+                    .args(["--cpus", &ROUTER_CPU.to_string()])
+                    .args(["--healthz-bind-address", HEALTHZ]);
+                if case == Case::KxpBusyPoll {
+                    cmd.args(["--busy-poll", busy_poll]);
+                }
+                let mut p = Proc::spawn(cmd, "kxp", &lab.dir.join(format!("kxp-{tag}.log")))?;
+                wait_healthy(lab, &mut p)?;
+                r.kxp = Some(p);
+                if case == Case::KxpThreaded {
+                    lab.threaded_napi()?;
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    /// kxp's last totals line, if it runs.
+    fn kxp_totals(&self) -> Option<String> {
+        let t = self.kxp.as_ref()?.log_text();
+        t.lines()
+            .rev()
+            .find(|l| l.contains("totals:"))
+            .map(|l| l.trim_start_matches("kxp: ").to_string())
+    }
+
+    /// Stops kxp (its exit prints the final totals) and returns that line.
+    fn finish(mut self) -> Option<String> {
+        let mut p = self.kxp.take()?;
+        p.stop(libc::SIGTERM, Duration::from_secs(10));
+        let t = p.log_text();
+        let line = t
+            .lines()
+            .rev()
+            .find(|l| l.contains("totals:"))
+            .map(|l| l.trim_start_matches("kxp: ").to_string());
+        self.kxp = Some(p);
+        line
+    }
+}
+
+impl Drop for Router<'_> {
+    fn drop(&mut self) {
+        let lab = self.lab;
+        match self.case {
+            Case::Plain => {
+                let _ = ip(&["-n", &lab.router, "route", "del", &format!("{VIP}/32")]);
+                let _ = ip(&[
+                    "-n",
+                    &lab.back,
+                    "addr",
+                    "del",
+                    &format!("{VIP}/32"),
+                    "dev",
+                    "lo",
+                ]);
+            }
+            Case::Nft => {
+                let _ = in_ns(&lab.router, &["nft", "delete", "table", "ip", "kube-proxy"]);
+            }
+            _ => {
+                if let Some(mut p) = self.kxp.take() {
+                    p.stop(libc::SIGTERM, Duration::from_secs(10));
+                }
+                if self.case == Case::KxpBusyPoll {
+                    let _ = lab.napi_knobs(0, 0);
+                }
+            }
+        }
+    }
+}
+
+fn wait_healthy(lab: &Lab, p: &mut Proc) -> anyhow::Result<()> {
+    let end = Instant::now() + Duration::from_secs(30);
+    let addr: SocketAddr = HEALTHZ.parse()?;
+    loop {
+        lab.stop.check()?;
+        if !p.running() {
+            bail!("kxp run exited before becoming healthy:\n{}", p.log_text());
+        }
+        let ok = controlplane::demo::spawn_in(&lab.router, move || {
+            use std::io::{Read as _, Write as _};
+            let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200))
+            else {
+                return false;
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+            let _ = s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n");
+            let mut r = String::new();
+            let _ = s.read_to_string(&mut r);
+            r.starts_with("HTTP/1.1 200")
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("health check thread panicked"))??;
+        if ok {
+            return Ok(());
+        }
+        if Instant::now() > end {
+            bail!("kxp run not healthy after 30 s:\n{}", p.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Lab {
+    /// napi_defer_hard_irqs / gro_flush_timeout of the router's veths (for busy polling).
+    fn napi_knobs(&self, defer: u32, gro_ns: u32) -> anyhow::Result<()> {
+        let (rg, rb) = (&self.rg, &self.rb);
+        sh_in(
+            &self.router,
+            &format!(
+                "for d in {rg} {rb}; do echo {defer} > /sys/class/net/$d/napi_defer_hard_irqs; echo {gro_ns} > /sys/class/net/$d/gro_flush_timeout; done"
+            ),
+        )?;
+        Ok(())
+    }
+
+    /// Threaded NAPI on the router's veths, the NAPI kthreads pinned to the router CPU.
+    fn threaded_napi(&self) -> anyhow::Result<()> {
+        let (rg, rb) = (&self.rg, &self.rb);
+        sh_in(
+            &self.router,
+            &format!(
+                "echo 1 > /sys/class/net/{rg}/threaded; echo 1 > /sys/class/net/{rb}/threaded"
+            ),
+        )?;
+        std::thread::sleep(Duration::from_millis(100));
+        let mut pinned = 0;
+        for e in std::fs::read_dir("/proc")?.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let comm = comm.trim();
+            if comm.starts_with(&format!("napi/{rg}-")) || comm.starts_with(&format!("napi/{rb}-"))
+            {
+                let o = Command::new("taskset")
+                    .args(["-pc", &ROUTER_CPU.to_string(), &pid.to_string()])
+                    .output()?;
+                if o.status.success() {
+                    pinned += 1;
+                }
+            }
+        }
+        if pinned == 0 {
+            bail!("threaded NAPI: no napi/{rg}-* kthread found");
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Latency probes.
+
+fn realtime_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn enable_rx_timestamps(fd: RawFd) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: `one` is a c_int that outlives the call and its size is passed; the kernel
+    // only reads it.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TIMESTAMPNS,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// recvmsg with the kernel's receive timestamp (CLOCK_REALTIME ns) when there is one.
+fn recv_with_ts(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<u64>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut control = [0u64; 16];
+    // SAFETY: msghdr is plain data for which all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: `msg` points at `iov` (which points at `buf`) and at `control`, all alive
+    // and writable for the duration of the call, with their lengths.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut ts = None;
+    // SAFETY: the CMSG_* macros walk the control buffer the kernel just filled, bounded
+    // by msg_controllen; SCM_TIMESTAMPNS carries a struct timespec, read unaligned.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                let t: libc::timespec = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
+                ts = Some(t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64);
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n as usize, ts))
+}
+
+#[derive(Debug, Clone)]
+struct Latency {
+    hist: Histogram<u64>,
+    sent: u64,
+    got: u64,
+    /// Probes without a kernel timestamp (user-space receive time used instead).
+    no_kernel_ts: u64,
+}
+
+impl Latency {
+    fn empty() -> Latency {
+        Latency {
+            hist: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds"),
+            sent: 0,
+            got: 0,
+            no_kernel_ts: 0,
+        }
+    }
+    fn loss_pct(&self) -> f64 {
+        if self.sent == 0 {
+            return 0.0;
+        }
+        100.0 * (self.sent.saturating_sub(self.got)) as f64 / self.sent as f64
+    }
+    fn us(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64 / 1e3
+    }
+    fn summary(&self) -> String {
+        if self.hist.is_empty() {
+            return format!("no probe arrived ({} sent)", self.sent);
+        }
+        format!(
+            "p50 {:.0} p90 {:.0} p99 {:.0} p99.9 {:.0} max {:.0} µs; {}/{} probes ({:.1}% lost)",
+            self.us(0.5),
+            self.us(0.9),
+            self.us(0.99),
+            self.us(0.999),
+            self.hist.max() as f64 / 1e3,
+            self.got,
+            self.sent,
+            self.loss_pct()
+        )
+    }
+}
+
+/// A running probe: a sender in the generator namespace (CPU0) sending timestamped
+/// datagrams to VIP:7000 at `rate`, a receiver in the backend namespace. Both threads
+/// end by themselves after `max` (plus a short drain) even if nobody stops them.
+struct Probe {
+    stop: Arc<AtomicBool>,
+    tx: Option<JoinHandle<anyhow::Result<anyhow::Result<u64>>>>,
+    rx: Option<JoinHandle<anyhow::Result<anyhow::Result<Latency>>>>,
+}
+
+fn join_probe<T>(h: Option<JoinHandle<anyhow::Result<anyhow::Result<T>>>>) -> anyhow::Result<T> {
+    let h = h.context("probe thread missing")?;
+    h.join()
+        .map_err(|_| anyhow::anyhow!("probe thread panicked"))??
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+const PROBE_MAGIC: u32 = 0x6b78_6d62;
+
+impl Probe {
+    fn start(lab: &Lab, rate: u32, max: Duration) -> anyhow::Result<Probe> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<io::Result<()>>();
+        let stop_rx = stop.clone();
+        let rx = controlplane::demo::spawn_in(&lab.back, move || -> anyhow::Result<Latency> {
+            let _ = dataplane::sys::pin_to_cpu(GEN_CPU);
+            let sock = match UdpSocket::bind(("0.0.0.0", PROBE_PORT)).and_then(|s| {
+                enable_rx_timestamps(s.as_raw_fd())?;
+                s.set_read_timeout(Some(Duration::from_millis(20)))?;
+                Ok(s)
+            }) {
+                Ok(s) => {
+                    let _ = ready_tx.send(Ok(()));
+                    s
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    bail!("probe receiver cannot listen");
+                }
+            };
+            let mut lat = Latency::empty();
+            let mut buf = [0u8; 64];
+            let hard_end = Instant::now() + max + Duration::from_secs(1);
+            let mut drain_until: Option<Instant> = None;
+            loop {
+                let now = Instant::now();
+                if drain_until.is_none() && stop_rx.load(Ordering::Relaxed) {
+                    drain_until = Some(now + Duration::from_millis(200));
+                }
+                if drain_until.is_some_and(|d| now > d) || now > hard_end {
+                    break;
+                }
+                if let Ok((n, ts)) = recv_with_ts(sock.as_raw_fd(), &mut buf)
+                    && n >= 16
+                    && u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) == PROBE_MAGIC
+                {
+                    let mut t = [0u8; 8];
+                    t.copy_from_slice(&buf[8..16]);
+                    let sent_at = u64::from_be_bytes(t);
+                    let arrived = ts.unwrap_or_else(|| {
+                        lat.no_kernel_ts += 1;
+                        realtime_ns()
+                    });
+                    lat.got += 1;
+                    let _ = lat.hist.record(arrived.saturating_sub(sent_at).max(1));
+                }
+            }
+            Ok(lat)
+        });
+        let mut probe = Probe {
+            stop: stop.clone(),
+            tx: None,
+            rx: Some(rx),
+        };
+        match ready_rx.recv_timeout(Duration::from_secs(5)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("probe receiver: {e}"),
+            Err(_) => bail!("probe receiver did not start"),
+        }
+        let stop_tx = stop;
+        probe.tx = Some(controlplane::demo::spawn_in(
+            &lab.genns,
+            move || -> anyhow::Result<u64> {
+                let _ = dataplane::sys::pin_to_cpu(GEN_CPU);
+                let s = UdpSocket::bind((GEN_IP, PROBE_SPORT)).context("probe sender bind")?;
+                s.connect((VIP, PROBE_PORT))?;
+                let interval = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
+                let start = Instant::now();
+                let limit = (max.as_secs_f64() * f64::from(rate)) as u64 + 1;
+                let mut sent = 0u64;
+                let mut next = start;
+                while !stop_tx.load(Ordering::Relaxed) && sent < limit && start.elapsed() < max {
+                    let mut p = [0u8; 18];
+                    p[..4].copy_from_slice(&PROBE_MAGIC.to_be_bytes());
+                    p[4..8].copy_from_slice(&(sent as u32).to_be_bytes());
+                    p[8..16].copy_from_slice(&realtime_ns().to_be_bytes());
+                    if s.send(&p).is_ok() {
+                        sent += 1;
+                    }
+                    next += interval;
+                    let now = Instant::now();
+                    if next > now {
+                        std::thread::sleep(next - now);
+                    }
+                }
+                Ok(sent)
+            },
+        ));
+        Ok(probe)
+    }
+
+    fn finish(mut self) -> anyhow::Result<Latency> {
+        self.stop.store(true, Ordering::Relaxed);
+        let sent = join_probe(self.tx.take());
+        let lat = join_probe(self.rx.take());
+        let mut lat = lat?;
+        lat.sent = sent?;
+        Ok(lat)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Runs.
+
+#[derive(Debug, Clone)]
+struct RunResult {
+    pps: f64,
+    /// What trafgen sent per second of its run (the offered load).
+    offered: Option<f64>,
+    /// (busy %, softirq %) of CPU0 and CPU1 over the measured window.
+    cpu: Vec<(f64, f64)>,
+    /// CPU other processes used during the window (% of one CPU).
+    foreign: f64,
+    /// Packets per second dropped on the way (see [`Lab::drops`]).
+    drop_pps: f64,
+}
+
+#[derive(Debug, Default)]
+struct ModeResult {
+    runs: Vec<RunResult>,
+    loaded: Option<Latency>,
+    loaded_pps: Option<f64>,
+    kxp_totals: Option<String>,
+    kernel_conntrack: Option<u64>,
+    error: Option<String>,
+}
+
+#[derive(Debug)]
+struct CaseResult {
+    case: Case,
+    idle: Option<Latency>,
+    modes: Vec<(Mode, ModeResult)>,
+    error: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+struct Plan {
+    runs: usize,
+    secs: f64,
+    warm: f64,
+    lat_secs: f64,
+    probe_rate: u32,
+    latency: bool,
+    busy_poll: String,
+    kxp: PathBuf,
+    quiet_wait: f64,
+    quiet_pct: f64,
+}
+
+/// trafgen's own account at exit: packets sent per second of its run.
+fn trafgen_rate(log: &str) -> Option<f64> {
+    let words: Vec<&str> = log.split_whitespace().collect();
+    let mut packets = None;
+    let mut secs = None;
+    for (i, w) in words.iter().enumerate() {
+        if *w == "packets" && words.get(i + 1) == Some(&"outgoing") && i > 0 {
+            packets = words[i - 1].parse::<f64>().ok();
+        }
+        if *w == "sec," && i > 0 && words.get(i + 2).is_some_and(|u| u.starts_with("usec")) {
+            let s = words[i - 1].parse::<f64>().ok();
+            let us = words[i + 1].parse::<f64>().ok();
+            if let (Some(s), Some(us)) = (s, us) {
+                secs = Some(s + us / 1e6);
+            }
+        }
+    }
+    match (packets, secs) {
+        (Some(p), Some(s)) if s > 0.0 => Some(p / s),
+        _ => None,
+    }
+}
+
+/// Waits (up to `plan.quiet_wait`) until other processes use less than
+/// `plan.quiet_pct` of a CPU over half a second; returns what they used last.
+fn wait_quiet(lab: &Lab, plan: &Plan, ours: &[u32]) -> anyhow::Result<f64> {
+    let end = Instant::now() + Duration::from_secs_f64(plan.quiet_wait);
+    let mut waited = false;
+    loop {
+        let a = foreign_ticks(ours);
+        lab.stop.sleep(Duration::from_millis(500))?;
+        let pct = foreign_pct(&a, &foreign_ticks(ours), 0.5);
+        if pct < plan.quiet_pct || Instant::now() >= end {
+            if waited {
+                eprintln!("  (waited for other work: now {pct:.0}% of a CPU)");
+            }
+            return Ok(pct);
+        }
+        waited = true;
+    }
+}
+
+fn run_once(
+    lab: &Lab,
+    cfg: &Path,
+    plan: &Plan,
+    tag: &str,
+    probe: bool,
+    ours: &[u32],
+) -> anyhow::Result<(RunResult, Option<Latency>)> {
+    wait_quiet(lab, plan, ours)?;
+    let max_packets = ((plan.warm + plan.secs + 5.0) * 5e6) as u64;
+    let mut tg = lab.start_trafgen(cfg, max_packets, tag)?;
+    let mut ours = ours.to_vec();
+    ours.push(tg.child.id());
+    lab.stop.sleep(Duration::from_secs_f64(plan.warm))?;
+    if !tg.running() {
+        bail!("trafgen exited early:\n{}", tg.log_text());
+    }
+    let probe = if probe {
+        Some(Probe::start(
+            lab,
+            plan.probe_rate,
+            Duration::from_secs_f64(plan.secs + 1.0),
+        )?)
+    } else {
+        None
+    };
+    let d0 = lab.drops();
+    let (c0, t0) = lab.delivered()?;
+    let cpu0 = cpu_times();
+    let f0 = foreign_ticks(&ours);
+    lab.stop.sleep(Duration::from_secs_f64(plan.secs))?;
+    let (c1, t1) = lab.delivered()?;
+    let cpu1 = cpu_times();
+    let d1 = lab.drops();
+    let foreign = foreign_pct(&f0, &foreign_ticks(&ours), (t1 - t0).as_secs_f64());
+    let lat = probe.map(Probe::finish).transpose()?;
+    tg.stop(libc::SIGINT, Duration::from_secs(5));
+    let offered = trafgen_rate(&tg.log_text());
+    // Let the queues drain before the next run.
+    lab.stop.sleep(Duration::from_millis(300))?;
+    let pps = c1.saturating_sub(c0) as f64 / (t1 - t0).as_secs_f64();
+    Ok((
+        RunResult {
+            pps,
+            offered,
+            cpu: cpu_usage(&cpu0, &cpu1),
+            foreign,
+            drop_pps: d1.saturating_sub(d0) as f64 / (t1 - t0).as_secs_f64(),
+        },
+        lat,
+    ))
+}
+
+fn run_mode(
+    lab: &Lab,
+    router: &Router<'_>,
+    mode: Mode,
+    plan: &Plan,
+    out: &mut ModeResult,
+) -> anyhow::Result<()> {
+    let cfg = lab.trafgen_cfg(mode)?;
+    let name = router.case.name();
+    let ours: Vec<u32> = router
+        .kxp
+        .as_ref()
+        .map(|p| p.child.id())
+        .into_iter()
+        .collect();
+    for i in 0..plan.runs {
+        let (r, _) = run_once(
+            lab,
+            &cfg,
+            plan,
+            &format!("{name}-{}-{i}", mode.name()),
+            false,
+            &ours,
+        )?;
+        eprintln!(
+            "  {name:<13} {} run {}: {:.3} Mpps delivered (trafgen offered {}, {:.3} Mpps dropped on the way), CPU0 {:.0}% CPU1 {:.0}% busy, others {:.0}% of a CPU",
+            mode.name(),
+            i + 1,
+            r.pps / 1e6,
+            r.offered
+                .map_or("?".to_string(), |o| format!("{:.3} Mpps", o / 1e6)),
+            r.drop_pps / 1e6,
+            r.cpu.first().map_or(0.0, |c| c.0),
+            r.cpu.get(1).map_or(0.0, |c| c.0),
+            r.foreign,
+        );
+        out.runs.push(r);
+    }
+    if plan.latency {
+        let lat_plan = Plan {
+            secs: plan.lat_secs,
+            ..plan.clone()
+        };
+        let (r, lat) = run_once(
+            lab,
+            &cfg,
+            &lat_plan,
+            &format!("{name}-{}-lat", mode.name()),
+            true,
+            &ours,
+        )?;
+        if let Some(l) = &lat {
+            eprintln!(
+                "  {name:<13} {} latency under load ({:.3} Mpps): {}",
+                mode.name(),
+                r.pps / 1e6,
+                l.summary()
+            );
+        }
+        out.loaded_pps = Some(r.pps);
+        out.loaded = lat;
+    }
+    if router.case == Case::Nft {
+        out.kernel_conntrack = stdout_of(in_ns(
+            &lab.router,
+            &["cat", "/proc/sys/net/netfilter/nf_conntrack_count"],
+        ))
+        .ok()
+        .and_then(|s| s.trim().parse().ok());
+    }
+    Ok(())
+}
+
+fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
+    let mut res = CaseResult {
+        case,
+        idle: None,
+        modes: Vec::new(),
+        error: None,
+    };
+    eprintln!("case {}: {}", case.name(), case.describe());
+    for (mi, &mode) in modes.iter().enumerate() {
+        if lab.stop.check().is_err() {
+            break;
+        }
+        let mut out = ModeResult::default();
+        // Set up per mode: kxp starts afresh (empty connection table, its own totals).
+        let router = match Router::setup(
+            lab,
+            case,
+            &plan.kxp,
+            &plan.busy_poll,
+            &format!("{}-{}", case.name(), mode.name()),
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("  {}: setup failed: {e:#}", case.name());
+                res.error = Some(format!("{e:#}"));
+                break;
+            }
+        };
+        if mi == 0 && plan.latency {
+            let idle = Probe::start(lab, plan.probe_rate, Duration::from_secs_f64(plan.lat_secs))
+                .and_then(|p| {
+                    lab.stop.sleep(Duration::from_secs_f64(plan.lat_secs))?;
+                    p.finish()
+                });
+            match idle {
+                Ok(l) => {
+                    eprintln!("  {:<13} latency, no load: {}", case.name(), l.summary());
+                    res.idle = Some(l);
+                }
+                Err(e) => eprintln!("  {}: idle latency failed: {e:#}", case.name()),
+            }
+        }
+        if let Err(e) = run_mode(lab, &router, mode, plan, &mut out) {
+            eprintln!("  {} {}: {e:#}", case.name(), mode.name());
+            out.error = Some(format!("{e:#}"));
+        }
+        if case.is_kxp() {
+            let _ = router.kxp_totals();
+            out.kxp_totals = router.finish();
+            if let Some(t) = &out.kxp_totals {
+                eprintln!("  {:<13} {} kxp {t}", case.name(), mode.name());
+            }
+        } else {
+            drop(router);
+        }
+        res.modes.push((mode, out));
+    }
+    res
+}
+
+// ---------------------------------------------------------------------------------------
+// Report.
+
+fn median(v: &[f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    Some(s[s.len() / 2])
+}
+
+fn mode_of(c: &CaseResult, m: Mode) -> Option<&ModeResult> {
+    c.modes.iter().find(|(mm, _)| *mm == m).map(|(_, r)| r)
+}
+
+fn med_pps(c: &CaseResult, m: Mode) -> Option<f64> {
+    mode_of(c, m).and_then(|r| median(&r.runs.iter().map(|x| x.pps).collect::<Vec<_>>()))
+}
+
+fn cell(c: &CaseResult, m: Mode) -> String {
+    let Some(r) = mode_of(c, m) else {
+        return "-".into();
+    };
+    let v: Vec<f64> = r.runs.iter().map(|x| x.pps / 1e6).collect();
+    match median(&v) {
+        None => "failed".into(),
+        Some(med) if v.len() > 1 => {
+            let lo = v.iter().copied().fold(f64::MAX, f64::min);
+            let hi = v.iter().copied().fold(0.0, f64::max);
+            format!("{med:.3} [{lo:.3}-{hi:.3}]")
+        }
+        Some(med) => format!("{med:.3}"),
+    }
+}
+
+fn offered_cell(c: &CaseResult, m: Mode) -> String {
+    let Some(r) = mode_of(c, m) else {
+        return "-".into();
+    };
+    let off = median(&r.runs.iter().filter_map(|x| x.offered).collect::<Vec<_>>());
+    let drop = median(&r.runs.iter().map(|x| x.drop_pps).collect::<Vec<_>>());
+    match (off, drop) {
+        (Some(o), Some(d)) => format!("{:.2}/{:.2}", o / 1e6, d / 1e6),
+        (None, Some(d)) => format!("?/{:.2}", d / 1e6),
+        _ => "-".into(),
+    }
+}
+
+fn cpu_cell(c: &CaseResult, m: Mode) -> String {
+    let Some(r) = mode_of(c, m).and_then(|r| r.runs.last()) else {
+        return "-".into();
+    };
+    r.cpu
+        .iter()
+        .take(2)
+        .map(|(b, si)| format!("{b:.0}/{si:.0}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn foreign_cell(c: &CaseResult) -> String {
+    let v: Vec<f64> = c
+        .modes
+        .iter()
+        .flat_map(|(_, r)| r.runs.iter().map(|x| x.foreign))
+        .collect();
+    if v.is_empty() {
+        return "-".into();
+    }
+    format!("{:.0}", v.iter().copied().fold(0.0, f64::max))
+}
+
+fn lat_cell(l: Option<&Latency>) -> String {
+    match l {
+        Some(l) if !l.hist.is_empty() => format!(
+            "{:.0}/{:.0}/{:.0} ({:.0}%)",
+            l.us(0.5),
+            l.us(0.99),
+            l.us(0.999),
+            l.loss_pct()
+        ),
+        Some(l) => format!("none of {}", l.sent),
+        None => "-".into(),
+    }
+}
+
+fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str)) {
+    println!();
+    println!(
+        "macro-bench: {} run(s) x {:.1} s per case and mode (median [min-max]); 64-byte UDP (60 B + FCS) to {VIP}:{SINK_PORT};",
+        plan.runs, plan.secs
+    );
+    println!(
+        "generator trafgen -t 0 on CPU{GEN_CPU}, router on CPU{ROUTER_CPU}; Mpps = packets/s counted at the backend's interface"
+    );
+    println!(
+        "load average before {} / after {}; offered = trafgen's own count, dropped = lost before the backend (Mpps); CPU busy/softirq % over the last est. run; others = most CPU (% of one) other processes used in any run",
+        load.0, load.1
+    );
+    println!();
+    println!(
+        "{:<13} | {:<24} | {:<24} | {:<21} | {:<17} | others",
+        "router",
+        "est. flows (1,024) Mpps",
+        "new conn/packet Mpps",
+        "offered/dropped e; n",
+        "CPU0 CPU1 busy/si%",
+    );
+    println!("{}", "-".repeat(120));
+    for c in results {
+        let est = if modes.contains(&Mode::Est) {
+            cell(c, Mode::Est)
+        } else {
+            "-".into()
+        };
+        let new = if modes.contains(&Mode::New) {
+            cell(c, Mode::New)
+        } else {
+            "-".into()
+        };
+        println!(
+            "{:<13} | {:<24} | {:<24} | {:<21} | {:<17} | {}",
+            c.case.name(),
+            est,
+            new,
+            format!(
+                "{}; {}",
+                offered_cell(c, Mode::Est),
+                offered_cell(c, Mode::New)
+            ),
+            cpu_cell(c, Mode::Est),
+            foreign_cell(c)
+        );
+    }
+    let find = |k: Case| results.iter().find(|c| c.case == k);
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "-".into(),
+    };
+    println!();
+    for k in results.iter().filter(|c| c.case.is_kxp()) {
+        for (base, bname) in [
+            (Case::Nft, "kernel nft DNAT"),
+            (Case::Plain, "plain forwarding"),
+        ] {
+            if let Some(b) = find(base) {
+                println!(
+                    "ratio {:<13} / {:<17}: est {}  new {}",
+                    k.case.name(),
+                    bname,
+                    ratio(med_pps(k, Mode::Est), med_pps(b, Mode::Est)),
+                    ratio(med_pps(k, Mode::New), med_pps(b, Mode::New))
+                );
+            }
+        }
+    }
+    if plan.latency {
+        println!();
+        println!(
+            "one-way latency generator -> backend through the VIP, µs p50/p99/p99.9 (probe loss), {} probes/s:",
+            plan.probe_rate
+        );
+        println!(
+            "{:<13} | {:<24} | {:<24} | {:<24}",
+            "router", "no load", "under est. load", "under new-conn load"
+        );
+        for c in results {
+            println!(
+                "{:<13} | {:<24} | {:<24} | {:<24}",
+                c.case.name(),
+                lat_cell(c.idle.as_ref()),
+                lat_cell(mode_of(c, Mode::Est).and_then(|r| r.loaded.as_ref())),
+                lat_cell(mode_of(c, Mode::New).and_then(|r| r.loaded.as_ref()))
+            );
+        }
+    }
+    println!();
+    for c in results {
+        for (m, r) in &c.modes {
+            if let Some(t) = &r.kxp_totals {
+                println!("{} {}: {t}", c.case.name(), m.name());
+            }
+            if let Some(n) = r.kernel_conntrack {
+                println!(
+                    "{} {}: kernel conntrack entries at the end: {n}",
+                    c.case.name(),
+                    m.name()
+                );
+            }
+            if let Some(e) = &r.error {
+                println!("{} {}: ERROR {e}", c.case.name(), m.name());
+            }
+        }
+        if let Some(e) = &c.error {
+            println!("{}: ERROR {e}", c.case.name());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn locate_kxp(given: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.clone());
+    }
+    let me = std::env::current_exe()?;
+    let p = me.with_file_name("kxp");
+    if p.exists() {
+        return Ok(p);
+    }
+    eprintln!("macro-bench: {} missing; building it", p.display());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let st = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "controlplane",
+            "--bin",
+            "kxp",
+            "--manifest-path",
+        ])
+        .arg(manifest)
+        .status()?;
+    if !st.success() || !p.exists() {
+        bail!("cannot build kxp; give --kxp PATH (a release build of `kxp`)");
+    }
+    Ok(p)
+}
+
+fn have(prog: &str, arg: &str) -> bool {
+    Command::new(prog)
+        .arg(arg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+fn real_main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if !dataplane::sys::is_root() {
+        bail!("macro-bench creates network namespaces and attaches XDP programs: run it as root");
+    }
+    for (p, a) in [
+        ("trafgen", "-v"),
+        ("nft", "-v"),
+        ("taskset", "-V"),
+        ("ip", "-V"),
+    ] {
+        if !have(p, a) {
+            bail!(
+                "{p} not found: run bash tests/install-deps.sh (Debian: netsniff-ng, nftables, util-linux, iproute2)"
+            );
+        }
+    }
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if ncpu <= ROUTER_CPU {
+        bail!("need at least 2 CPUs (generator on CPU{GEN_CPU}, router on CPU{ROUTER_CPU})");
+    }
+    let cases: Vec<Case> = args
+        .cases
+        .iter()
+        .map(|c| Case::parse(c))
+        .collect::<anyhow::Result<_>>()?;
+    let modes: Vec<Mode> = args
+        .modes
+        .iter()
+        .map(|m| match m.trim() {
+            "est" => Ok(Mode::Est),
+            "new" => Ok(Mode::New),
+            o => bail!("unknown mode {o:?} (est, new)"),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let stop = Stop(Arc::new(AtomicBool::new(false)));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.0.clone())?;
+    }
+    let kxp = if cases.iter().any(|c| c.is_kxp()) {
+        locate_kxp(args.kxp.as_ref())?
+    } else {
+        PathBuf::new()
+    };
+    let plan = Plan {
+        runs: args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
+        secs: args.secs.unwrap_or(if args.quick { 1.0 } else { 3.0 }),
+        warm: if args.quick { 0.5 } else { 1.0 },
+        lat_secs: if args.quick { 1.0 } else { 2.0 },
+        probe_rate: args.probe_rate.clamp(1, 20_000),
+        latency: !args.no_latency,
+        busy_poll: args.busy_poll.clone(),
+        kxp,
+        quiet_wait: args
+            .quiet_wait
+            .unwrap_or(if args.quick { 0.0 } else { 30.0 }),
+        quiet_pct: args.quiet_pct,
+    };
+    let load_before = loadavg();
+    eprintln!(
+        "macro-bench: {} CPUs, kernel {}, load average {load_before}; kxp {}",
+        ncpu,
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
+        plan.kxp.display()
+    );
+    let lab = Lab::new(stop.clone(), args.keep)?;
+    eprintln!(
+        "topology: {} (trafgen, CPU{GEN_CPU}) -> {} (router, CPU{ROUTER_CPU}) -> {} (3 endpoints)",
+        lab.genns, lab.router, lab.back
+    );
+    let mut results = Vec::new();
+    for &case in &cases {
+        if stop.check().is_err() {
+            break;
+        }
+        results.push(run_case(&lab, case, &modes, &plan));
+    }
+    let load_after = loadavg();
+    report(&results, &modes, &plan, (&load_before, &load_after));
+    stop.check()?;
+    drop(lab);
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    match real_main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("macro-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
