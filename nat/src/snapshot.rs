@@ -45,6 +45,48 @@ pub struct Frontend {
 type FastMap<K, V> = HashMap<K, V, FixedState>;
 type FastSet<K> = HashSet<K, FixedState>;
 
+/// IPv4 frontend key packed into 8 bytes (address; port and protocol), so that an index
+/// of 100k Services stays small enough (12 bytes an entry) to mostly live in L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct V4Key([u32; 2]);
+
+impl V4Key {
+    #[inline]
+    fn new(ip: std::net::Ipv4Addr, proto: Protocol, port: u16) -> V4Key {
+        V4Key([u32::from(ip), (port as u32) << 8 | proto.number() as u32])
+    }
+}
+
+/// A [`Frontend`] packed into 4 bytes: the port index and the kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Packed(u32);
+
+impl Packed {
+    fn new(f: Frontend) -> Packed {
+        let kind = match f.kind {
+            FrontendKind::ClusterIp => 0,
+            FrontendKind::ExternalIp => 1,
+            FrontendKind::LoadBalancer => 2,
+            FrontendKind::NodePort => 3,
+        };
+        Packed(f.port << 2 | kind)
+    }
+
+    #[inline]
+    fn get(self) -> Frontend {
+        let kind = match self.0 & 3 {
+            0 => FrontendKind::ClusterIp,
+            1 => FrontendKind::ExternalIp,
+            2 => FrontendKind::LoadBalancer,
+            _ => FrontendKind::NodePort,
+        };
+        Frontend {
+            port: self.0 >> 2,
+            kind,
+        }
+    }
+}
+
 /// A consistent view of every Service port, for one publication.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
@@ -53,8 +95,10 @@ pub struct Snapshot {
     pub node: Arc<NodeContext>,
     /// Every Service port of both families, sorted by name then family.
     pub ports: Vec<Arc<ServicePort>>,
-    /// `(ip, protocol, port)` of ClusterIPs, externalIPs and LoadBalancer VIPs.
-    addrs: FastMap<(IpAddr, Protocol, u16), Frontend>,
+    /// `(ip, protocol, port)` of ClusterIPs, externalIPs and LoadBalancer VIPs: IPv4 in a
+    /// compact index, IPv6 in a general one.
+    addrs_v4: FastMap<V4Key, Packed>,
+    addrs_v6: FastMap<(IpAddr, Protocol, u16), Frontend>,
     /// `(family, protocol, nodePort)`.
     node_ports: FastMap<(Family, Protocol, u16), u32>,
     /// Every ClusterIP (any port), for kube-proxy's "invalid port of a ClusterIP" reject.
@@ -72,7 +116,8 @@ impl Snapshot {
         let mut s = Snapshot {
             generation,
             node,
-            addrs: FastMap::with_capacity_and_hasher(ports.len(), FixedState::default()),
+            addrs_v4: FastMap::with_capacity_and_hasher(ports.len(), FixedState::default()),
+            addrs_v6: FastMap::default(),
             node_ports: FastMap::default(),
             cluster_ips: FastSet::with_capacity_and_hasher(ports.len(), FixedState::default()),
             conflicts: Vec::new(),
@@ -117,7 +162,7 @@ impl Snapshot {
         kind: FrontendKind,
         ports: &[Arc<ServicePort>],
     ) {
-        if let Some(prev) = self.addrs.get(&key) {
+        if let Some(prev) = self.lookup_addr(key.0, key.1, key.2) {
             if prev.port != port {
                 self.conflicts.push(format!(
                     "{} {}:{}/{} of {} is already the {} of {}",
@@ -132,13 +177,28 @@ impl Snapshot {
             }
             return;
         }
-        self.addrs.insert(key, Frontend { port, kind });
+        let f = Frontend { port, kind };
+        match key.0 {
+            IpAddr::V4(v4) => {
+                self.addrs_v4
+                    .insert(V4Key::new(v4, key.1, key.2), Packed::new(f));
+            }
+            IpAddr::V6(_) => {
+                self.addrs_v6.insert(key, f);
+            }
+        }
     }
 
     /// The frontend a ClusterIP, externalIP or LoadBalancer VIP packet is for.
     #[inline]
     pub fn lookup_addr(&self, dst: IpAddr, proto: Protocol, dport: u16) -> Option<Frontend> {
-        self.addrs.get(&(dst, proto, dport)).copied()
+        match dst {
+            IpAddr::V4(v4) => self
+                .addrs_v4
+                .get(&V4Key::new(v4, proto, dport))
+                .map(|p| p.get()),
+            IpAddr::V6(_) => self.addrs_v6.get(&(dst, proto, dport)).copied(),
+        }
     }
 
     /// The Service port owning a NodePort of `dst`'s family.
@@ -160,6 +220,6 @@ impl Snapshot {
 
     /// Number of frontends (addresses × ports, plus NodePorts).
     pub fn frontend_count(&self) -> usize {
-        self.addrs.len() + self.node_ports.len()
+        self.addrs_v4.len() + self.addrs_v6.len() + self.node_ports.len()
     }
 }
