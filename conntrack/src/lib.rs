@@ -16,12 +16,12 @@
 //! # Eviction policy
 //! Capacity is fixed at construction (`max(maxPerCore × cores, min)` split between the
 //! workers is the caller's arithmetic). When an insertion finds the table full it frees
-//! one slot, in this order:
-//! 1. the oldest unassured flow, if it has expired;
-//! 2. any expired flow within [`ConnTable::ROOM_SWEEP`] slots of the expiry clock hand;
-//! 3. the oldest unassured flow, although still live ("early drop", as Linux's
+//! one slot:
+//! 1. the oldest unassured flow, expired or still live ("early drop", as Linux's
 //!    `early_drop`): TCP not yet ESTABLISHED with a reply, UDP not yet a stream, SCTP not
-//!    yet heard both ways — the kind of entry a SYN or UDP flood creates.
+//!    yet heard both ways — the kind of entry a SYN or UDP flood creates; found in O(1);
+//! 2. only if every flow is assured: an expired one within [`ConnTable::ROOM_SWEEP`] slots
+//!    of the expiry clock hand.
 //!
 //! An assured flow is never evicted to make room: when every flow is assured the
 //! insertion fails with [`InsertError::Full`] and the caller drops the packet, so a flood

@@ -200,7 +200,7 @@ impl Dataplane {
             }
             let table = conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
                 .map_err(|e| DataplaneError::Conntrack(e.to_string()))?;
-            workers.push(Worker::new(
+            let mut w = Worker::new(
                 id,
                 cfg.cpus.as_ref().map(|c| c[id]),
                 io,
@@ -209,7 +209,9 @@ impl Dataplane {
                 ifindexes.clone(),
                 shared.clone(),
                 rx,
-            ));
+            );
+            w.busy_poll = cfg.xsk.busy_poll.is_some();
+            workers.push(w);
         }
         let mut dp = Dataplane {
             shared: shared.clone(),

@@ -119,6 +119,8 @@ pub struct Worker {
     pub commands: crossbeam::channel::Receiver<Command>,
     /// Interface name of each port (for interface-based local-traffic detection).
     pub port_names: Vec<String>,
+    /// Kick the sockets' receive processing every iteration (preferred busy polling).
+    pub busy_poll: bool,
     local: Local,
 }
 
@@ -174,6 +176,7 @@ impl Worker {
             shared,
             commands,
             port_names,
+            busy_poll: false,
             local: Local::default(),
         }
     }
@@ -213,6 +216,9 @@ impl Worker {
                 self.io.bytes(&mut f).copy_from_slice(&h.frame[..n]);
                 f.port = h.port;
                 self.handle(f, &snap, now, workers, &mut answer, true);
+            }
+            if self.busy_poll {
+                self.io.busy_poll_kick();
             }
             for port in 0..self.io.port_count() {
                 batch.clear();

@@ -91,6 +91,8 @@ struct Port {
     tx_pending: Vec<FrameDesc>,
     /// Frames this port's fill ring holds (given, not yet received back).
     in_fill: usize,
+    /// TX ring size (all free = nothing left for the kernel to send).
+    tx_size: u32,
 }
 
 /// Per-port socket statistics from the kernel.
@@ -196,6 +198,7 @@ impl WorkerIo {
                 cq,
                 tx_pending: Vec::with_capacity(BATCH),
                 in_fill: 0,
+                tx_size: cfg.ring_size,
             });
         }
 
@@ -310,10 +313,16 @@ impl WorkerIo {
             let done = unsafe { p.tx.produce(&p.tx_pending[..n]) };
             p.tx_pending.drain(..done);
         }
-        if p.tx.needs_wakeup() {
-            // Copy mode: a sendto() makes the kernel transmit. Transient errors (EAGAIN,
-            // ENOBUFS) leave the frames on the ring for the next kick.
-            let _ = p.tx.wakeup();
+        // Copy mode: each sendto() makes the kernel transmit at most 32 frames, so kick
+        // until the ring is drained (bounded; transient errors such as EAGAIN or ENOBUFS
+        // leave the rest for the next flush).
+        for _ in 0..16 {
+            if !p.tx.needs_wakeup() || p.tx.wakeup().is_err() {
+                break;
+            }
+            if p.tx.nb_free_exact() >= p.tx_size {
+                break;
+            }
         }
     }
 
@@ -383,6 +392,14 @@ impl WorkerIo {
     /// Frames owned by userspace and not queued anywhere.
     pub fn free_frames(&self) -> usize {
         self.free.len()
+    }
+
+    /// With preferred busy polling: a non-blocking zero-length receive on every socket,
+    /// which makes the kernel run the devices' receive processing on this CPU now.
+    pub fn busy_poll_kick(&self) {
+        for p in &self.ports {
+            crate::sys::kick_rx(p.rx.fd().as_raw_fd());
+        }
     }
 
     /// All sockets' descriptors (for `poll`).
