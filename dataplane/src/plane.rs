@@ -98,6 +98,34 @@ pub struct Dataplane {
     threads: Vec<JoinHandle<()>>,
     /// What the XDP maps hold now (to diff the next snapshot against).
     endpoints_udp: HashSet<SocketAddr>,
+    /// sysfs knobs changed for busy polling, with their old values (restored on stop).
+    restore: Vec<(String, String)>,
+}
+
+/// With preferred busy polling the device must defer its interrupts so that the worker's
+/// polling, not softirq, drives receive processing: `napi_defer_hard_irqs` and
+/// `gro_flush_timeout` (the values the kernel documentation and DPDK's AF_XDP driver use).
+fn busy_poll_knobs(ifnames: &[String]) -> Vec<(String, String)> {
+    let mut old = Vec::new();
+    for ifname in ifnames {
+        for (knob, value) in [
+            ("napi_defer_hard_irqs", "2"),
+            ("gro_flush_timeout", "200000"),
+        ] {
+            let path = format!("/sys/class/net/{ifname}/{knob}");
+            let Ok(prev) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            if std::fs::write(&path, value).is_ok() {
+                old.push((path, prev.trim().to_string()));
+            } else {
+                eprintln!(
+                    "kxp: cannot set {path} for busy polling; receive processing stays in softirq"
+                );
+            }
+        }
+    }
+    old
 }
 
 /// Sums of every worker's counters.
@@ -219,6 +247,11 @@ impl Dataplane {
             fib,
             threads: Vec::new(),
             endpoints_udp: HashSet::new(),
+            restore: if cfg.xsk.busy_poll.is_some() {
+                busy_poll_knobs(&cfg.interfaces)
+            } else {
+                Vec::new()
+            },
         };
         let initial = shared.snapshot.load_full();
         dp.program(&initial)?;
@@ -380,6 +413,9 @@ impl Dataplane {
             if let Err(e) = s.detach() {
                 eprintln!("kxp: {e}");
             }
+        }
+        for (path, value) in self.restore.drain(..) {
+            let _ = std::fs::write(&path, value);
         }
     }
 }
