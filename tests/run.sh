@@ -13,4 +13,13 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo build (the kxp binary the end-to-end tests run)"
 cargo build --workspace --bins
 echo "== cargo test"
-cargo test --workspace
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+passed=$(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')
+failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s += $1} END {print s + 0}')
+set -e
+echo "tests: ${passed} passed, ${failed} failed"
+exit "$status"
