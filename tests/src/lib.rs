@@ -1,5 +1,7 @@
 //! Helpers for kxp's end-to-end tests.
 
+pub mod fakeapi;
+
 use std::path::{Path, PathBuf};
 
 /// The `kxp` binary the tests run: `KXP_BIN`, else `target/debug/kxp` of this workspace
