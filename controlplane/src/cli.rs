@@ -23,7 +23,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the dataplane on interfaces, fed from a state file.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Explain what kxp does with the first packet of a connection.
     Trace(TraceArgs),
     /// Remove what a kxp that died left behind (XDP programs on interfaces).
@@ -57,6 +57,100 @@ impl NodeArgs {
     }
 }
 
+/// kube-proxy's own command-line flags, with the same names. As in kube-proxy, they are
+/// ignored when `--config` is given (the file wins), except `--hostname-override`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct KubeProxyFlags {
+    /// The pods' CIDR range(s), comma-separated for dual-stack ("" = no local detector).
+    #[arg(long, value_name = "CIDR[,CIDR]")]
+    pub cluster_cidr: Option<String>,
+    /// Masquerade all traffic sent to Service ClusterIPs.
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// Node addresses (CIDRs, or "primary") that accept NodePort traffic.
+    #[arg(long, value_name = "CIDR,...", value_delimiter = ',')]
+    pub nodeport_addresses: Vec<String>,
+    /// ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.
+    #[arg(long, value_name = "MODE")]
+    pub detect_local_mode: Option<String>,
+    /// Connection-tracking entries per CPU (kube-proxy's default 32768).
+    #[arg(long, value_name = "N")]
+    pub conntrack_max_per_core: Option<i32>,
+    /// Minimum connection-tracking entries (kube-proxy's default 131072).
+    #[arg(long, value_name = "N")]
+    pub conntrack_min: Option<i32>,
+    /// Idle timeout of established TCP flows (e.g. 24h0m0s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_established: Option<crate::config::GoDuration>,
+    /// Timeout of TCP flows in CLOSE_WAIT (e.g. 1h0m0s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_close_wait: Option<crate::config::GoDuration>,
+    /// Timeout of unreplied UDP flows (0 = Linux's 30s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub conntrack_udp_timeout: Option<crate::config::GoDuration>,
+    /// Timeout of UDP streams (0 = Linux's 120s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub conntrack_udp_timeout_stream: Option<crate::config::GoDuration>,
+}
+
+fn parse_duration(s: &str) -> Result<crate::config::GoDuration, String> {
+    crate::config::parse_go_duration(s).map(crate::config::GoDuration)
+}
+
+impl KubeProxyFlags {
+    /// The flags as a KubeProxyConfiguration (what kube-proxy builds when there is no
+    /// `--config`), and the names of the flags that were given.
+    pub fn to_config(
+        &self,
+        healthz: Option<std::net::SocketAddr>,
+    ) -> (KubeProxyConfiguration, Vec<&'static str>) {
+        use crate::config::{Conntrack, NfTables};
+        let mut given = Vec::new();
+        let mut c = KubeProxyConfiguration {
+            api_version: Some(crate::config::API_VERSIONS[0].to_string()),
+            kind: Some("KubeProxyConfiguration".to_string()),
+            mode: Some("nftables".to_string()),
+            ..Default::default()
+        };
+        if let Some(v) = &self.cluster_cidr {
+            c.cluster_cidr = Some(v.clone());
+            given.push("--cluster-cidr");
+        }
+        if self.masquerade_all {
+            c.nftables = Some(NfTables {
+                masquerade_all: Some(true),
+                ..Default::default()
+            });
+            given.push("--masquerade-all");
+        }
+        if !self.nodeport_addresses.is_empty() {
+            c.node_port_addresses = Some(self.nodeport_addresses.clone());
+            given.push("--nodeport-addresses");
+        }
+        if let Some(v) = &self.detect_local_mode {
+            c.detect_local_mode = Some(v.clone());
+            given.push("--detect-local-mode");
+        }
+        if let Some(h) = healthz {
+            c.healthz_bind_address = Some(h.to_string());
+        }
+        let ct = Conntrack {
+            max_per_core: self.conntrack_max_per_core,
+            min: self.conntrack_min,
+            tcp_established_timeout: self.conntrack_tcp_timeout_established,
+            tcp_close_wait_timeout: self.conntrack_tcp_timeout_close_wait,
+            udp_timeout: self.conntrack_udp_timeout,
+            udp_stream_timeout: self.conntrack_udp_timeout_stream,
+            ..Default::default()
+        };
+        if ct != Conntrack::default() {
+            c.conntrack = Some(ct);
+            given.push("--conntrack-*");
+        }
+        (c, given)
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// An interface to attach to (repeat: e.g. the uplink and the pods' veths).
@@ -64,7 +158,7 @@ pub struct RunArgs {
     pub interfaces: Vec<String>,
     /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML, watched for changes.
     #[arg(long, value_name = "STATE.yaml")]
-    pub state_file: PathBuf,
+    pub state_file: Option<PathBuf>,
     #[command(flatten)]
     pub node: NodeArgs,
     /// Number of workers (one per queue, queues 0..N-1 of every interface).
@@ -79,6 +173,16 @@ pub struct RunArgs {
     /// Source ports for masquerade (keep outside the kernel's ephemeral range).
     #[arg(long, value_name = "LO-HI", value_parser = parse_port_range)]
     pub snat_port_range: Option<(u16, u16)>,
+    #[command(flatten)]
+    pub kube_proxy: KubeProxyFlags,
+    /// Write the effective configuration (file or flags) as a KubeProxyConfiguration to
+    /// PATH and exit, as `kube-proxy --write-config-to` does.
+    #[arg(long, value_name = "PATH")]
+    pub write_config_to: Option<PathBuf>,
+    /// Remove what a kxp that died left behind and exit (`kxp cleanup`), as
+    /// `kube-proxy --cleanup` does.
+    #[arg(long)]
+    pub cleanup: bool,
     /// Preferred busy polling on the AF_XDP sockets: USECS[,BUDGET] (SO_BUSY_POLL,
     /// SO_PREFER_BUSY_POLL, SO_BUSY_POLL_BUDGET, default budget 64); pair it with the
     /// interfaces' napi_defer_hard_irqs and gro_flush_timeout. Off by default.
@@ -190,10 +294,17 @@ pub fn main() -> i32 {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Trace(args) => run_trace(args),
+        Command::Run(args) if args.cleanup => run_cleanup(CleanupArgs {
+            interfaces: args.interfaces,
+        }),
+        Command::Run(args) if args.write_config_to.is_some() => write_config(&args),
         Command::Run(args) => crate::run::run(crate::run::RunOptions {
             interfaces: args.interfaces,
-            state_file: args.state_file,
+            state_file: args.state_file.ok_or_else(|| {
+                anyhow::anyhow!("give --state-file STATE.yaml: the Services and endpoints to serve")
+            })?,
             config: args.node.config.clone(),
+            flag_config: args.kube_proxy.to_config(args.healthz_bind_address),
             flags: args.node.flags(),
             workers: args.workers,
             cpus: args.cpus,
@@ -204,6 +315,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cleanup(args) => run_cleanup(args),
         Command::Demo => crate::demo::demo(),
     }
+}
+
+/// `--write-config-to`: the configuration kxp would run with, as YAML.
+fn write_config(args: &RunArgs) -> anyhow::Result<()> {
+    let (from_flags, _) = args.kube_proxy.to_config(args.healthz_bind_address);
+    let mut cfg = match &args.node.config {
+        Some(p) => KubeProxyConfiguration::load(p)?,
+        None => from_flags,
+    };
+    if let Some(h) = &args.node.hostname_override {
+        cfg.hostname_override = Some(h.clone());
+    }
+    let text = serde_yaml::to_string(&cfg)?;
+    let path = args
+        .write_config_to
+        .as_ref()
+        .expect("checked by the caller");
+    std::fs::write(path, text)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    println!("wrote the effective configuration to {}", path.display());
+    Ok(())
 }
 
 fn run_trace(args: TraceArgs) -> anyhow::Result<()> {

@@ -5,134 +5,240 @@
 use std::path::Path;
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// kube-proxy's configuration file. Every field of v1alpha1 is accepted (so an existing
 /// file loads as it is); the ones that mean something to kxp are honoured.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KubeProxyConfiguration {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub api_version: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub feature_gates: Option<std::collections::BTreeMap<String, bool>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub client_connection: Option<ClientConnection>,
     /// component-base logging options (format, verbosity, …): accepted as they are.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub logging: Option<serde_yaml::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub hostname_override: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub bind_address: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub healthz_bind_address: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_bind_address: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub bind_address_hard_fail: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_profiling: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub show_hidden_metrics_for_version: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub service_proxy_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub iptables: Option<IpTables>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ipvs: Option<Ipvs>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub nftables: Option<NfTables>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub winkernel: Option<serde_yaml::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub detect_local_mode: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub detect_local: Option<DetectLocal>,
     #[serde(rename = "clusterCIDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_cidr: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub node_port_addresses: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub oom_score_adj: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrack: Option<Conntrack>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub config_sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub port_range: Option<String>,
     /// v1alpha2 moved these to the top level; accepted in either place.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub min_sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub windows_run_as_service: Option<bool>,
     /// kxp's own settings.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kxp: Option<KxpSection>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClientConnection {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kubeconfig: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub accept_content_types: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub content_type: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub qps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub burst: Option<i32>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct IpTables {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub masquerade_bit: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub masquerade_all: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub localhost_node_ports: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub min_sync_period: Option<GoDuration>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Ipvs {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub min_sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub scheduler: Option<String>,
     #[serde(rename = "excludeCIDRs")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub exclude_cidrs: Option<Vec<String>>,
     #[serde(rename = "strictARP")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub strict_arp: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_timeout: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_fin_timeout: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub udp_timeout: Option<GoDuration>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NfTables {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub masquerade_bit: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub masquerade_all: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub min_sync_period: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub table_name: Option<String>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DetectLocal {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub bridge_interface: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub interface_name_prefix: Option<String>,
     /// v1alpha2's list form of clusterCIDR.
     #[serde(rename = "clusterCIDRs")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_cidrs: Option<Vec<String>>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Conntrack {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_per_core: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub min: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_established_timeout: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_close_wait_timeout: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_be_liberal: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub udp_timeout: Option<GoDuration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub udp_stream_timeout: Option<GoDuration>,
 }
 
 /// kxp's extension section (`kxp:` at the top level of the file).
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KxpSection {
     /// Endpoint scheduler for Services without a `kxp.dev/scheduler` annotation:
     /// random (default), rr, wrr, lc, wlc, sh, dh, sed, nq or maglev.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub scheduler: Option<String>,
     /// Interfaces the dataplane attaches to.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub interfaces: Option<Vec<String>>,
     /// Number of dataplane workers.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<u32>,
     /// CPUs to pin the workers to.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cpus: Option<Vec<u32>>,
 }
 
 /// A Go `time.Duration` string as metav1.Duration writes it (`1h0m0s`, `30s`, `250ms`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GoDuration(pub Duration);
+
+impl Serialize for GoDuration {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format_go_duration(self.0))
+    }
+}
+
+/// Go's `time.Duration.String()`: `1h0m0s`, `30s`, `1m30.5s`, `250ms`, `0s`.
+pub fn format_go_duration(d: Duration) -> String {
+    let nanos = d.as_nanos();
+    if nanos == 0 {
+        return "0s".into();
+    }
+    if nanos < 1_000_000_000 {
+        return if nanos.is_multiple_of(1_000_000) {
+            format!("{}ms", nanos / 1_000_000)
+        } else if nanos.is_multiple_of(1_000) {
+            format!("{}µs", nanos / 1_000)
+        } else {
+            format!("{nanos}ns")
+        };
+    }
+    let secs = d.as_secs();
+    let (h, m, s) = (secs / 3600, (secs % 3600) / 60, secs % 60);
+    let frac = d.subsec_nanos();
+    let sec = if frac == 0 {
+        format!("{s}s")
+    } else {
+        let f = format!("{frac:09}");
+        format!("{s}.{}s", f.trim_end_matches('0'))
+    };
+    if h > 0 {
+        format!("{h}h{m}m{sec}")
+    } else if m > 0 {
+        format!("{m}m{sec}")
+    } else {
+        sec
+    }
+}
 
 impl<'de> Deserialize<'de> for GoDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -436,6 +542,28 @@ winkernel:
             let c = KubeProxyConfiguration::parse(&format!("{base}{extra}"), "f").unwrap();
             assert!(c.masquerade_all());
         }
+    }
+
+    #[test]
+    fn go_durations_format_like_go() {
+        for (d, s) in [
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(3600), "1h0m0s"),
+            (Duration::from_secs(86_400), "24h0m0s"),
+            (Duration::from_secs(90), "1m30s"),
+            (Duration::from_millis(1500), "1.5s"),
+            (Duration::from_millis(250), "250ms"),
+        ] {
+            assert_eq!(format_go_duration(d), s);
+            assert_eq!(parse_go_duration(s).unwrap(), d);
+        }
+    }
+
+    #[test]
+    fn written_config_reads_back() {
+        let c = KubeProxyConfiguration::parse(FULL, "test").unwrap();
+        let text = serde_yaml::to_string(&c).unwrap();
+        assert_eq!(KubeProxyConfiguration::parse(&text, "again").unwrap(), c);
     }
 
     #[test]

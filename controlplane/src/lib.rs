@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod health;
+pub mod kube_source;
 pub mod netns;
 pub mod run;
 pub mod settings;

@@ -25,6 +25,9 @@ pub struct RunOptions {
     pub interfaces: Vec<String>,
     pub state_file: PathBuf,
     pub config: Option<PathBuf>,
+    /// kube-proxy's flags as a configuration, and which were given (used without
+    /// `--config`; ignored with it, as kube-proxy does).
+    pub flag_config: (KubeProxyConfiguration, Vec<&'static str>),
     pub flags: NodeFlags,
     pub workers: Option<usize>,
     pub cpus: Option<Vec<usize>>,
@@ -39,15 +42,30 @@ pub struct RunOptions {
 /// # Errors
 /// Anything that keeps kxp from starting, with what to do about it.
 pub fn run(opts: RunOptions) -> anyhow::Result<()> {
-    let cfg = opts
-        .config
+    let (cfg, origin) = match &opts.config {
+        Some(path) => {
+            let (_, given) = &opts.flag_config;
+            if !given.is_empty() {
+                eprintln!(
+                    "kxp: {} ignored: --config is given, and as in kube-proxy the file wins",
+                    given.join(", ")
+                );
+            }
+            (
+                KubeProxyConfiguration::load(path)?,
+                path.display().to_string(),
+            )
+        }
+        None => (opts.flag_config.0.clone(), "flags".to_string()),
+    };
+    if cfg
+        .metrics_bind_address
         .as_deref()
-        .map(KubeProxyConfiguration::load)
-        .transpose()?;
-    let origin = opts
-        .config
-        .as_ref()
-        .map_or_else(|| "flags".to_string(), |p| p.display().to_string());
+        .is_some_and(|m| !m.is_empty())
+    {
+        eprintln!("kxp: note: metricsBindAddress is read but /metrics is not served yet");
+    }
+    let cfg = Some(cfg);
     let mut settings = node_settings(cfg.as_ref(), &opts.flags, &origin)?;
 
     let healthz = match opts.healthz_bind_address {

@@ -105,3 +105,67 @@ fn cleanup_of_a_clean_interface_reports_nothing_removed() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("0 interface(s) cleaned"));
 }
+
+#[test]
+fn kube_proxy_flags_make_a_configuration_and_the_file_wins() {
+    let dir = std::env::temp_dir().join(format!("kxp-run-flags-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let written = dir.join("from-flags.yaml");
+    let (code, err) = kxp(&[
+        "run",
+        "--cluster-cidr",
+        "10.0.0.0/8",
+        "--masquerade-all",
+        "--nodeport-addresses",
+        "primary,10.1.0.0/16",
+        "--conntrack-tcp-timeout-established",
+        "12h",
+        "--hostname-override",
+        "node-x",
+        "--write-config-to",
+        written.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let text = std::fs::read_to_string(&written).unwrap();
+    for want in [
+        "kind: KubeProxyConfiguration",
+        "clusterCIDR: 10.0.0.0/8",
+        "masqueradeAll: true",
+        "- 10.1.0.0/16",
+        "tcpEstablishedTimeout: 12h0m0s",
+        "hostnameOverride: node-x",
+    ] {
+        assert!(text.contains(want), "{want} missing from:\n{text}");
+    }
+    // With --config, the file wins over the other flags; --hostname-override still wins.
+    let again = dir.join("from-file.yaml");
+    let (code, err) = kxp(&[
+        "run",
+        "--config",
+        written.to_str().unwrap(),
+        "--cluster-cidr",
+        "192.168.0.0/16",
+        "--hostname-override",
+        "node-y",
+        "--write-config-to",
+        again.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let text = std::fs::read_to_string(&again).unwrap();
+    assert!(text.contains("clusterCIDR: 10.0.0.0/8"), "{text}");
+    assert!(text.contains("hostnameOverride: node-y"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_flag_values_are_usage_errors() {
+    let (code, err) = kxp(&[
+        "run",
+        "--conntrack-udp-timeout",
+        "soon",
+        "--write-config-to",
+        "/dev/null",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is not a duration"), "{err}");
+}

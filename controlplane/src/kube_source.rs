@@ -1,0 +1,392 @@
+//! The Kubernetes source: list+watch of Services, EndpointSlices, ServiceCIDRs and this
+//! node's Node with kube-runtime watchers feeding reflector stores, with kube-proxy's
+//! selectors (`pkg/proxy` informers):
+//!
+//! - Services: `!service.kubernetes.io/service-proxy-name` (or `=NAME` when
+//!   `serviceProxyName` is set), field selector `spec.clusterIP!=None`;
+//! - EndpointSlices: `!service.kubernetes.io/headless`;
+//! - ServiceCIDRs: all;
+//! - Node: `metadata.name=<node name>`.
+//!
+//! [`KubeSource`] is driven by the caller's tokio runtime: [`KubeSource::start`] must be
+//! called from inside one (it spawns one task per resource), and [`KubeSource::stop`] (or
+//! dropping the source) aborts those tasks. Watch errors (a dropped stream, 410 Expired
+//! then a relist, 429/5xx) are retried with kube-runtime's default backoff; each error
+//! streak is logged once on stderr and every error is counted. The stores keep the last
+//! good state meanwhile (a relist replaces them atomically once it is complete).
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource};
+use nat::k8s::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use serde::de::DeserializeOwned;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// What the source watches for.
+#[derive(Debug, Clone, Default)]
+pub struct SourceConfig {
+    /// This node's name (`hostnameOverride` or the host name): the one Node watched.
+    pub node_name: String,
+    /// `KubeProxyConfiguration.serviceProxyName`: watch only Services labelled with it.
+    pub service_proxy_name: Option<String>,
+}
+
+/// The resources watched, in [`SourceStatus::resources`] order.
+pub const RESOURCES: [&str; 4] = ["services", "endpointslices", "servicecidrs", "nodes"];
+
+/// Counters of one watched resource.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResourceStatus {
+    /// `services`, `endpointslices`, `servicecidrs` or `nodes`.
+    pub resource: &'static str,
+    /// Whether the initial list completed.
+    pub synced: bool,
+    /// Watch events applied (objects from lists included).
+    pub events: u64,
+    /// Watch errors (every failed request or error event).
+    pub errors: u64,
+    /// Initial lists after the first one (a 410 Expired, or a watch that could not resume).
+    pub relists: u64,
+    /// Objects in the store now.
+    pub objects: usize,
+    /// The last error's text.
+    pub last_error: Option<String>,
+    /// Whether the last thing that happened was an error (an error streak is going on).
+    pub failing: bool,
+}
+
+/// Counters of every watched resource.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceStatus {
+    pub resources: Vec<ResourceStatus>,
+}
+
+impl SourceStatus {
+    /// The counters of one resource by name (see [`RESOURCES`]).
+    pub fn get(&self, resource: &str) -> Option<&ResourceStatus> {
+        self.resources.iter().find(|r| r.resource == resource)
+    }
+}
+
+/// Errors building a client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot read kubeconfig {path}: {message}; give --kubeconfig PATH or --master URL")]
+    Kubeconfig { path: String, message: String },
+    #[error("bad --master URL {url:?}: {message}")]
+    Master { url: String, message: String },
+    #[error(
+        "no kubeconfig and not running in a cluster ({message}); give --kubeconfig PATH or --master URL"
+    )]
+    InCluster { message: String },
+    #[error("cannot build a Kubernetes client: {0}")]
+    Client(String),
+}
+
+/// A client from a kubeconfig file (its current context), with `master` overriding the
+/// server URL; from `master` alone; or from the in-cluster service account when neither
+/// is given. Must run inside a tokio runtime. This build has no TLS backend compiled in
+/// (no rustls/openssl crates available offline), so only `http://` servers work.
+pub async fn client_from(
+    kubeconfig: Option<&Path>,
+    master: Option<&str>,
+) -> Result<Client, ClientError> {
+    let master_uri = match master {
+        Some(url) => Some(url.parse::<http::Uri>().map_err(|e| ClientError::Master {
+            url: url.to_string(),
+            message: e.to_string(),
+        })?),
+        None => None,
+    };
+    let mut config = match (kubeconfig, master_uri.clone()) {
+        (Some(path), _) => {
+            let kerr = |message: String| ClientError::Kubeconfig {
+                path: path.display().to_string(),
+                message,
+            };
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| kerr(e.to_string()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| kerr(e.to_string()))?
+        }
+        (None, Some(uri)) => kube::Config::new(uri),
+        (None, None) => kube::Config::incluster().map_err(|e| ClientError::InCluster {
+            message: e.to_string(),
+        })?,
+    };
+    if let Some(uri) = master_uri {
+        config.cluster_url = uri;
+    }
+    Client::try_from(config).map_err(|e| ClientError::Client(e.to_string()))
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    st: ResourceStatus,
+    listed_once: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    counters: [Mutex<Counters>; 4],
+    bump: watch::Sender<u64>,
+}
+
+impl Shared {
+    fn counters(&self, i: usize) -> MutexGuard<'_, Counters> {
+        self.counters[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.bump.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// The running Kubernetes source (see the module docs).
+#[derive(Debug)]
+pub struct KubeSource {
+    services: Store<Service>,
+    slices: Store<EndpointSlice>,
+    cidrs: Store<ServiceCIDR>,
+    nodes: Store<Node>,
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KubeSource {
+    /// Starts the four watchers on the current tokio runtime (panics outside one).
+    pub fn start(client: Client, cfg: SourceConfig) -> KubeSource {
+        let (bump, _) = watch::channel(0u64);
+        let shared = Arc::new(Shared {
+            counters: Default::default(),
+            bump,
+        });
+        for (i, name) in RESOURCES.iter().enumerate() {
+            shared.counters(i).st.resource = name;
+        }
+        let svc_labels = match &cfg.service_proxy_name {
+            Some(name) if !name.is_empty() => format!("{LABEL_SERVICE_PROXY_NAME}={name}"),
+            _ => format!("!{LABEL_SERVICE_PROXY_NAME}"),
+        };
+        let svc_cfg = watcher::Config::default()
+            .labels(&svc_labels)
+            .fields("spec.clusterIP!=None");
+        let slice_cfg = watcher::Config::default().labels(&format!("!{LABEL_HEADLESS}"));
+        let node_cfg =
+            watcher::Config::default().fields(&format!("metadata.name={}", cfg.node_name));
+
+        let mut tasks = Vec::new();
+        let services = spawn(
+            &mut tasks,
+            Api::<Service>::all(client.clone()),
+            svc_cfg,
+            0,
+            &shared,
+        );
+        let slices = spawn(
+            &mut tasks,
+            Api::<EndpointSlice>::all(client.clone()),
+            slice_cfg,
+            1,
+            &shared,
+        );
+        let cidrs = spawn(
+            &mut tasks,
+            Api::<ServiceCIDR>::all(client.clone()),
+            watcher::Config::default(),
+            2,
+            &shared,
+        );
+        let nodes = spawn(&mut tasks, Api::<Node>::all(client), node_cfg, 3, &shared);
+        KubeSource {
+            services,
+            slices,
+            cidrs,
+            nodes,
+            shared,
+            tasks,
+        }
+    }
+
+    /// Whether every resource finished its initial list.
+    pub fn synced(&self) -> bool {
+        (0..RESOURCES.len()).all(|i| self.shared.counters(i).st.synced)
+    }
+
+    /// Waits until [`Self::synced`] or `timeout`; returns whether synced.
+    pub async fn wait_synced(&self, timeout: Duration) -> bool {
+        let mut rx = self.subscribe();
+        let wait = async {
+            loop {
+                if self.synced() {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    // Never: the sender lives in `self`.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.is_ok()
+    }
+
+    /// A copy of the stores, each kind sorted by namespace and name.
+    pub fn state(&self) -> ClusterState {
+        ClusterState {
+            services: copy(&self.services),
+            endpoint_slices: copy(&self.slices),
+            nodes: copy(&self.nodes),
+            service_cidrs: copy(&self.cidrs),
+        }
+    }
+
+    /// A counter bumped after every applied event (and completed list).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.shared.bump.subscribe()
+    }
+
+    /// Per-resource counters.
+    pub fn status(&self) -> SourceStatus {
+        let stores = [
+            self.services.len(),
+            self.slices.len(),
+            self.cidrs.len(),
+            self.nodes.len(),
+        ];
+        SourceStatus {
+            resources: (0..RESOURCES.len())
+                .map(|i| {
+                    let mut st = self.shared.counters(i).st.clone();
+                    st.objects = stores[i];
+                    st
+                })
+                .collect(),
+        }
+    }
+
+    /// Stops the watchers.
+    pub fn stop(self) {
+        // Drop aborts the tasks.
+    }
+}
+
+impl Drop for KubeSource {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn copy<K>(store: &Store<K>) -> Vec<K>
+where
+    K: Clone + Resource + 'static,
+    K::DynamicType: Eq + Hash + Clone,
+{
+    let mut objs: Vec<K> = store.state().iter().map(|o| (**o).clone()).collect();
+    objs.sort_by(|a, b| {
+        let (a, b) = (a.meta(), b.meta());
+        (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))
+    });
+    objs
+}
+
+fn spawn<K>(
+    tasks: &mut Vec<JoinHandle<()>>,
+    api: Api<K>,
+    cfg: watcher::Config,
+    index: usize,
+    shared: &Arc<Shared>,
+) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    let (store, writer) = reflector::store();
+    let shared = Arc::clone(shared);
+    let stream = watcher(api, cfg).default_backoff().reflect(writer);
+    tasks.push(tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(item) = stream.next().await {
+            let applied = {
+                let mut c = shared.counters(index);
+                match item {
+                    Ok(ev) => {
+                        c.st.failing = false;
+                        match ev {
+                            watcher::Event::Init => {
+                                if c.listed_once {
+                                    c.st.relists += 1;
+                                }
+                                c.listed_once = true;
+                                false
+                            }
+                            watcher::Event::InitApply(_) => {
+                                c.st.events += 1;
+                                false
+                            }
+                            watcher::Event::InitDone => {
+                                c.st.synced = true;
+                                true
+                            }
+                            watcher::Event::Apply(_) | watcher::Event::Delete(_) => {
+                                c.st.events += 1;
+                                true
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let text = error_text(&e);
+                        c.st.errors += 1;
+                        if !c.st.failing {
+                            let then = match &e {
+                                watcher::Error::WatchError(s) if s.code == 410 => "relisting",
+                                _ => "retrying with backoff",
+                            };
+                            eprintln!(
+                                "kxp: watch {}: {text} ({then}; the last good state is kept)",
+                                c.st.resource
+                            );
+                        }
+                        c.st.failing = true;
+                        c.st.last_error = Some(text);
+                        false
+                    }
+                }
+            };
+            if applied {
+                shared.bump();
+            }
+        }
+    }));
+    store
+}
+
+/// A one-line error text: the HTTP code and message of API errors (not the whole Status).
+fn error_text(e: &watcher::Error) -> String {
+    let (what, inner) = match e {
+        watcher::Error::InitialListFailed(k) => ("list failed", k),
+        watcher::Error::WatchStartFailed(k) => ("watch failed", k),
+        watcher::Error::WatchFailed(k) => ("watch stream failed", k),
+        watcher::Error::WatchError(s) => {
+            return format!("watch error {} {}: {}", s.code, s.reason, s.message);
+        }
+        watcher::Error::NoResourceVersion => return e.to_string(),
+    };
+    match inner {
+        kube::Error::Api(s) => format!("{what}: HTTP {} {}: {}", s.code, s.reason, s.message),
+        other => format!("{what}: {other}"),
+    }
+}
