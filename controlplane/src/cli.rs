@@ -22,7 +22,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the dataplane on interfaces, fed from a state file.
+    /// Run the dataplane on interfaces, fed from the API server or a state file.
     Run(Box<RunArgs>),
     /// Explain what kxp does with the first packet of a connection.
     Trace(TraceArgs),
@@ -157,8 +157,15 @@ pub struct RunArgs {
     #[arg(long = "interface", value_name = "IF", required = false)]
     pub interfaces: Vec<String>,
     /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML, watched for changes.
-    #[arg(long, value_name = "STATE.yaml")]
+    #[arg(long, value_name = "STATE.yaml", conflicts_with_all = ["kubeconfig", "master"])]
     pub state_file: Option<PathBuf>,
+    /// A kubeconfig to reach the API server (default: the config's
+    /// clientConnection.kubeconfig, else the in-cluster service account).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The API server's URL (overrides the kubeconfig's).
+    #[arg(long, value_name = "URL")]
+    pub master: Option<String>,
     #[command(flatten)]
     pub node: NodeArgs,
     /// Number of workers (one per queue, queues 0..N-1 of every interface).
@@ -300,9 +307,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) if args.write_config_to.is_some() => write_config(&args),
         Command::Run(args) => crate::run::run(crate::run::RunOptions {
             interfaces: args.interfaces,
-            state_file: args.state_file.ok_or_else(|| {
-                anyhow::anyhow!("give --state-file STATE.yaml: the Services and endpoints to serve")
-            })?,
+            state_file: args.state_file,
+            kubeconfig: args.kubeconfig,
+            master: args.master,
             config: args.node.config.clone(),
             flag_config: args.kube_proxy.to_config(args.healthz_bind_address),
             flags: args.node.flags(),

@@ -88,7 +88,7 @@ pub enum ClientError {
     #[error("bad --master URL {url:?}: {message}")]
     Master { url: String, message: String },
     #[error(
-        "no kubeconfig and not running in a cluster ({message}); give --kubeconfig PATH or --master URL"
+        "no kubeconfig and not running in a cluster ({message}); give --kubeconfig PATH or --master URL (or --state-file STATE.yaml)"
     )]
     InCluster { message: String },
     #[error("cannot build a Kubernetes client: {0}")]

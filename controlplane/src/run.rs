@@ -23,7 +23,10 @@ use crate::state::load_state;
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     pub interfaces: Vec<String>,
-    pub state_file: PathBuf,
+    /// A state file; without one, the Kubernetes API (kubeconfig / master / in-cluster).
+    pub state_file: Option<PathBuf>,
+    pub kubeconfig: Option<PathBuf>,
+    pub master: Option<String>,
     pub config: Option<PathBuf>,
     /// kube-proxy's flags as a configuration, and which were given (used without
     /// `--config`; ignored with it, as kube-proxy does).
@@ -86,10 +89,36 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             }),
     };
 
-    let state = load_state(&opts.state_file)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
+    }
+    let kubeconfig = opts.kubeconfig.clone().or_else(|| {
+        cfg.as_ref()
+            .and_then(|c| c.client_connection.as_ref())
+            .and_then(|c| c.kubeconfig.clone())
+            .filter(|k| !k.is_empty())
+            .map(PathBuf::from)
+    });
+    let service_proxy_name = cfg
+        .as_ref()
+        .and_then(|c| c.service_proxy_name.clone())
+        .filter(|n| !n.is_empty());
+    let mut input = match &opts.state_file {
+        Some(path) => Input::file(path),
+        None => Input::kube(
+            kubeconfig.as_deref(),
+            opts.master.as_deref(),
+            &settings.node_name,
+            service_proxy_name,
+            &stop,
+        )?,
+    };
+    let (min_sync, resync) = sync_periods(cfg.as_ref());
+    let state = input.load()?;
     let explicit_node_ips = !settings.node_ips.is_empty();
-    let built = build(&state, &settings, 1)
-        .map_err(|e| anyhow::anyhow!("state file {}: {e}", opts.state_file.display()))?;
+    let built =
+        build(&state, &settings, 1).map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))?;
     let mut notes = built.notes.clone();
 
     let kxp = cfg.as_ref().and_then(|c| c.kxp.clone()).unwrap_or_default();
@@ -139,13 +168,14 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         settings.node_ips = host_addresses(&dp);
         generation += 1;
         let b = build(&state, &settings, generation)
-            .map_err(|e| anyhow::anyhow!("state file {}: {e}", opts.state_file.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))?;
         notes = b.notes;
         dp.publish(b.snapshot)?;
     }
     for n in &notes {
         eprintln!("kxp: note: {n}");
     }
+    health.set_node_eligible(node_eligible(&state, &settings.node_name));
     health.programmed();
     eprintln!(
         "kxp: running on {} with {} worker(s); health on http://{}/healthz",
@@ -154,17 +184,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         server.local_addr()
     );
 
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
-    }
-
     let stats_every = std::env::var("KXP_LOG_STATS")
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
         .map(Duration::from_secs);
     let mut last_stats = Instant::now();
-    let mut watcher = FileWatch::new(&opts.state_file);
+    let mut last_sync = Instant::now();
+    let mut pending = false;
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if let Some(every) = stats_every
@@ -173,19 +199,29 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             last_stats = Instant::now();
             eprintln!("kxp: {}", totals_line(&dp));
         }
-        if !watcher.changed() {
+        if input.changed() {
+            pending = true;
+            health.queued();
+        }
+        // kube-proxy's sync loop: changes are batched by minSyncPeriod, and the whole
+        // state is re-synced every syncPeriod even without changes.
+        let due = (pending && last_sync.elapsed() >= min_sync)
+            || (input.resyncs() && last_sync.elapsed() >= resync);
+        if !due {
             continue;
         }
-        health.queued();
+        pending = false;
+        last_sync = Instant::now();
         let started = Instant::now();
-        match load_state(&opts.state_file)
-            .map_err(anyhow::Error::from)
-            .and_then(|s| {
-                build(&s, &settings, generation + 1)
-                    .map_err(|e| anyhow::anyhow!("state file {}: {e}", opts.state_file.display()))
-            }) {
-            Ok(b) => {
+        match input.load().and_then(|s| {
+            let eligible = node_eligible(&s, &settings.node_name);
+            build(&s, &settings, generation + 1)
+                .map(|b| (b, eligible))
+                .map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))
+        }) {
+            Ok((b, eligible)) => {
                 generation += 1;
+                health.set_node_eligible(eligible);
                 if let Err(e) = dp.publish(b.snapshot) {
                     eprintln!(
                         "kxp: programming the XDP maps: {e:#}; will retry on the next change"
@@ -193,8 +229,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
                 } else {
                     health.programmed();
                     eprintln!(
-                        "kxp: state file {} applied (generation {generation}, {:.1} ms)",
-                        opts.state_file.display(),
+                        "kxp: {} applied (generation {generation}, {:.1} ms)",
+                        input.describe(),
                         started.elapsed().as_secs_f64() * 1e3
                     );
                 }
@@ -213,6 +249,159 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     dp.stop();
     server.stop();
     Ok(())
+}
+
+/// Where the cluster's objects come from.
+enum Input {
+    File {
+        path: PathBuf,
+        watch: FileWatch,
+    },
+    Kube {
+        // Field order = drop order: the watchers before their runtime.
+        source: crate::kube_source::KubeSource,
+        changes: tokio::sync::watch::Receiver<u64>,
+        _rt: tokio::runtime::Runtime,
+    },
+}
+
+impl Input {
+    fn file(path: &Path) -> Input {
+        Input::File {
+            path: path.to_path_buf(),
+            watch: FileWatch::new(path),
+        }
+    }
+
+    /// Connects to the API server and waits (while not stopped) for the first lists.
+    fn kube(
+        kubeconfig: Option<&Path>,
+        master: Option<&str>,
+        node_name: &str,
+        service_proxy_name: Option<String>,
+        stop: &AtomicBool,
+    ) -> anyhow::Result<Input> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kxp-kube")
+            .enable_all()
+            .build()
+            .context("starting the Kubernetes client's runtime")?;
+        let client = rt.block_on(crate::kube_source::client_from(kubeconfig, master))?;
+        let source = {
+            let _guard = rt.enter();
+            crate::kube_source::KubeSource::start(
+                client,
+                crate::kube_source::SourceConfig {
+                    node_name: node_name.to_string(),
+                    service_proxy_name,
+                },
+            )
+        };
+        let mut waited = 0;
+        while !rt.block_on(source.wait_synced(Duration::from_secs(1))) {
+            if stop.load(Ordering::Relaxed) {
+                anyhow::bail!("stopped before the first sync with the API server");
+            }
+            waited += 1;
+            if waited % 10 == 0 {
+                eprintln!(
+                    "kxp: still waiting for the first lists from the API server ({waited} s)"
+                );
+            }
+        }
+        let changes = source.subscribe();
+        Ok(Input::Kube {
+            source,
+            changes,
+            _rt: rt,
+        })
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Input::File { path, .. } => format!("state file {}", path.display()),
+            Input::Kube { .. } => "the API server's state".to_string(),
+        }
+    }
+
+    fn load(&self) -> anyhow::Result<nat::k8s::ClusterState> {
+        match self {
+            Input::File { path, .. } => Ok(load_state(path)?),
+            Input::Kube { source, .. } => Ok(source.state()),
+        }
+    }
+
+    fn changed(&mut self) -> bool {
+        match self {
+            Input::File { watch, .. } => watch.changed(),
+            Input::Kube { changes, .. } => {
+                let c = changes.has_changed().unwrap_or(false);
+                changes.borrow_and_update();
+                c
+            }
+        }
+    }
+
+    /// Whether the periodic full re-sync (syncPeriod) applies.
+    fn resyncs(&self) -> bool {
+        matches!(self, Input::Kube { .. })
+    }
+}
+
+/// kube-proxy's minSyncPeriod (default 1 s) and syncPeriod (default 30 s), from the
+/// top level (v1alpha2) or the nftables / iptables sections.
+fn sync_periods(cfg: Option<&KubeProxyConfiguration>) -> (Duration, Duration) {
+    let pick = |top: Option<crate::config::GoDuration>,
+                nft: Option<crate::config::GoDuration>,
+                ipt: Option<crate::config::GoDuration>,
+                default: Duration| {
+        [top, nft, ipt]
+            .into_iter()
+            .flatten()
+            .map(|g| g.0)
+            .find(|d| !d.is_zero())
+            .unwrap_or(default)
+    };
+    let Some(c) = cfg else {
+        return (Duration::from_secs(1), Duration::from_secs(30));
+    };
+    let nft = c.nftables.as_ref();
+    let ipt = c.iptables.as_ref();
+    (
+        pick(
+            c.min_sync_period,
+            nft.and_then(|n| n.min_sync_period),
+            ipt.and_then(|i| i.min_sync_period),
+            Duration::from_secs(1),
+        ),
+        pick(
+            c.sync_period,
+            nft.and_then(|n| n.sync_period),
+            ipt.and_then(|i| i.sync_period),
+            Duration::from_secs(30),
+        ),
+    )
+}
+
+/// kube-proxy's node eligibility for /healthz: not being deleted and not tainted
+/// `ToBeDeletedByClusterAutoscaler`. A node kxp has no object for is eligible.
+fn node_eligible(state: &nat::k8s::ClusterState, node_name: &str) -> bool {
+    let Some(node) = state
+        .nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(node_name))
+    else {
+        return true;
+    };
+    if node.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    !node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"))
 }
 
 fn totals_line(dp: &Dataplane) -> String {

@@ -39,6 +39,7 @@ fn require_root() {
 struct Lab {
     // Field order = drop order: kxp first, then servers, then namespaces.
     kxp: Option<KxpProcess>,
+    api: Option<kxp_tests::fakeapi::FakeApi>,
     servers: Vec<Backend>,
     stop: Arc<AtomicBool>,
     topo: Topology,
@@ -58,6 +59,9 @@ struct Opts<'a> {
     endpoints: usize,
     /// Also give every link IPv6 addresses (2001:db8::/32) and use this state instead.
     ipv6_state: Option<String>,
+    /// Serve the state from a fake API server inside the node's namespace and run kxp
+    /// with `--kubeconfig` instead of `--state-file`.
+    api: bool,
 }
 
 impl Default for Opts<'_> {
@@ -70,6 +74,7 @@ impl Default for Opts<'_> {
             extra_spec: "",
             endpoints: 3,
             ipv6_state: None,
+            api: false,
         }
     }
 }
@@ -163,10 +168,31 @@ impl Lab {
             ),
         )
         .unwrap();
+        let api = if o.api {
+            let text = std::fs::read_to_string(&state).unwrap();
+            let node_ns = node.clone();
+            let api = spawn_in(&node_ns, kxp_tests::fakeapi::FakeApi::start)
+                .join()
+                .unwrap()
+                .unwrap();
+            for doc in text.split("\n---\n") {
+                let v: serde_json::Value = serde_yaml::from_str(doc).unwrap();
+                if !v.is_null() {
+                    api.apply(&v).unwrap();
+                }
+            }
+            let kc = dir.join("kubeconfig");
+            api.write_kubeconfig(&kc).unwrap();
+            args.push("--kubeconfig".into());
+            args.push(kc.display().to_string());
+            Some(api)
+        } else {
+            args.push("--state-file".into());
+            args.push(state.display().to_string());
+            None
+        };
         args.extend(
             [
-                "--state-file",
-                state.to_str().unwrap(),
                 "--config",
                 config.to_str().unwrap(),
                 "--healthz-bind-address",
@@ -187,6 +213,7 @@ impl Lab {
         .unwrap();
         Lab {
             kxp: Some(kxp),
+            api,
             servers,
             stop,
             topo,
@@ -717,4 +744,68 @@ fn unreadable_edit_keeps_the_last_good_state() {
     let (spread, _, failed) = lab.http_spread(vip(80), 60);
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(spread.len(), 3, "{spread:?}");
+}
+
+/// Fetches `path` from kxp's health server inside the node's namespace: (status line).
+fn health_status(lab: &Lab, path: &'static str) -> String {
+    lab.in_ns(&lab.node.clone(), move || {
+        let mut s = TcpStream::connect("127.0.0.1:10256").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        write!(s, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
+        let mut r = String::new();
+        let _ = s.read_to_string(&mut r);
+        r.lines().next().unwrap_or("").to_string()
+    })
+}
+
+#[test]
+fn kubernetes_source_drives_the_dataplane() {
+    let lab = Lab::new(Opts {
+        prefix: "kxeb",
+        api: true,
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 60);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 3, "{spread:?}");
+
+    // web-1 leaves the EndpointSlice on the API server.
+    let text = state_yaml_with(&WEB[1..], "");
+    let slice = text
+        .split("\n---\n")
+        .find(|d| d.contains("kind: EndpointSlice"))
+        .unwrap();
+    let v: serde_json::Value = serde_yaml::from_str(slice).unwrap();
+    lab.api.as_ref().unwrap().apply(&v).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (spread, _, _) = lab.http_spread(vip(80), 12);
+        if !spread.contains_key("web-1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web-1 still used:\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // The node is being deleted: /healthz 503, /livez still 200 (kube-proxy's rules).
+    assert!(health_status(&lab, "/healthz").contains("200"));
+    let node = serde_json::json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "node-a", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+    });
+    lab.api.as_ref().unwrap().apply(&node).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !health_status(&lab, "/healthz").contains("503") {
+        assert!(
+            Instant::now() < deadline,
+            "/healthz stayed healthy:\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(health_status(&lab, "/livez").contains("200"));
 }

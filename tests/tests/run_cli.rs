@@ -85,10 +85,31 @@ fn invalid_state_file_at_start_is_refused() {
 }
 
 #[test]
-fn missing_state_file_flag_is_a_usage_error() {
-    let (code, err) = kxp(&["run", "--interface", "lo"]);
-    assert_eq!(code, Some(2), "{err}");
+fn no_source_says_how_to_give_one() {
+    // No state file, no kubeconfig, not in a cluster.
+    let out = Command::new(kxp_bin())
+        .args([
+            "run",
+            "--interface",
+            "lo",
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+        ])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("KUBERNETES_SERVICE_PORT")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--kubeconfig PATH"), "{err}");
     assert!(err.contains("--state-file"), "{err}");
+}
+
+#[test]
+fn state_file_and_kubeconfig_are_exclusive() {
+    let (code, err) = kxp(&["run", "--state-file", "a.yaml", "--kubeconfig", "k"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
 }
 
 #[test]
