@@ -97,8 +97,8 @@ pub enum ClientError {
 
 /// A client from a kubeconfig file (its current context), with `master` overriding the
 /// server URL; from `master` alone; or from the in-cluster service account when neither
-/// is given. Must run inside a tokio runtime. This build has no TLS backend compiled in
-/// (no rustls/openssl crates available offline), so only `http://` servers work.
+/// is given. Must run inside a tokio runtime. TLS is rustls (with the `ring` provider):
+/// the CA and client certificates come from the kubeconfig or the in-cluster account.
 pub async fn client_from(
     kubeconfig: Option<&Path>,
     master: Option<&str>,

@@ -1,0 +1,125 @@
+//! The deployment files say what kxp accepts: the DaemonSet's configuration parses as
+//! kxp parses it, its probes hit kxp's health endpoints, RBAC covers what the watchers
+//! list and watch, and the systemd unit's command line is one `kxp run` accepts.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use kxp_tests::kxp_bin;
+
+fn deploy(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(name)
+}
+
+fn docs() -> Vec<serde_yaml::Value> {
+    let text = std::fs::read_to_string(deploy("kxp.yaml")).unwrap();
+    text.split("\n---\n")
+        .map(|d| serde_yaml::from_str::<serde_yaml::Value>(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn kind<'a>(docs: &'a [serde_yaml::Value], k: &str) -> &'a serde_yaml::Value {
+    docs.iter()
+        .find(|d| d["kind"].as_str() == Some(k))
+        .unwrap_or_else(|| panic!("no {k} in deploy/kxp.yaml"))
+}
+
+#[test]
+fn daemonset_config_parses_as_kxp_reads_it() {
+    let docs = docs();
+    let cm = kind(&docs, "ConfigMap");
+    let config = cm["data"]["config.yaml"].as_str().unwrap();
+    controlplane::config::KubeProxyConfiguration::parse(config, "deploy/kxp.yaml ConfigMap")
+        .unwrap();
+    // kxp run accepts it, with the DaemonSet's flags.
+    let dir = std::env::temp_dir().join(format!("kxp-deploy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.yaml");
+    std::fs::write(&cfg, config).unwrap();
+    let out = Command::new(kxp_bin())
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .args(["--hostname-override=node-a", "--write-config-to"])
+        .arg(dir.join("effective.yaml"))
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn daemonset_probes_and_privileges() {
+    let docs = docs();
+    let ds = kind(&docs, "DaemonSet");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"].as_bool(), Some(true));
+    let c = &pod["containers"][0];
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"].as_str(), Some("/livez"));
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"].as_str(), Some("/healthz"));
+    assert_eq!(c["livenessProbe"]["httpGet"]["port"].as_u64(), Some(10256));
+    assert_eq!(c["securityContext"]["privileged"].as_bool(), Some(false));
+    let caps: Vec<&str> = c["securityContext"]["capabilities"]["add"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    for need in ["NET_ADMIN", "NET_RAW", "BPF"] {
+        assert!(caps.contains(&need), "{need} missing: {caps:?}");
+    }
+    let cmd: Vec<&str> = c["command"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert_eq!(cmd[1], "run");
+}
+
+#[test]
+fn rbac_covers_what_kxp_watches() {
+    let docs = docs();
+    let role = kind(&docs, "ClusterRole");
+    let rules = role["rules"].as_sequence().unwrap();
+    for (group, resource) in [
+        ("", "services"),
+        ("", "nodes"),
+        ("discovery.k8s.io", "endpointslices"),
+        ("networking.k8s.io", "servicecidrs"),
+    ] {
+        let ok = rules.iter().any(|r| {
+            let has = |key: &str, want: &str| {
+                r[key]
+                    .as_sequence()
+                    .is_some_and(|s| s.iter().any(|v| v.as_str() == Some(want)))
+            };
+            has("apiGroups", group)
+                && has("resources", resource)
+                && ["get", "list", "watch"].iter().all(|v| has("verbs", v))
+        });
+        assert!(ok, "no get/list/watch on {group}/{resource}");
+    }
+}
+
+#[test]
+fn systemd_unit_runs_a_command_kxp_accepts() {
+    let unit = std::fs::read_to_string(deploy("kxp.service")).unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("ExecStart");
+    let mut words = exec.split_whitespace();
+    assert_eq!(words.next(), Some("/usr/local/bin/kxp"));
+    let args: Vec<&str> = words.collect();
+    assert_eq!(args[0], "run");
+    // Parse the same arguments (paths aside) with the real binary: --help after them
+    // makes clap accept or reject the flags without running.
+    let out = Command::new(kxp_bin())
+        .args(&args)
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(unit.contains("ExecStopPost=-/usr/local/bin/kxp cleanup"));
+}
