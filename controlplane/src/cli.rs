@@ -73,6 +73,10 @@ pub struct KubeProxyFlags {
     /// ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.
     #[arg(long, value_name = "MODE")]
     pub detect_local_mode: Option<String>,
+    /// Where /metrics, /proxyMode and /configz are served (kube-proxy's default
+    /// 127.0.0.1:10249).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_bind_address: Option<String>,
     /// Connection-tracking entries per CPU (kube-proxy's default 32768).
     #[arg(long, value_name = "N")]
     pub conntrack_max_per_core: Option<i32>,
@@ -130,6 +134,10 @@ impl KubeProxyFlags {
         if let Some(v) = &self.detect_local_mode {
             c.detect_local_mode = Some(v.clone());
             given.push("--detect-local-mode");
+        }
+        if let Some(v) = &self.metrics_bind_address {
+            c.metrics_bind_address = Some(v.clone());
+            given.push("--metrics-bind-address");
         }
         if let Some(h) = healthz {
             c.healthz_bind_address = Some(h.to_string());

@@ -27,6 +27,8 @@ struct Times {
 pub struct Health {
     times: Mutex<Times>,
     node_eligible: AtomicBool,
+    /// Counts answers in kube-proxy's `kubeproxy_proxy_healthz_total` / `_livez_total`.
+    metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
 }
 
 impl Health {
@@ -34,6 +36,7 @@ impl Health {
         Health {
             times: Mutex::new(Times::default()),
             node_eligible: AtomicBool::new(true),
+            metrics: std::sync::OnceLock::new(),
         }
     }
 
@@ -50,6 +53,11 @@ impl Health {
             t.last_updated = Some(SystemTime::now());
             t.queued_since = None;
         }
+    }
+
+    /// Counts every answer in these metrics from now on.
+    pub fn set_metrics(&self, m: Arc<crate::metrics::Metrics>) {
+        let _ = self.metrics.set(m);
     }
 
     pub fn set_node_eligible(&self, eligible: bool) {
@@ -179,19 +187,17 @@ fn serve(stream: TcpStream, health: &Health) -> std::io::Result<()> {
     let path = line.split_whitespace().nth(1).unwrap_or("/");
     let path = path.split('?').next().unwrap_or(path);
     let (status, body) = match path {
-        "/healthz" => {
-            let (ok, body) = health.report(true, SystemTime::now());
-            (
-                if ok {
-                    "200 OK"
+        "/healthz" | "/livez" => {
+            let node = path == "/healthz";
+            let (ok, body) = health.report(node, SystemTime::now());
+            let code = if ok { 200 } else { 503 };
+            if let Some(m) = health.metrics.get() {
+                if node {
+                    m.healthz_served(code);
                 } else {
-                    "503 Service Unavailable"
-                },
-                body,
-            )
-        }
-        "/livez" => {
-            let (ok, body) = health.report(false, SystemTime::now());
+                    m.livez_served(code);
+                }
+            }
             (
                 if ok {
                     "200 OK"

@@ -7,6 +7,7 @@ pub mod config;
 pub mod demo;
 pub mod health;
 pub mod kube_source;
+pub mod metrics;
 pub mod netns;
 pub mod run;
 pub mod settings;

@@ -61,13 +61,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         None => (opts.flag_config.0.clone(), "flags".to_string()),
     };
-    if cfg
+    let metrics_addr: SocketAddr = match cfg
         .metrics_bind_address
         .as_deref()
-        .is_some_and(|m| !m.is_empty())
+        .filter(|m| !m.is_empty())
     {
-        eprintln!("kxp: note: metricsBindAddress is read but /metrics is not served yet");
-    }
+        Some(m) => m
+            .parse()
+            .with_context(|| format!("metricsBindAddress {m:?} is not ADDR:PORT"))?,
+        None => SocketAddr::from(([127, 0, 0, 1], 10249)),
+    };
+    let configz_text = serde_json::json!({ "kubeproxy.config.k8s.io": &cfg }).to_string();
     let cfg = Some(cfg);
     let mut settings = node_settings(cfg.as_ref(), &opts.flags, &origin)?;
 
@@ -156,7 +160,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
     }
 
+    let metrics = Arc::new(crate::metrics::Metrics::new());
     let health = Arc::new(Health::new());
+    health.set_metrics(metrics.clone());
     let server = HealthServer::start(healthz, health.clone()).with_context(|| {
         format!("cannot serve /healthz on {healthz}; give --healthz-bind-address ADDR:PORT")
     })?;
@@ -177,6 +183,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     }
     health.set_node_eligible(node_eligible(&state, &settings.node_name));
     health.programmed();
+    metrics.set_last_sync_now();
+    let metrics_server = crate::metrics::MetricsServer::start(
+        metrics_addr,
+        metrics.clone(),
+        "kxp",
+        Arc::new(move || configz_text.clone()),
+    )
+    .with_context(|| {
+        format!("cannot serve /metrics on {metrics_addr}; give --metrics-bind-address ADDR:PORT")
+    })?;
+    let mut last_metrics = Instant::now();
     eprintln!(
         "kxp: running on {} with {} worker(s); health on http://{}/healthz",
         dp_cfg.interfaces.join(", "),
@@ -199,9 +216,14 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             last_stats = Instant::now();
             eprintln!("kxp: {}", totals_line(&dp));
         }
+        if last_metrics.elapsed() >= Duration::from_secs(1) {
+            last_metrics = Instant::now();
+            update_metrics(&metrics, &dp, last_sync);
+        }
         if input.changed() {
             pending = true;
             health.queued();
+            metrics.set_queued_now();
         }
         // kube-proxy's sync loop: changes are batched by minSyncPeriod, and the whole
         // state is re-synced every syncPeriod even without changes.
@@ -222,12 +244,16 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             Ok((b, eligible)) => {
                 generation += 1;
                 health.set_node_eligible(eligible);
+                let (internal, external) = no_local_endpoints(&b.snapshot);
+                metrics.set_no_local_endpoints(internal, external);
                 if let Err(e) = dp.publish(b.snapshot) {
                     eprintln!(
                         "kxp: programming the XDP maps: {e:#}; will retry on the next change"
                     );
                 } else {
                     health.programmed();
+                    metrics.observe_sync(started.elapsed());
+                    metrics.set_last_sync_now();
                     eprintln!(
                         "kxp: {} applied (generation {generation}, {:.1} ms)",
                         input.describe(),
@@ -248,7 +274,42 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     );
     dp.stop();
     server.stop();
+    metrics_server.stop();
     Ok(())
+}
+
+/// Services whose traffic policy is Local and that have endpoints, but none on this node
+/// (kube-proxy's `sync_proxy_rules_no_local_endpoints_total`, internal / external).
+fn no_local_endpoints(snap: &nat::snapshot::Snapshot) -> (u64, u64) {
+    let mut internal = 0;
+    let mut external = 0;
+    for sp in &snap.ports {
+        if !sp.cat.has_endpoints || !sp.cat.local.is_empty() {
+            continue;
+        }
+        internal += sp.internal_policy_local as u64;
+        external += (sp.external_policy_local && sp.externally_accessible()) as u64;
+    }
+    (internal, external)
+}
+
+fn update_metrics(m: &crate::metrics::Metrics, dp: &Dataplane, last_sync: Instant) {
+    let t = dp.totals();
+    m.update_dataplane(&crate::metrics::DataplaneCounters {
+        forwarded: t.forwarded,
+        forwarded_bytes: t.forwarded_bytes,
+        rejected: t.rejected,
+        dropped: t.dropped,
+        passed: t.passed,
+        drops: t.drops.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        conntrack_entries: t.conntrack_entries,
+        conntrack_inserts: t.conntrack_inserts,
+        conntrack_evictions: t.conntrack_evictions,
+        handoffs: t.handoffs,
+        generation: t.generation,
+        snapshot_age_secs: last_sync.elapsed().as_secs_f64(),
+        busy_ratio: t.busy_ratio,
+    });
 }
 
 /// Where the cluster's objects come from.

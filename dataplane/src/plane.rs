@@ -134,6 +134,14 @@ pub struct Totals {
     /// Drops by cause, summed.
     pub drops: std::collections::BTreeMap<&'static str, u64>,
     pub no_route: u64,
+    pub passed: u64,
+    pub forwarded_bytes: u64,
+    pub conntrack_inserts: u64,
+    pub conntrack_evictions: u64,
+    /// Share of each worker's loop iterations that found work.
+    pub busy_ratio: Vec<f64>,
+    /// Lowest snapshot generation a worker runs.
+    pub generation: u64,
     pub rx_packets: u64,
     pub tx_packets: u64,
     pub forwarded: u64,
@@ -390,6 +398,22 @@ impl Dataplane {
             t.conntrack_entries += g(&s.conntrack_entries);
             t.neighbour_pending += g(&s.neighbour_pending);
             t.no_route += g(&s.no_route);
+            t.passed += g(&s.passed);
+            t.forwarded_bytes += g(&s.rx_bytes);
+            t.conntrack_inserts += g(&s.conntrack_inserts);
+            t.conntrack_evictions += g(&s.conntrack_evictions);
+            let it = g(&s.iterations);
+            t.busy_ratio.push(if it == 0 {
+                0.0
+            } else {
+                g(&s.busy_iterations) as f64 / it as f64
+            });
+            let gen_ = g(&s.snapshot_generation);
+            t.generation = if t.generation == 0 {
+                gen_
+            } else {
+                t.generation.min(gen_)
+            };
             if let Ok(d) = s.drop_detail.lock() {
                 for (k, v) in d.iter() {
                     *t.drops.entry(k).or_default() += v;

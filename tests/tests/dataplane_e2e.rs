@@ -746,16 +746,25 @@ fn unreadable_edit_keeps_the_last_good_state() {
     assert_eq!(spread.len(), 3, "{spread:?}");
 }
 
-/// Fetches `path` from kxp's health server inside the node's namespace: (status line).
-fn health_status(lab: &Lab, path: &'static str) -> String {
+/// Fetches `path` from one of kxp's HTTP servers inside the node's namespace.
+fn node_http(lab: &Lab, port: u16, path: &'static str) -> String {
     lab.in_ns(&lab.node.clone(), move || {
-        let mut s = TcpStream::connect("127.0.0.1:10256").unwrap();
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         write!(s, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
         let mut r = String::new();
         let _ = s.read_to_string(&mut r);
-        r.lines().next().unwrap_or("").to_string()
+        r
     })
+}
+
+/// The status line of `path` on kxp's health server.
+fn health_status(lab: &Lab, path: &'static str) -> String {
+    node_http(lab, 10256, path)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string()
 }
 
 #[test]
@@ -768,6 +777,37 @@ fn kubernetes_source_drives_the_dataplane() {
     let (spread, _, failed) = lab.http_spread(vip(80), 60);
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(spread.len(), 3, "{spread:?}");
+
+    // kube-proxy's metrics contract on :10249, with kxp's own counters.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = node_http(&lab, 10249, "/metrics");
+        let forwarded = m
+            .lines()
+            .find(|l| l.starts_with("kxp_packets_total{verdict=\"forwarded\"}"))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if forwarded > 0.0 {
+            for name in [
+                "kubeproxy_sync_proxy_rules_duration_seconds",
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "kubeproxy_network_programming_duration_seconds",
+                "kubeproxy_proxy_healthz_total",
+                "kxp_conntrack_entries",
+            ] {
+                assert!(m.contains(name), "{name} missing:\n{m}");
+            }
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no forwarded packets counted:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(node_http(&lab, 10249, "/proxyMode").ends_with("kxp"));
+    assert!(node_http(&lab, 10249, "/configz").contains("kubeproxy.config.k8s.io"));
 
     // web-1 leaves the EndpointSlice on the API server.
     let text = state_yaml_with(&WEB[1..], "");

@@ -8,7 +8,9 @@ use std::process::Command;
 use kxp_tests::kxp_bin;
 
 fn deploy(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy")
+        .join(name)
 }
 
 fn docs() -> Vec<serde_yaml::Value> {
@@ -45,7 +47,11 @@ fn daemonset_config_parses_as_kxp_reads_it() {
         .output()
         .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -55,8 +61,14 @@ fn daemonset_probes_and_privileges() {
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostNetwork"].as_bool(), Some(true));
     let c = &pod["containers"][0];
-    assert_eq!(c["livenessProbe"]["httpGet"]["path"].as_str(), Some("/livez"));
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"].as_str(), Some("/healthz"));
+    assert_eq!(
+        c["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/livez")
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
     assert_eq!(c["livenessProbe"]["httpGet"]["port"].as_u64(), Some(10256));
     assert_eq!(c["securityContext"]["privileged"].as_bool(), Some(false));
     let caps: Vec<&str> = c["securityContext"]["capabilities"]["add"]
@@ -120,6 +132,10 @@ fn systemd_unit_runs_a_command_kxp_accepts() {
         .arg("--help")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(unit.contains("ExecStopPost=-/usr/local/bin/kxp cleanup"));
 }

@@ -1,0 +1,618 @@
+//! kube-proxy's metrics (`kubeproxy_*`, the names, types and labels of kube-proxy's
+//! pkg/proxy/metrics) and kxp's dataplane metrics (`kxp_*`), plus the metrics server:
+//! `/metrics` (OpenMetrics text), `/proxyMode` and `/configz`, as kube-proxy serves them
+//! on its metrics address.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets, linear_buckets};
+use prometheus_client::registry::Registry;
+
+/// Content type of the `/metrics` body (prometheus-client encodes OpenMetrics text).
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type Labels = Vec<(String, String)>;
+type F64Gauge = Gauge<f64, AtomicU64>;
+
+/// Totals read from the dataplane; counters among them are cumulative since start.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DataplaneCounters {
+    pub forwarded: u64,
+    pub forwarded_bytes: u64,
+    pub rejected: u64,
+    pub dropped: u64,
+    pub passed: u64,
+    /// Drops by reason (cumulative per reason).
+    pub drops: Vec<(String, u64)>,
+    pub conntrack_entries: u64,
+    pub conntrack_inserts: u64,
+    pub conntrack_evictions: u64,
+    pub handoffs: u64,
+    /// Generation of the snapshot the workers run.
+    pub generation: u64,
+    pub snapshot_age_secs: f64,
+    /// Busy ratio (0..=1) per worker, indexed by worker.
+    pub busy_ratio: Vec<f64>,
+}
+
+/// Turns dataplane totals into counter increments: a counter only goes up, by the
+/// difference from the last total seen (a total lower than the last one, e.g. after a
+/// dataplane restart, is taken as the new base).
+#[derive(Debug, Default)]
+struct Totals {
+    last: HashMap<String, u64>,
+}
+
+impl Totals {
+    fn advance(&mut self, key: &str, total: u64, counter: &Counter) {
+        let last = self.last.entry(key.to_string()).or_insert(0);
+        if total > *last {
+            counter.inc_by(total - *last);
+        }
+        *last = total;
+    }
+}
+
+/// The metrics kxp exposes, in one registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    sync_duration: Histogram,
+    network_programming: Histogram,
+    last_sync: F64Gauge,
+    last_queued: F64Gauge,
+    service_changes: Counter,
+    endpoint_changes: Counter,
+    no_local_endpoints: Family<Labels, Gauge>,
+    healthz: Family<Labels, Counter>,
+    livez: Family<Labels, Counter>,
+    packets: Family<Labels, Counter>,
+    bytes: Family<Labels, Counter>,
+    drops: Family<Labels, Counter>,
+    conntrack_entries: Gauge,
+    conntrack_inserts: Counter,
+    conntrack_evictions: Counter,
+    handoffs: Counter,
+    generation: Gauge,
+    snapshot_age: F64Gauge,
+    busy: Family<Labels, F64Gauge>,
+    totals: Mutex<Totals>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn label(k: &str, v: &str) -> Labels {
+    vec![(k.to_string(), v.to_string())]
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// kube-proxy's network programming buckets: 0, 0.25s, 0.5s, 1..59s, 60..115s by 5s,
+/// 120..300s by 30s.
+fn network_programming_buckets() -> Vec<f64> {
+    std::iter::once(0.0)
+        .chain(linear_buckets(0.25, 0.25, 2))
+        .chain(linear_buckets(1.0, 1.0, 59))
+        .chain(linear_buckets(60.0, 5.0, 12))
+        .chain(linear_buckets(120.0, 30.0, 7))
+        .collect()
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            network_programming: Histogram::new(network_programming_buckets()),
+            last_sync: F64Gauge::default(),
+            last_queued: F64Gauge::default(),
+            service_changes: Counter::default(),
+            endpoint_changes: Counter::default(),
+            no_local_endpoints: Family::default(),
+            healthz: Family::default(),
+            livez: Family::default(),
+            packets: Family::default(),
+            bytes: Family::default(),
+            drops: Family::default(),
+            conntrack_entries: Gauge::default(),
+            conntrack_inserts: Counter::default(),
+            conntrack_evictions: Counter::default(),
+            handoffs: Counter::default(),
+            generation: Gauge::default(),
+            snapshot_age: F64Gauge::default(),
+            busy: Family::default(),
+            totals: Mutex::new(Totals::default()),
+            registry: Registry::default(),
+        };
+        {
+            let kp = registry.sub_registry_with_prefix("kubeproxy");
+            kp.register(
+                "sync_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds",
+                m.sync_duration.clone(),
+            );
+            kp.register(
+                "network_programming_duration_seconds",
+                "In Cluster Network Programming Latency in seconds",
+                m.network_programming.clone(),
+            );
+            kp.register(
+                "sync_proxy_rules_last_timestamp_seconds",
+                "The last time proxy rules were successfully synced",
+                m.last_sync.clone(),
+            );
+            kp.register(
+                "sync_proxy_rules_last_queued_timestamp_seconds",
+                "The last time a sync of proxy rules was queued",
+                m.last_queued.clone(),
+            );
+            // prometheus-client appends `_total` to counter samples.
+            kp.register(
+                "sync_proxy_rules_service_changes",
+                "Cumulative proxy rules Service changes",
+                m.service_changes.clone(),
+            );
+            kp.register(
+                "sync_proxy_rules_endpoint_changes",
+                "Cumulative proxy rules Endpoint changes",
+                m.endpoint_changes.clone(),
+            );
+            kp.register(
+                "sync_proxy_rules_no_local_endpoints_total",
+                "Number of services with a Local traffic policy and no endpoints",
+                m.no_local_endpoints.clone(),
+            );
+            kp.register(
+                "proxy_healthz",
+                "Cumulative proxy healthz HTTP status",
+                m.healthz.clone(),
+            );
+            kp.register(
+                "proxy_livez",
+                "Cumulative proxy livez HTTP status",
+                m.livez.clone(),
+            );
+        }
+        {
+            let kxp = registry.sub_registry_with_prefix("kxp");
+            kxp.register(
+                "packets",
+                "Packets handled by the dataplane, by verdict",
+                m.packets.clone(),
+            );
+            kxp.register(
+                "bytes",
+                "Bytes handled by the dataplane, by verdict",
+                m.bytes.clone(),
+            );
+            kxp.register("drops", "Packets dropped, by reason", m.drops.clone());
+            kxp.register(
+                "conntrack_entries",
+                "Connection tracking entries in use",
+                m.conntrack_entries.clone(),
+            );
+            kxp.register(
+                "conntrack_insertions",
+                "Connection tracking entries inserted",
+                m.conntrack_inserts.clone(),
+            );
+            kxp.register(
+                "conntrack_evictions",
+                "Connection tracking entries evicted",
+                m.conntrack_evictions.clone(),
+            );
+            kxp.register(
+                "handoffs",
+                "Packets handed to the worker that owns their flow",
+                m.handoffs.clone(),
+            );
+            kxp.register(
+                "snapshot_generation",
+                "Generation of the snapshot the dataplane runs",
+                m.generation.clone(),
+            );
+            kxp.register(
+                "snapshot_age_seconds",
+                "Age of the snapshot the dataplane runs",
+                m.snapshot_age.clone(),
+            );
+            kxp.register(
+                "worker_busy_ratio",
+                "Fraction of time each worker spent processing packets",
+                m.busy.clone(),
+            );
+        }
+        Metrics { registry, ..m }
+    }
+
+    /// One sync of the dataplane took `d`.
+    pub fn observe_sync(&self, d: Duration) {
+        self.sync_duration.observe(d.as_secs_f64());
+    }
+
+    /// A change reached the dataplane `d` after it was made in the cluster.
+    pub fn observe_network_programming(&self, d: Duration) {
+        self.network_programming.observe(d.as_secs_f64());
+    }
+
+    /// The dataplane was just programmed with the current state.
+    pub fn set_last_sync_now(&self) {
+        self.last_sync.set(unix_now());
+    }
+
+    /// A sync was just requested.
+    pub fn set_queued_now(&self) {
+        self.last_queued.set(unix_now());
+    }
+
+    pub fn add_service_changes(&self, n: u64) {
+        self.service_changes.inc_by(n);
+    }
+
+    pub fn add_endpoint_changes(&self, n: u64) {
+        self.endpoint_changes.inc_by(n);
+    }
+
+    /// Services with a Local internal / external traffic policy and no local endpoint.
+    pub fn set_no_local_endpoints(&self, internal: u64, external: u64) {
+        self.no_local_endpoints
+            .get_or_create(&label("traffic_policy", "internal"))
+            .set(to_i64(internal));
+        self.no_local_endpoints
+            .get_or_create(&label("traffic_policy", "external"))
+            .set(to_i64(external));
+    }
+
+    /// `/healthz` answered with HTTP status `code`.
+    pub fn healthz_served(&self, code: u16) {
+        self.healthz
+            .get_or_create(&label("code", &code.to_string()))
+            .inc();
+    }
+
+    /// `/livez` answered with HTTP status `code`.
+    pub fn livez_served(&self, code: u16) {
+        self.livez
+            .get_or_create(&label("code", &code.to_string()))
+            .inc();
+    }
+
+    /// Takes the dataplane's current totals and gauges.
+    pub fn update_dataplane(&self, c: &DataplaneCounters) {
+        let Ok(mut t) = self.totals.lock() else {
+            return;
+        };
+        for (verdict, packets) in [
+            ("forwarded", c.forwarded),
+            ("rejected", c.rejected),
+            ("dropped", c.dropped),
+            ("passed", c.passed),
+        ] {
+            let l = label("verdict", verdict);
+            t.advance(
+                &format!("packets/{verdict}"),
+                packets,
+                &self.packets.get_or_create(&l),
+            );
+        }
+        t.advance(
+            "bytes/forwarded",
+            c.forwarded_bytes,
+            &self.bytes.get_or_create(&label("verdict", "forwarded")),
+        );
+        for (reason, n) in &c.drops {
+            t.advance(
+                &format!("drops/{reason}"),
+                *n,
+                &self.drops.get_or_create(&label("reason", reason)),
+            );
+        }
+        t.advance("ct/inserts", c.conntrack_inserts, &self.conntrack_inserts);
+        t.advance(
+            "ct/evictions",
+            c.conntrack_evictions,
+            &self.conntrack_evictions,
+        );
+        t.advance("handoffs", c.handoffs, &self.handoffs);
+        self.conntrack_entries.set(to_i64(c.conntrack_entries));
+        self.generation.set(to_i64(c.generation));
+        self.snapshot_age.set(c.snapshot_age_secs);
+        for (i, r) in c.busy_ratio.iter().enumerate() {
+            self.busy
+                .get_or_create(&label("worker", &i.to_string()))
+                .set(*r);
+        }
+    }
+
+    /// The OpenMetrics text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// kube-proxy's metrics server: `/metrics`, `/proxyMode`, `/configz`.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Produces the `/configz` JSON body.
+pub type ConfigzFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+impl MetricsServer {
+    /// Binds and serves in a background thread.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub fn start(
+        addr: SocketAddr,
+        metrics: Arc<Metrics>,
+        proxy_mode: &'static str,
+        configz: ConfigzFn,
+    ) -> std::io::Result<MetricsServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kxp-metrics".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            let _ = serve(stream, &metrics, proxy_mode, &configz);
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            })?;
+        Ok(MetricsServer {
+            addr: local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    stream: TcpStream,
+    metrics: &Metrics,
+    proxy_mode: &str,
+    configz: &ConfigzFn,
+) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    // Drain the headers.
+    let mut h = String::new();
+    while reader.read_line(&mut h)? > 2 {
+        h.clear();
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or("");
+    let path = parts.next().unwrap_or("/");
+    let path = path.split('?').next().unwrap_or(path);
+    let (status, ctype, body) = if method != "GET" && method != "HEAD" {
+        (
+            "405 Method Not Allowed",
+            "text/plain; charset=utf-8",
+            "Method Not Allowed\n".to_string(),
+        )
+    } else {
+        match path {
+            "/metrics" => ("200 OK", METRICS_CONTENT_TYPE, metrics.render()),
+            "/proxyMode" => (
+                "200 OK",
+                "text/plain; charset=utf-8",
+                proxy_mode.to_string(),
+            ),
+            "/configz" => ("200 OK", "application/json", configz()),
+            _ => (
+                "404 Not Found",
+                "text/plain; charset=utf-8",
+                "404 page not found\n".to_string(),
+            ),
+        }
+    };
+    let mut stream = stream;
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    if method != "HEAD" {
+        stream.write_all(body.as_bytes())?;
+    }
+    stream.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .find(|l| !l.starts_with('#') && l.split(' ').next() == Some(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[test]
+    fn renders_kube_proxy_names() {
+        let m = Metrics::new();
+        m.observe_sync(Duration::from_millis(3));
+        m.observe_network_programming(Duration::from_secs(2));
+        m.set_last_sync_now();
+        m.set_queued_now();
+        m.add_service_changes(2);
+        m.add_endpoint_changes(5);
+        m.set_no_local_endpoints(1, 3);
+        m.healthz_served(200);
+        m.healthz_served(503);
+        m.livez_served(200);
+        let t = m.render();
+        for needle in [
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 0",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"16.384\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 1",
+            "# TYPE kubeproxy_network_programming_duration_seconds histogram",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"300.0\"} 1",
+            "# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge",
+            "# TYPE kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds gauge",
+            "kubeproxy_sync_proxy_rules_service_changes_total 2",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 5",
+            "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"} 3",
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+            "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
+            "kubeproxy_proxy_livez_total{code=\"200\"} 1",
+            "# EOF",
+        ] {
+            assert!(t.contains(needle), "missing {needle:?} in\n{t}");
+        }
+        let last = sample(&t, "kubeproxy_sync_proxy_rules_last_timestamp_seconds").unwrap();
+        assert!(last > 1.7e9, "{last}");
+    }
+
+    #[test]
+    fn counters_follow_totals_and_never_go_down() {
+        let m = Metrics::new();
+        let mut c = DataplaneCounters {
+            forwarded: 10,
+            forwarded_bytes: 1000,
+            dropped: 2,
+            drops: vec![("no_endpoints".into(), 2)],
+            conntrack_entries: 7,
+            conntrack_inserts: 9,
+            handoffs: 1,
+            generation: 4,
+            snapshot_age_secs: 1.5,
+            busy_ratio: vec![0.25, 0.5],
+            ..Default::default()
+        };
+        m.update_dataplane(&c);
+        m.update_dataplane(&c);
+        let t = m.render();
+        let get = |t: &str, n: &str| sample(t, n).unwrap_or_else(|| panic!("{n} in\n{t}"));
+        assert_eq!(get(&t, "kxp_packets_total{verdict=\"forwarded\"}"), 10.0);
+        assert_eq!(get(&t, "kxp_bytes_total{verdict=\"forwarded\"}"), 1000.0);
+        assert_eq!(get(&t, "kxp_packets_total{verdict=\"dropped\"}"), 2.0);
+        assert_eq!(get(&t, "kxp_drops_total{reason=\"no_endpoints\"}"), 2.0);
+        assert_eq!(get(&t, "kxp_conntrack_entries"), 7.0);
+        assert_eq!(get(&t, "kxp_conntrack_insertions_total"), 9.0);
+        assert_eq!(get(&t, "kxp_handoffs_total"), 1.0);
+        assert_eq!(get(&t, "kxp_snapshot_generation"), 4.0);
+        assert_eq!(get(&t, "kxp_snapshot_age_seconds"), 1.5);
+        assert_eq!(get(&t, "kxp_worker_busy_ratio{worker=\"1\"}"), 0.5);
+
+        c.forwarded = 15;
+        c.conntrack_entries = 3;
+        m.update_dataplane(&c);
+        let t = m.render();
+        assert_eq!(get(&t, "kxp_packets_total{verdict=\"forwarded\"}"), 15.0);
+        assert_eq!(get(&t, "kxp_conntrack_entries"), 3.0, "gauges may go down");
+
+        // A lower total (dataplane restarted) does not lower the counter; growth from
+        // the new base is added.
+        c.forwarded = 4;
+        m.update_dataplane(&c);
+        c.forwarded = 6;
+        m.update_dataplane(&c);
+        let t = m.render();
+        assert_eq!(get(&t, "kxp_packets_total{verdict=\"forwarded\"}"), 17.0);
+    }
+
+    fn get(addr: SocketAddr, path: &str) -> String {
+        let mut c = TcpStream::connect(addr).unwrap();
+        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut resp = String::new();
+        std::io::Read::read_to_string(&mut c, &mut resp).unwrap();
+        resp
+    }
+
+    #[test]
+    fn serves_metrics_proxy_mode_and_configz() {
+        let m = Arc::new(Metrics::new());
+        m.add_service_changes(3);
+        let configz: ConfigzFn =
+            Arc::new(|| r#"{"kubeproxy.config.k8s.io":{"mode":"kxp"}}"#.to_string());
+        let s = MetricsServer::start("127.0.0.1:0".parse().unwrap(), m, "kxp", configz).unwrap();
+
+        let r = get(s.local_addr(), "/metrics");
+        assert!(r.starts_with("HTTP/1.1 200 OK"), "{r}");
+        assert!(r.contains("application/openmetrics-text"), "{r}");
+        assert!(
+            r.contains("kubeproxy_sync_proxy_rules_service_changes_total 3"),
+            "{r}"
+        );
+
+        let r = get(s.local_addr(), "/proxyMode");
+        assert!(r.starts_with("HTTP/1.1 200 OK"), "{r}");
+        assert!(r.ends_with("\r\n\r\nkxp"), "{r}");
+
+        let r = get(s.local_addr(), "/configz?x=1");
+        assert!(r.contains("Content-Type: application/json"), "{r}");
+        assert!(
+            r.ends_with(r#"{"kubeproxy.config.k8s.io":{"mode":"kxp"}}"#),
+            "{r}"
+        );
+
+        let r = get(s.local_addr(), "/nope");
+        assert!(r.starts_with("HTTP/1.1 404 Not Found"), "{r}");
+        s.stop();
+    }
+}
