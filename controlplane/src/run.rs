@@ -208,6 +208,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut last_stats = Instant::now();
     let mut last_sync = Instant::now();
     let mut pending = false;
+    let mut last_state = state;
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if let Some(every) = stats_every
@@ -238,12 +239,16 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         match input.load().and_then(|s| {
             let eligible = node_eligible(&s, &settings.node_name);
             build(&s, &settings, generation + 1)
-                .map(|b| (b, eligible))
+                .map(|b| (b, eligible, s))
                 .map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))
         }) {
-            Ok((b, eligible)) => {
+            Ok((b, eligible, new_state)) => {
                 generation += 1;
                 health.set_node_eligible(eligible);
+                let (svc, eps) = count_changes(&last_state, &new_state);
+                metrics.add_service_changes(svc);
+                metrics.add_endpoint_changes(eps);
+                last_state = new_state;
                 let (internal, external) = no_local_endpoints(&b.snapshot);
                 metrics.set_no_local_endpoints(internal, external);
                 if let Err(e) = dp.publish(b.snapshot) {
@@ -276,6 +281,34 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     server.stop();
     metrics_server.stop();
     Ok(())
+}
+
+/// How many Services and EndpointSlices were added, changed or removed between two
+/// states (kube-proxy's `sync_proxy_rules_service_changes_total` / `…endpoint_changes…`).
+fn count_changes(old: &nat::k8s::ClusterState, new: &nat::k8s::ClusterState) -> (u64, u64) {
+    fn diff<T: PartialEq>(
+        old: &[T],
+        new: &[T],
+        key: impl Fn(&T) -> (Option<&String>, Option<&String>),
+    ) -> u64 {
+        use std::collections::HashMap;
+        let before: HashMap<_, &T> = old.iter().map(|o| (key(o), o)).collect();
+        let after: HashMap<_, &T> = new.iter().map(|o| (key(o), o)).collect();
+        let changed = after
+            .iter()
+            .filter(|(k, v)| before.get(*k).is_none_or(|o| o != *v))
+            .count();
+        let removed = before.keys().filter(|k| !after.contains_key(*k)).count();
+        (changed + removed) as u64
+    }
+    (
+        diff(&old.services, &new.services, |s| {
+            (s.metadata.namespace.as_ref(), s.metadata.name.as_ref())
+        }),
+        diff(&old.endpoint_slices, &new.endpoint_slices, |s| {
+            (s.metadata.namespace.as_ref(), s.metadata.name.as_ref())
+        }),
+    )
 }
 
 /// Services whose traffic policy is Local and that have endpoints, but none on this node
@@ -545,5 +578,67 @@ impl FileWatch {
             return true;
         }
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn svc(name: &str, ip: &str) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            spec: Some(k8s_openapi::api::core::v1::ServiceSpec {
+                cluster_ip: Some(ip.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn changes_are_counted_per_object() {
+        let old = nat::k8s::ClusterState {
+            services: vec![
+                svc("a", "10.0.0.1"),
+                svc("b", "10.0.0.2"),
+                svc("c", "10.0.0.3"),
+            ],
+            ..Default::default()
+        };
+        let new = nat::k8s::ClusterState {
+            // a unchanged, b changed, c removed, d added
+            services: vec![
+                svc("a", "10.0.0.1"),
+                svc("b", "10.0.0.9"),
+                svc("d", "10.0.0.4"),
+            ],
+            ..Default::default()
+        };
+        assert_eq!(count_changes(&old, &new), (3, 0));
+        assert_eq!(count_changes(&new, &new), (0, 0));
+    }
+
+    #[test]
+    fn sync_periods_follow_kube_proxy() {
+        assert_eq!(
+            sync_periods(None),
+            (Duration::from_secs(1), Duration::from_secs(30))
+        );
+        let c = KubeProxyConfiguration::parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nnftables:\n  minSyncPeriod: 250ms\n  syncPeriod: 1m0s\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            sync_periods(Some(&c)),
+            (Duration::from_millis(250), Duration::from_secs(60))
+        );
     }
 }

@@ -831,6 +831,15 @@ fn kubernetes_source_drives_the_dataplane() {
         std::thread::sleep(Duration::from_millis(200));
     }
 
+    let m = node_http(&lab, 10249, "/metrics");
+    let changes = m
+        .lines()
+        .find(|l| l.starts_with("kubeproxy_sync_proxy_rules_endpoint_changes_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(changes >= 1.0, "endpoint change not counted:\n{m}");
+
     // The node is being deleted: /healthz 503, /livez still 200 (kube-proxy's rules).
     assert!(health_status(&lab, "/healthz").contains("200"));
     let node = serde_json::json!({
