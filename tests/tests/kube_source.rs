@@ -55,7 +55,10 @@ fn kubeconfig(api: &FakeApi) -> PathBuf {
 }
 
 async fn start(api: &FakeApi, proxy_name: Option<&str>) -> KubeSource {
-    let client = client_from(Some(&kubeconfig(api)), None).await.unwrap();
+    let kc = kubeconfig(api);
+    let client = client_from(Some(&kc), None).await.unwrap();
+    // The client has read it: nothing of the test stays behind in the temp dir.
+    let _ = std::fs::remove_dir_all(kc.parent().unwrap());
     let src = KubeSource::start(
         client,
         SourceConfig {
