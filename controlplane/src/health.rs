@@ -2,12 +2,10 @@
 //! state, 503 when an update has waited longer than the health timeout) and `/livez`
 //! (the same, without node state), with kube-proxy's JSON body.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// kube-proxy's default `--healthz` timeout: an update queued and not programmed for
@@ -120,13 +118,9 @@ pub fn rfc3339(t: SystemTime) -> String {
     )
 }
 
-/// A small HTTP/1.1 server for `/healthz` and `/livez`.
+/// The `/healthz` and `/livez` server.
 #[derive(Debug)]
-pub struct HealthServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
+pub struct HealthServer(crate::http::HttpServer);
 
 impl HealthServer {
     /// Binds and serves in a background thread.
@@ -134,93 +128,50 @@ impl HealthServer {
     /// # Errors
     /// The address cannot be bound.
     pub fn start(addr: SocketAddr, health: Arc<Health>) -> std::io::Result<HealthServer> {
-        let listener = TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
-        let local = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("kxp-healthz".into())
-            .spawn(move || {
-                while !stop2.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((stream, _)) => {
-                            let _ = serve(stream, &health);
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                    }
-                }
-            })?;
-        Ok(HealthServer {
-            addr: local,
-            stop,
-            thread: Some(thread),
-        })
+        crate::http::HttpServer::start(addr, "kxp-healthz", move |_, path| answer(&health, path))
+            .map(HealthServer)
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.addr
+        self.0.local_addr()
     }
 
-    pub fn stop(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn stop(self) {
+        self.0.stop();
     }
 }
 
-fn serve(stream: TcpStream, health: &Health) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    // Drain the headers.
-    let mut h = String::new();
-    while reader.read_line(&mut h)? > 2 {
-        h.clear();
-    }
-    let path = line.split_whitespace().nth(1).unwrap_or("/");
-    let path = path.split('?').next().unwrap_or(path);
-    let (status, body) = match path {
-        "/healthz" | "/livez" => {
-            let node = path == "/healthz";
-            let (ok, body) = health.report(node, SystemTime::now());
-            let code = if ok { 200 } else { 503 };
-            if let Some(m) = health.metrics.get() {
-                if node {
-                    m.healthz_served(code);
-                } else {
-                    m.livez_served(code);
-                }
-            }
-            (
-                if ok {
-                    "200 OK"
-                } else {
-                    "503 Service Unavailable"
-                },
-                body,
-            )
-        }
-        _ => ("404 Not Found", "404 page not found\n".to_string()),
+fn answer(health: &Health, path: &str) -> crate::http::Response {
+    let node = match path {
+        "/healthz" => true,
+        "/livez" => false,
+        _ => return crate::http::Response::not_found(),
     };
-    let mut stream = stream;
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    stream.flush()
+    let (ok, body) = health.report(node, SystemTime::now());
+    let code = if ok { 200 } else { 503 };
+    if let Some(m) = health.metrics.get() {
+        if node {
+            m.healthz_served(code);
+        } else {
+            m.livez_served(code);
+        }
+    }
+    crate::http::Response {
+        status: if ok {
+            "200 OK"
+        } else {
+            "503 Service Unavailable"
+        },
+        content_type: "application/json",
+        body,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write as _;
+    use std::net::TcpStream;
 
     #[test]
     fn rfc3339_known_dates() {

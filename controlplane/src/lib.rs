@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod health;
+pub mod http;
 pub mod kube_source;
 pub mod metrics;
 pub mod netns;

@@ -4,11 +4,9 @@
 //! on its metrics address.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::encoding::text::encode;
@@ -356,23 +354,12 @@ impl Metrics {
     }
 }
 
-/// kube-proxy's metrics server: `/metrics`, `/proxyMode`, `/configz`.
-pub struct MetricsServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for MetricsServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetricsServer")
-            .field("addr", &self.addr)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Produces the `/configz` JSON body.
+/// Produces the `/configz` JSON.
 pub type ConfigzFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// kube-proxy's metrics server: `/metrics`, `/proxyMode`, `/configz`.
+#[derive(Debug)]
+pub struct MetricsServer(crate::http::HttpServer);
 
 impl MetricsServer {
     /// Binds and serves in a background thread.
@@ -385,99 +372,54 @@ impl MetricsServer {
         proxy_mode: &'static str,
         configz: ConfigzFn,
     ) -> std::io::Result<MetricsServer> {
-        let listener = TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
-        let local = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("kxp-metrics".into())
-            .spawn(move || {
-                while !stop2.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((stream, _)) => {
-                            let _ = serve(stream, &metrics, proxy_mode, &configz);
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                    }
-                }
-            })?;
-        Ok(MetricsServer {
-            addr: local,
-            stop,
-            thread: Some(thread),
+        crate::http::HttpServer::start(addr, "kxp-metrics", move |method, path| {
+            answer(method, path, &metrics, proxy_mode, &configz)
         })
+        .map(MetricsServer)
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.addr
+        self.0.local_addr()
     }
 
-    pub fn stop(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn stop(self) {
+        self.0.stop();
     }
 }
 
-fn serve(
-    stream: TcpStream,
+fn answer(
+    method: &str,
+    path: &str,
     metrics: &Metrics,
     proxy_mode: &str,
     configz: &ConfigzFn,
-) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    // Drain the headers.
-    let mut h = String::new();
-    while reader.read_line(&mut h)? > 2 {
-        h.clear();
-    }
-    let mut parts = line.split_whitespace();
-    let method = parts.next().unwrap_or("");
-    let path = parts.next().unwrap_or("/");
-    let path = path.split('?').next().unwrap_or(path);
-    let (status, ctype, body) = if method != "GET" && method != "HEAD" {
-        (
-            "405 Method Not Allowed",
-            "text/plain; charset=utf-8",
-            "Method Not Allowed\n".to_string(),
-        )
-    } else {
-        match path {
-            "/metrics" => ("200 OK", METRICS_CONTENT_TYPE, metrics.render()),
-            "/proxyMode" => (
-                "200 OK",
-                "text/plain; charset=utf-8",
-                proxy_mode.to_string(),
-            ),
-            "/configz" => ("200 OK", "application/json", configz()),
-            _ => (
-                "404 Not Found",
-                "text/plain; charset=utf-8",
-                "404 page not found\n".to_string(),
-            ),
-        }
+) -> crate::http::Response {
+    let text = "text/plain; charset=utf-8";
+    let ok = |content_type, body| crate::http::Response {
+        status: "200 OK",
+        content_type,
+        body,
     };
-    let mut stream = stream;
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )?;
-    if method != "HEAD" {
-        stream.write_all(body.as_bytes())?;
+    if method != "GET" && method != "HEAD" {
+        return crate::http::Response {
+            status: "405 Method Not Allowed",
+            content_type: text,
+            body: "Method Not Allowed\n".to_string(),
+        };
     }
-    stream.flush()
+    match path {
+        "/metrics" => ok(METRICS_CONTENT_TYPE, metrics.render()),
+        "/proxyMode" => ok(text, proxy_mode.to_string()),
+        "/configz" => ok("application/json", configz()),
+        _ => crate::http::Response::not_found(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write as _;
+    use std::net::TcpStream;
 
     fn sample(text: &str, name: &str) -> Option<f64> {
         text.lines()

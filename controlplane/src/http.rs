@@ -1,0 +1,113 @@
+//! The small HTTP/1.1 server behind kxp's health and metrics endpoints: one thread, one
+//! connection at a time, `Connection: close` — what a kubelet probe or a Prometheus
+//! scrape needs, with nothing to configure.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// An answer: status line text (`"200 OK"`), content type and body.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: &'static str,
+    pub content_type: &'static str,
+    pub body: String,
+}
+
+impl Response {
+    pub fn not_found() -> Response {
+        Response {
+            status: "404 Not Found",
+            content_type: "text/plain; charset=utf-8",
+            body: "404 page not found\n".to_string(),
+        }
+    }
+}
+
+/// A running server; stops (and joins its thread) on [`HttpServer::stop`].
+#[derive(Debug)]
+pub struct HttpServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HttpServer {
+    /// Binds `addr` and answers every request with `handler(method, path)` (the path
+    /// without its query) in a thread named `name`.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub fn start(
+        addr: SocketAddr,
+        name: &str,
+        handler: impl Fn(&str, &str) -> Response + Send + 'static,
+    ) -> std::io::Result<HttpServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            let _ = serve(stream, &handler);
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            })?;
+        Ok(HttpServer {
+            addr: local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(stream: TcpStream, handler: &impl Fn(&str, &str) -> Response) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    // Drain the headers.
+    let mut h = String::new();
+    while reader.read_line(&mut h)? > 2 {
+        h.clear();
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or("");
+    let path = parts.next().unwrap_or("/");
+    let path = path.split('?').next().unwrap_or(path);
+    let r = handler(method, path);
+    let mut stream = stream;
+    write!(
+        stream,
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        r.status,
+        r.content_type,
+        r.body.len()
+    )?;
+    if method != "HEAD" {
+        stream.write_all(r.body.as_bytes())?;
+    }
+    stream.flush()
+}
