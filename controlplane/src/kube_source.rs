@@ -14,7 +14,12 @@
 //! then a relist, 429/5xx) are retried with kube-runtime's default backoff; each error
 //! streak is logged once on stderr and every error is counted. The stores keep the last
 //! good state meanwhile (a relist replaces them atomically once it is complete).
+//!
+//! Besides the stores, each watcher records which objects its events touched, so that a
+//! sync hands the change tracker only those ([`KubeSource::take_changes`]): the work of
+//! a sync follows the number of changes, not the number of objects.
 
+use std::collections::HashSet;
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::path::Path;
@@ -26,10 +31,11 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::api::Api;
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
 use nat::k8s::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use nat::tracker::{ObjKey, Tracker};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -136,6 +142,65 @@ pub async fn client_from(
 struct Counters {
     st: ResourceStatus,
     listed_once: bool,
+    /// A list completed since the last [`KubeSource::take_changes`]: diff the store.
+    dirty_full: bool,
+    /// Objects applied or deleted since then.
+    dirty: HashSet<ObjKey>,
+}
+
+/// What changed in one resource since the last look.
+#[derive(Debug)]
+pub enum Change<K> {
+    /// A (re)list happened: the whole store, to diff against.
+    Full(Vec<Arc<K>>),
+    /// These objects changed: their current version, or `None` once deleted.
+    Keys(Vec<(ObjKey, Option<Arc<K>>)>),
+}
+
+impl<K> Change<K> {
+    pub fn len(&self) -> usize {
+        match self {
+            Change::Full(v) => v.len(),
+            Change::Keys(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What changed in every resource since the last look.
+#[derive(Debug)]
+pub struct Changes {
+    pub services: Change<Service>,
+    pub slices: Change<EndpointSlice>,
+    pub cidrs: Change<ServiceCIDR>,
+    pub nodes: Change<Node>,
+}
+
+impl Changes {
+    /// Hands the changes to kube-proxy's change tracker.
+    pub fn apply(self, t: &mut Tracker) {
+        match self.services {
+            Change::Full(v) => t.replace_services(v),
+            Change::Keys(v) => v.into_iter().for_each(|(k, o)| t.apply_service(k, o)),
+        }
+        match self.slices {
+            Change::Full(v) => t.replace_slices(v),
+            Change::Keys(v) => v.into_iter().for_each(|(k, o)| t.apply_slice(k, o)),
+        }
+        match self.cidrs {
+            Change::Full(v) => t.replace_service_cidrs(v),
+            Change::Keys(v) => v
+                .into_iter()
+                .for_each(|(k, o)| t.apply_service_cidr(k.1, o)),
+        }
+        match self.nodes {
+            Change::Full(v) => t.replace_nodes(v),
+            Change::Keys(v) => v.into_iter().for_each(|(k, o)| t.apply_node(k.1, o)),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -252,6 +317,62 @@ impl KubeSource {
         }
     }
 
+    /// What changed since the last call (the first call after a list gets the whole
+    /// store). The objects are the stores' own (`Arc`s, not copies).
+    pub fn take_changes(&self) -> Changes {
+        Changes {
+            services: self.take(0, &self.services),
+            slices: self.take(1, &self.slices),
+            cidrs: self.take(2, &self.cidrs),
+            nodes: self.take(3, &self.nodes),
+        }
+    }
+
+    /// Every store in full (for the periodic re-sync; unchanged objects cost a pointer
+    /// comparison in the tracker).
+    pub fn everything(&self) -> Changes {
+        for i in 0..RESOURCES.len() {
+            let mut c = self.shared.counters(i);
+            c.dirty.clear();
+            c.dirty_full = false;
+        }
+        Changes {
+            services: Change::Full(self.services.state()),
+            slices: Change::Full(self.slices.state()),
+            cidrs: Change::Full(self.cidrs.state()),
+            nodes: Change::Full(self.nodes.state()),
+        }
+    }
+
+    fn take<K>(&self, i: usize, store: &Store<K>) -> Change<K>
+    where
+        K: Clone + Resource + 'static,
+        K::DynamicType: Eq + Hash + Clone + Default,
+    {
+        let (full, keys) = {
+            let mut c = self.shared.counters(i);
+            let full = std::mem::take(&mut c.dirty_full);
+            (full, std::mem::take(&mut c.dirty))
+        };
+        if full {
+            return Change::Full(store.state());
+        }
+        let mut keys: Vec<ObjKey> = keys.into_iter().collect();
+        keys.sort();
+        Change::Keys(
+            keys.into_iter()
+                .map(|k| {
+                    let mut r = ObjectRef::<K>::new(&k.1);
+                    if !k.0.is_empty() {
+                        r = r.within(&k.0);
+                    }
+                    let obj = store.get(&r);
+                    (k, obj)
+                })
+                .collect(),
+        )
+    }
+
     /// A counter bumped after every applied event (and completed list).
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.shared.bump.subscribe()
@@ -339,10 +460,17 @@ where
                             }
                             watcher::Event::InitDone => {
                                 c.st.synced = true;
+                                c.dirty_full = true;
+                                c.dirty.clear();
                                 true
                             }
-                            watcher::Event::Apply(_) | watcher::Event::Delete(_) => {
+                            watcher::Event::Apply(o) | watcher::Event::Delete(o) => {
                                 c.st.events += 1;
+                                let m = o.meta();
+                                c.dirty.insert((
+                                    m.namespace.clone().unwrap_or_default(),
+                                    m.name.clone().unwrap_or_default(),
+                                ));
                                 true
                             }
                         }

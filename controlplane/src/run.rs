@@ -13,6 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context as _;
 use dataplane::plane::{Dataplane, DataplaneConfig};
 use nat::k8s::build;
+use nat::tracker::{Synced, Tracker};
 
 use crate::config::KubeProxyConfiguration;
 use crate::health::{Health, HealthServer};
@@ -119,11 +120,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         )?,
     };
     let (min_sync, resync) = sync_periods(cfg.as_ref());
-    let state = input.load()?;
     let explicit_node_ips = !settings.node_ips.is_empty();
-    let built =
-        build(&state, &settings, 1).map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))?;
-    let mut notes = built.notes.clone();
+    let mut tracker = Tracker::new(settings.clone());
+    input
+        .feed(&mut tracker, true)
+        .map_err(|e| anyhow::anyhow!("{}: {e:#}", input.describe()))?;
+    let first = tracker.sync(1);
+    report(&first, &input);
 
     let kxp = cfg.as_ref().and_then(|c| c.kxp.clone()).unwrap_or_default();
     let mut dp_cfg = DataplaneConfig {
@@ -167,21 +170,18 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         format!("cannot serve /healthz on {healthz}; give --healthz-bind-address ADDR:PORT")
     })?;
 
-    let mut dp = Dataplane::start(&dp_cfg, built.snapshot)?;
+    let mut dp = Dataplane::start(&dp_cfg, first.update.snapshot.clone())?;
     let mut generation = 1;
     // Without --node-ip, the node's local addresses are the host's own.
     if !explicit_node_ips {
         settings.node_ips = host_addresses(&dp);
+        tracker.set_settings(settings.clone());
         generation += 1;
-        let b = build(&state, &settings, generation)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))?;
-        notes = b.notes;
-        dp.publish(b.snapshot)?;
+        let s = tracker.sync(generation);
+        report(&s, &input);
+        dp.publish(s.update)?;
     }
-    for n in &notes {
-        eprintln!("kxp: note: {n}");
-    }
-    health.set_node_eligible(node_eligible(&state, &settings.node_name));
+    health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
     health.programmed();
     metrics.set_last_sync_now();
     let metrics_server = crate::metrics::MetricsServer::start(
@@ -208,7 +208,6 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut last_stats = Instant::now();
     let mut last_sync = Instant::now();
     let mut pending = false;
-    let mut last_state = state;
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
         if let Some(every) = stats_every
@@ -228,49 +227,54 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         // kube-proxy's sync loop: changes are batched by minSyncPeriod, and the whole
         // state is re-synced every syncPeriod even without changes.
-        let due = (pending && last_sync.elapsed() >= min_sync)
-            || (input.resyncs() && last_sync.elapsed() >= resync);
+        let periodic = input.resyncs() && last_sync.elapsed() >= resync;
+        let due = periodic || (pending && last_sync.elapsed() >= min_sync);
         if !due {
             continue;
         }
         pending = false;
         last_sync = Instant::now();
         let started = Instant::now();
-        match input.load().and_then(|s| {
-            let eligible = node_eligible(&s, &settings.node_name);
-            build(&s, &settings, generation + 1)
-                .map(|b| (b, eligible, s))
-                .map_err(|e| anyhow::anyhow!("{}: {e}", input.describe()))
-        }) {
-            Ok((b, eligible, new_state)) => {
-                generation += 1;
-                health.set_node_eligible(eligible);
-                let (svc, eps) = count_changes(&last_state, &new_state);
-                metrics.add_service_changes(svc);
-                metrics.add_endpoint_changes(eps);
-                last_state = new_state;
-                let (internal, external) = no_local_endpoints(&b.snapshot);
-                metrics.set_no_local_endpoints(internal, external);
-                if let Err(e) = dp.publish(b.snapshot) {
-                    eprintln!(
-                        "kxp: programming the XDP maps: {e:#}; will retry on the next change"
-                    );
-                } else {
-                    health.programmed();
-                    metrics.observe_sync(started.elapsed());
-                    metrics.set_last_sync_now();
-                    eprintln!(
-                        "kxp: {} applied (generation {generation}, {:.1} ms)",
-                        input.describe(),
-                        started.elapsed().as_secs_f64() * 1e3
-                    );
-                }
-            }
-            Err(e) => {
-                eprintln!("kxp: {e:#}; keeping the last good state");
-                health.programmed();
+        if let Err(e) = input.feed(&mut tracker, periodic) {
+            eprintln!(
+                "kxp: {}: {e:#}; keeping the last good state",
+                input.describe()
+            );
+            health.programmed();
+            continue;
+        }
+        generation += 1;
+        let synced = tracker.sync(generation);
+        report(&synced, &input);
+        health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
+        metrics.add_service_changes(synced.service_changes);
+        metrics.add_endpoint_changes(synced.endpoint_changes);
+        let (internal, external) = no_local_endpoints(&synced.update.snapshot);
+        metrics.set_no_local_endpoints(internal, external);
+        let mut update = synced.update;
+        // The periodic re-sync also redoes the XDP maps in full (repairs any drift).
+        update.full |= periodic;
+        let rebuilt = synced.rebuilt;
+        if let Err(e) = dp.publish(update) {
+            eprintln!("kxp: programming the XDP maps: {e:#}; will retry on the next change");
+            continue;
+        }
+        health.programmed();
+        metrics.observe_sync(started.elapsed());
+        metrics.set_last_sync_now();
+        // kube-proxy's network programming latency: from the change that triggered an
+        // EndpointSlice update to the sync that programmed it.
+        let now = SystemTime::now();
+        for t in &synced.trigger_times {
+            if let Some(d) = since_trigger(t, now) {
+                metrics.observe_network_programming(d);
             }
         }
+        eprintln!(
+            "kxp: {} applied (generation {generation}, {rebuilt} Service(s) rebuilt, {:.2} ms)",
+            input.describe(),
+            started.elapsed().as_secs_f64() * 1e3
+        );
     }
     eprintln!("kxp: {}", totals_line(&dp));
     eprintln!(
@@ -283,32 +287,26 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How many Services and EndpointSlices were added, changed or removed between two
-/// states (kube-proxy's `sync_proxy_rules_service_changes_total` / `…endpoint_changes…`).
-fn count_changes(old: &nat::k8s::ClusterState, new: &nat::k8s::ClusterState) -> (u64, u64) {
-    fn diff<T: PartialEq>(
-        old: &[T],
-        new: &[T],
-        key: impl Fn(&T) -> (Option<&String>, Option<&String>),
-    ) -> u64 {
-        use std::collections::HashMap;
-        let before: HashMap<_, &T> = old.iter().map(|o| (key(o), o)).collect();
-        let after: HashMap<_, &T> = new.iter().map(|o| (key(o), o)).collect();
-        let changed = after
-            .iter()
-            .filter(|(k, v)| before.get(*k).is_none_or(|o| o != *v))
-            .count();
-        let removed = before.keys().filter(|k| !after.contains_key(*k)).count();
-        (changed + removed) as u64
+/// How long ago `t` (RFC 3339, the `last-change-trigger-time` annotation) was; `None`
+/// for an unreadable time or one in the future (clock skew), as kube-proxy skips them.
+fn since_trigger(t: &str, now: SystemTime) -> Option<Duration> {
+    let ts: k8s_openapi::jiff::Timestamp = t.parse().ok()?;
+    let then = SystemTime::from(ts);
+    now.duration_since(then).ok()
+}
+
+/// Logs what a sync noticed: objects skipped as kube-proxy skips them, and objects in
+/// error (each keeps its last good version).
+fn report(s: &Synced, input: &Input) {
+    for n in &s.notes {
+        eprintln!("kxp: note: {n}");
     }
-    (
-        diff(&old.services, &new.services, |s| {
-            (s.metadata.namespace.as_ref(), s.metadata.name.as_ref())
-        }),
-        diff(&old.endpoint_slices, &new.endpoint_slices, |s| {
-            (s.metadata.namespace.as_ref(), s.metadata.name.as_ref())
-        }),
-    )
+    for e in &s.errors {
+        eprintln!(
+            "kxp: {}: {e}; its last good version stays in force",
+            input.describe()
+        );
+    }
 }
 
 /// Services whose traffic policy is Local and that have endpoints, but none on this node
@@ -316,7 +314,7 @@ fn count_changes(old: &nat::k8s::ClusterState, new: &nat::k8s::ClusterState) -> 
 fn no_local_endpoints(snap: &nat::snapshot::Snapshot) -> (u64, u64) {
     let mut internal = 0;
     let mut external = 0;
-    for sp in &snap.ports {
+    for sp in snap.ports() {
         if !sp.cat.has_endpoints || !sp.cat.local.is_empty() {
             continue;
         }
@@ -419,11 +417,26 @@ impl Input {
         }
     }
 
-    fn load(&self) -> anyhow::Result<nat::k8s::ClusterState> {
+    /// Hands what changed to the tracker (`everything`: the whole state, for the first
+    /// and the periodic sync). A state file is read whole and must be valid as a whole:
+    /// an invalid edit changes nothing.
+    fn feed(&self, tracker: &mut Tracker, everything: bool) -> anyhow::Result<()> {
         match self {
-            Input::File { path, .. } => Ok(load_state(path)?),
-            Input::Kube { source, .. } => Ok(source.state()),
+            Input::File { path, .. } => {
+                let state = load_state(path)?;
+                build(&state, tracker.settings(), 0)?;
+                tracker.replace_all(&state);
+            }
+            Input::Kube { source, .. } => {
+                let changes = if everything {
+                    source.everything()
+                } else {
+                    source.take_changes()
+                };
+                changes.apply(tracker);
+            }
         }
+        Ok(())
     }
 
     fn changed(&mut self) -> bool {
@@ -480,12 +493,8 @@ fn sync_periods(cfg: Option<&KubeProxyConfiguration>) -> (Duration, Duration) {
 
 /// kube-proxy's node eligibility for /healthz: not being deleted and not tainted
 /// `ToBeDeletedByClusterAutoscaler`. A node kxp has no object for is eligible.
-fn node_eligible(state: &nat::k8s::ClusterState, node_name: &str) -> bool {
-    let Some(node) = state
-        .nodes
-        .iter()
-        .find(|n| n.metadata.name.as_deref() == Some(node_name))
-    else {
+fn node_eligible(node: Option<&k8s_openapi::api::core::v1::Node>) -> bool {
+    let Some(node) = node else {
         return true;
     };
     if node.metadata.deletion_timestamp.is_some() {
@@ -621,8 +630,29 @@ mod tests {
             ],
             ..Default::default()
         };
-        assert_eq!(count_changes(&old, &new), (3, 0));
-        assert_eq!(count_changes(&new, &new), (0, 0));
+        let mut t = Tracker::new(nat::k8s::NodeSettings::default());
+        t.replace_all(&old);
+        assert_eq!(t.sync(1).service_changes, 3);
+        t.replace_all(&new);
+        let s = t.sync(2);
+        assert_eq!((s.service_changes, s.endpoint_changes), (3, 0));
+        t.replace_all(&new);
+        assert_eq!(t.sync(3).service_changes, 0);
+    }
+
+    #[test]
+    fn trigger_times_give_programming_latency() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        assert_eq!(
+            since_trigger("2027-01-15T08:00:00Z", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            since_trigger("2027-01-15T07:59:58.5Z", now),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(since_trigger("2027-01-15T08:00:01Z", now), None);
+        assert_eq!(since_trigger("yesterday", now), None);
     }
 
     #[test]

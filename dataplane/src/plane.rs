@@ -8,7 +8,7 @@
 //! went away are cleared in every worker, and the next hops of new endpoints are resolved
 //! ahead of their first packet.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +19,8 @@ use arc_swap::ArcSwap;
 use conntrack::{SnatPorts, Timeouts};
 use crossbeam::queue::ArrayQueue;
 use nat::model::NodePortAddresses;
-use nat::snapshot::Snapshot;
+use nat::model::ServicePort;
+use nat::snapshot::{Snapshot, Update};
 use nat::tuple::Protocol;
 
 use crate::engine::Engine;
@@ -96,8 +97,11 @@ pub struct Dataplane {
     steering: Vec<Steering>,
     fib: FibMirror,
     threads: Vec<JoinHandle<()>>,
-    /// What the XDP maps hold now (to diff the next snapshot against).
-    endpoints_udp: HashSet<SocketAddr>,
+    /// What the XDP maps must hold, counted per Service port (to apply updates by
+    /// difference).
+    wanted: Wanted,
+    /// The last programming failed: redo the maps in full next time.
+    needs_full: bool,
     /// sysfs knobs changed for busy polling, with their old values (restored on stop).
     restore: Vec<(String, String)>,
 }
@@ -126,6 +130,115 @@ fn busy_poll_knobs(ifnames: &[String]) -> Vec<(String, String)> {
         }
     }
     old
+}
+
+/// Keys wanted in a map, with how many Service ports want each, and the keys whose
+/// count moved since the last [`Counted::changes`] (with their count before).
+#[derive(Debug)]
+struct Counted<K> {
+    counts: HashMap<K, u32>,
+    touched: HashMap<K, u32>,
+}
+
+impl<K> Default for Counted<K> {
+    fn default() -> Self {
+        Counted {
+            counts: HashMap::new(),
+            touched: HashMap::new(),
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq + Copy> Counted<K> {
+    fn bump(&mut self, k: K, by: i32) {
+        let n = self.counts.entry(k).or_default();
+        self.touched.entry(k).or_insert(*n);
+        *n = n.saturating_add_signed(by);
+        if *n == 0 {
+            self.counts.remove(&k);
+        }
+    }
+
+    fn contains_key(&self, k: &K) -> bool {
+        self.counts.contains_key(k)
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &K> {
+        self.counts.keys()
+    }
+
+    fn into_keys(self) -> impl Iterator<Item = K> {
+        self.counts.into_keys()
+    }
+
+    /// Keys that appeared and keys that vanished since the last call.
+    fn changes(&mut self) -> (Vec<K>, Vec<K>) {
+        let mut added = Vec::new();
+        let mut removed = Vec::new();
+        for (k, before) in self.touched.drain() {
+            match (before > 0, self.counts.contains_key(&k)) {
+                (false, true) => added.push(k),
+                (true, false) => removed.push(k),
+                _ => {}
+            }
+        }
+        (added, removed)
+    }
+}
+
+/// What the steering maps and the UDP cleanup are derived from.
+#[derive(Debug, Default)]
+struct Wanted {
+    frontends: Counted<SteerKey>,
+    endpoints: Counted<SteerKey>,
+    cluster_ips: Counted<IpAddr>,
+    udp: Counted<SocketAddr>,
+    /// The addresses NodePorts were expanded with (sorted).
+    np_addrs: Vec<IpAddr>,
+}
+
+impl Wanted {
+    /// Counts (`by` = 1) or uncounts (-1) what one Service port wants.
+    fn count(&mut self, sp: &ServicePort, by: i32) {
+        let proto = sp.name.protocol;
+        let key = |ip: IpAddr, port: u16| SteerKey::new(ip, port, proto);
+        self.frontends.bump(key(sp.cluster_ip, sp.port), by);
+        for &ip in sp.external_ips.iter().chain(&sp.lb_vips) {
+            self.frontends.bump(key(ip, sp.port), by);
+        }
+        if sp.node_port != 0 {
+            for i in 0..self.np_addrs.len() {
+                let ip = self.np_addrs[i];
+                if ip.is_ipv4() == sp.cluster_ip.is_ipv4() {
+                    self.frontends.bump(key(ip, sp.node_port), by);
+                }
+            }
+        }
+        self.cluster_ips.bump(sp.cluster_ip, by);
+        for ep in &sp.endpoints {
+            self.endpoints.bump(key(ep.addr.ip(), ep.addr.port()), by);
+            if proto == Protocol::Udp {
+                self.udp.bump(ep.addr, by);
+            }
+        }
+    }
+}
+
+impl Wanted {
+    /// Forgets which keys moved (after a full programming).
+    fn settle(&mut self) {
+        self.frontends.touched.clear();
+        self.endpoints.touched.clear();
+        self.cluster_ips.touched.clear();
+        self.udp.touched.clear();
+    }
+}
+
+/// Resolves the next hops of a port's endpoints before their first packet needs them.
+fn resolve_next_hops(view: &crate::fib::FibView, sp: &ServicePort) {
+    for ep in &sp.endpoints {
+        let _ = view.route(ep.addr.ip());
+    }
 }
 
 /// Sums of every worker's counters.
@@ -168,7 +281,11 @@ impl Dataplane {
     ///
     /// # Errors
     /// A [`DataplaneError`] that says what is wrong and what to do.
-    pub fn start(cfg: &DataplaneConfig, initial: Snapshot) -> Result<Dataplane, DataplaneError> {
+    pub fn start(
+        cfg: &DataplaneConfig,
+        initial: impl Into<Arc<Snapshot>>,
+    ) -> Result<Dataplane, DataplaneError> {
+        let initial: Arc<Snapshot> = initial.into();
         if !crate::sys::is_root() {
             return Err(DataplaneError::NotRoot);
         }
@@ -219,7 +336,7 @@ impl Dataplane {
             .map(|_| crossbeam::channel::unbounded())
             .unzip();
         let shared = Arc::new(Shared {
-            snapshot: ArcSwap::from_pointee(initial),
+            snapshot: ArcSwap::new(initial.clone()),
             stop: AtomicBool::new(false),
             stats: (0..cfg.workers).map(|_| WorkerStats::default()).collect(),
             inbox: (0..cfg.workers).map(|_| ArrayQueue::new(4096)).collect(),
@@ -254,15 +371,15 @@ impl Dataplane {
             steering,
             fib,
             threads: Vec::new(),
-            endpoints_udp: HashSet::new(),
+            wanted: Wanted::default(),
+            needs_full: true,
             restore: if cfg.xsk.busy_poll.is_some() {
                 busy_poll_knobs(&cfg.interfaces)
             } else {
                 Vec::new()
             },
         };
-        let initial = shared.snapshot.load_full();
-        dp.program(&initial)?;
+        dp.program(&Update::full(initial))?;
         for w in workers {
             let name = format!("kxp-worker-{}", w.id);
             let h = std::thread::Builder::new()
@@ -276,79 +393,98 @@ impl Dataplane {
         Ok(dp)
     }
 
-    /// Swaps in a new snapshot and brings the XDP maps, conntrack and neighbours in line.
+    /// Swaps in a new snapshot and brings the XDP maps, conntrack and neighbours in line,
+    /// by the update's difference (only the Service ports it adds and removes are looked
+    /// at) unless it is a full one or the node's NodePort addresses changed.
     ///
     /// # Errors
     /// Updating the XDP maps failed (the snapshot is published anyway; the next publish
-    /// retries the difference).
-    pub fn publish(&mut self, snap: Snapshot) -> Result<(), DataplaneError> {
-        let snap = Arc::new(snap);
-        self.shared.snapshot.store(snap.clone());
-        self.program(&snap)
+    /// redoes the maps in full).
+    pub fn publish(&mut self, update: Update) -> Result<(), DataplaneError> {
+        self.shared.snapshot.store(update.snapshot.clone());
+        let r = self.program(&update);
+        self.needs_full = r.is_err();
+        r
     }
 
-    fn program(&mut self, snap: &Snapshot) -> Result<(), DataplaneError> {
+    fn program(&mut self, update: &Update) -> Result<(), DataplaneError> {
+        let snap = &*update.snapshot;
         let view = self.fib.view();
         let mut local: HashSet<IpAddr> = view.local_addrs().into_iter().collect();
         local.extend(snap.node.local_addrs.iter().copied());
-        let mut frontends = HashSet::new();
-        let mut endpoints = HashSet::new();
-        let mut udp_endpoints = HashSet::new();
-        for sp in &snap.ports {
-            let proto = sp.name.protocol;
-            let key = |ip: IpAddr, port: u16| SteerKey::new(ip, port, proto);
-            frontends.insert(key(sp.cluster_ip, sp.port));
-            for &ip in sp.external_ips.iter().chain(&sp.lb_vips) {
-                frontends.insert(key(ip, sp.port));
-            }
-            if sp.node_port != 0 {
-                let addrs: Vec<IpAddr> = match &snap.node.node_port_addresses {
-                    NodePortAddresses::All => local
-                        .iter()
-                        .copied()
-                        .filter(|ip| !ip.is_loopback())
-                        .collect(),
-                    NodePortAddresses::Addrs(a) => a.clone(),
-                };
-                for ip in addrs {
-                    if ip.is_ipv4() == sp.cluster_ip.is_ipv4() {
-                        frontends.insert(key(ip, sp.node_port));
-                    }
-                }
-            }
-            for ep in &sp.endpoints {
-                endpoints.insert(key(ep.addr.ip(), ep.addr.port()));
-                if proto == Protocol::Udp {
-                    udp_endpoints.insert(ep.addr);
-                }
-                // Resolve next hops before the first packet needs them.
-                let _ = view.route(ep.addr.ip());
-            }
-        }
-        let cluster_ips: HashSet<IpAddr> = snap.ports.iter().map(|sp| sp.cluster_ip).collect();
+        let mut np_addrs: Vec<IpAddr> = match &snap.node.node_port_addresses {
+            NodePortAddresses::All => local
+                .iter()
+                .copied()
+                .filter(|ip| !ip.is_loopback())
+                .collect(),
+            NodePortAddresses::Addrs(a) => a.clone(),
+        };
+        np_addrs.sort();
+        let full = update.full || self.needs_full || np_addrs != self.wanted.np_addrs;
         let service_cidrs: HashSet<ipnet::IpNet> =
             snap.node.service_cidrs.iter().copied().collect();
         let mut first_err = None;
-        for s in &mut self.steering {
-            for r in [
-                s.sync_local_addrs(&local).map(|_| ()),
-                s.sync_frontends(&frontends).map(|_| ()),
-                s.sync_endpoints(&endpoints).map(|_| ()),
-                s.sync_cluster_ips(&cluster_ips).map(|_| ()),
-                s.sync_service_cidrs(&service_cidrs).map(|_| ()),
-            ] {
-                if let Err(e) = r {
-                    first_err.get_or_insert(e);
-                }
+        let mut note = |r: Result<crate::xdp::SyncStats, crate::xdp::XdpError>| {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
             }
+        };
+        for s in &mut self.steering {
+            note(s.sync_local_addrs(&local));
+            note(s.sync_service_cidrs(&service_cidrs));
         }
+        let gone_udp = if full {
+            let old_udp = std::mem::take(&mut self.wanted.udp);
+            self.wanted = Wanted {
+                np_addrs,
+                ..Wanted::default()
+            };
+            for sp in snap.ports() {
+                self.wanted.count(sp, 1);
+            }
+            let frontends: HashSet<SteerKey> = self.wanted.frontends.keys().copied().collect();
+            let endpoints: HashSet<SteerKey> = self.wanted.endpoints.keys().copied().collect();
+            let cluster_ips: HashSet<IpAddr> = self.wanted.cluster_ips.keys().copied().collect();
+            for s in &mut self.steering {
+                note(s.sync_frontends(&frontends));
+                note(s.sync_endpoints(&endpoints));
+                note(s.sync_cluster_ips(&cluster_ips));
+            }
+            for sp in snap.ports() {
+                resolve_next_hops(&view, sp);
+            }
+            self.wanted.settle();
+            old_udp
+                .into_keys()
+                .filter(|a| !self.wanted.udp.contains_key(a))
+                .collect()
+        } else {
+            // Additions first, so that a port that is removed and added again (changed)
+            // never drops its keys to zero on the way.
+            for sp in &update.added {
+                self.wanted.count(sp, 1);
+                resolve_next_hops(&view, sp);
+            }
+            for sp in &update.removed {
+                self.wanted.count(sp, -1);
+            }
+            let (fa, fr) = self.wanted.frontends.changes();
+            let (ea, er) = self.wanted.endpoints.changes();
+            let (ca, cr) = self.wanted.cluster_ips.changes();
+            for s in &mut self.steering {
+                note(s.change_frontends(&fa, &fr));
+                note(s.change_endpoints(&ea, &er));
+                note(s.change_cluster_ips(&ca, &cr));
+            }
+            self.wanted.udp.changes().1
+        };
         // kube-proxy's conntrack cleanup: UDP flows to endpoints that are gone.
-        for gone in self.endpoints_udp.difference(&udp_endpoints) {
+        for gone in gone_udp {
             for tx in &self.shared.commands {
                 let _ = tx.send(Command::RemoveUdpTo(gone.ip(), gone.port()));
             }
         }
-        self.endpoints_udp = udp_endpoints;
         match first_err {
             Some(e) => Err(e.into()),
             None => Ok(()),

@@ -444,6 +444,44 @@ impl Steering {
         self.frontends.sync(want)
     }
 
+    /// Adds and removes frontends (rule (a)) when the caller knows the change; keys
+    /// already present / absent are left alone.
+    ///
+    /// # Errors
+    /// As [`Steering::sync_frontends`].
+    pub fn change_frontends(
+        &mut self,
+        add: &[SteerKey],
+        remove: &[SteerKey],
+    ) -> Result<SyncStats, XdpError> {
+        self.frontends.change(add, remove)
+    }
+
+    /// As [`Steering::change_frontends`], for endpoints (rules (c), (d)).
+    ///
+    /// # Errors
+    /// As [`Steering::sync_frontends`].
+    pub fn change_endpoints(
+        &mut self,
+        add: &[SteerKey],
+        remove: &[SteerKey],
+    ) -> Result<SyncStats, XdpError> {
+        self.endpoints.change(add, remove)
+    }
+
+    /// As [`Steering::change_frontends`], for ClusterIPs (rule (e)).
+    ///
+    /// # Errors
+    /// As [`Steering::sync_frontends`].
+    pub fn change_cluster_ips(
+        &mut self,
+        add: &[IpAddr],
+        remove: &[IpAddr],
+    ) -> Result<SyncStats, XdpError> {
+        let c = |v: &[IpAddr]| v.iter().map(|a| a.to_canonical()).collect::<Vec<_>>();
+        self.cluster_ips.change(&c(add), &c(remove))
+    }
+
     /// Makes `endpoints` hold exactly `want` (rules (c), (d)); incremental, as
     /// [`Steering::sync_frontends`].
     ///

@@ -278,7 +278,7 @@ fn external_traffic_policy_local_keeps_the_client_address() {
         tcp(&s, "10.9.0.1", "172.30.0.10", 80),
         dnat(&WEB_EPS, false)
     );
-    assert_eq!(s.ports[0].health_check_node_port, 32000);
+    assert_eq!(s.ports_sorted()[0].health_check_node_port, 32000);
 }
 
 #[test]
@@ -546,9 +546,9 @@ endpoints: [{addresses: ["fd00:10::9"]}, {addresses: ["fd00:10::a"]}]"#;
 #[test]
 fn single_stack_service_without_ip_families_uses_cluster_ip() {
     let s = snap(WEB, &settings());
-    assert_eq!(s.ports.len(), 1);
+    assert_eq!(s.port_count(), 1);
     assert_eq!(
-        s.ports[0].cluster_ip,
+        s.ports_sorted()[0].cluster_ip,
         "172.30.0.10".parse::<IpAddr>().unwrap()
     );
 }

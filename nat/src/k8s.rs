@@ -99,7 +99,8 @@ pub struct Built {
     pub notes: Vec<String>,
 }
 
-/// Builds the node context and every Service port, and indexes them.
+/// Builds the node context and every Service port, and indexes them: the strict,
+/// one-shot form of [`crate::tracker::Tracker`] (`kxp trace`, state-file validation).
 ///
 /// # Errors
 /// A [`ModelError`] for the first field that cannot be read.
@@ -108,21 +109,23 @@ pub fn build(
     settings: &NodeSettings,
     generation: u64,
 ) -> Result<Built, ModelError> {
-    let mut notes = Vec::new();
-    let node = node_context(state, settings, &mut notes)?;
-    let slices = index_slices(&state.endpoint_slices, &mut notes)?;
-    let mut ports = Vec::new();
-    for svc in &state.services {
-        for sp in service_ports(svc, &slices, &node, settings.default_scheduler, &mut notes)? {
-            ports.push(Arc::new(sp));
-        }
+    let mut t = crate::tracker::Tracker::new(settings.clone());
+    t.replace_all(state);
+    let mut synced = t.sync(generation);
+    if !synced.errors.is_empty() {
+        return Err(synced.errors.swap_remove(0));
     }
-    let snapshot = Snapshot::new(generation, Arc::new(node), ports);
-    notes.extend(snapshot.conflicts.iter().cloned());
+    let mut notes = synced.notes;
+    notes.extend(synced.update.snapshot.conflicts.iter().cloned());
+    drop(t);
+    let snapshot =
+        Arc::try_unwrap(synced.update.snapshot).unwrap_or_else(|shared| (*shared).clone());
     Ok(Built { snapshot, notes })
 }
 
-fn obj_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+pub(crate) fn obj_name(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> String {
     match (&meta.namespace, &meta.name) {
         (Some(ns), Some(n)) => format!("{ns}/{n}"),
         (None, Some(n)) => n.clone(),
@@ -174,15 +177,12 @@ fn parse_ip(kind: &'static str, object: &str, field: &str, s: &str) -> Result<Ip
 }
 
 /// The node's addresses, zone and local-traffic detector.
-fn node_context(
-    state: &ClusterState,
+pub(crate) fn node_context<'a>(
+    node: Option<&Node>,
+    cidr_objects: impl IntoIterator<Item = &'a ServiceCIDR>,
     settings: &NodeSettings,
     notes: &mut Vec<String>,
 ) -> Result<NodeContext, ModelError> {
-    let node = state
-        .nodes
-        .iter()
-        .find(|n| n.metadata.name.as_deref() == Some(settings.node_name.as_str()));
     let zone = node
         .and_then(|n| n.metadata.labels.as_ref())
         .and_then(|l| l.get(LABEL_ZONE))
@@ -285,7 +285,7 @@ fn node_context(
     };
 
     let mut service_cidrs = Vec::new();
-    for sc in &state.service_cidrs {
+    for sc in cidr_objects {
         let name = obj_name(&sc.metadata);
         let cidrs = sc
             .spec
@@ -321,7 +321,7 @@ fn node_context(
 
 /// One endpoint of a slice as read, before it is joined to a Service port.
 #[derive(Debug, Clone)]
-struct SliceEndpoint {
+pub(crate) struct SliceEndpoint {
     ip: IpAddr,
     node_name: Option<String>,
     ready: bool,
@@ -332,11 +332,11 @@ struct SliceEndpoint {
 }
 
 /// Endpoints by (namespace, service, port name, protocol, family): list of (port, endpoints).
-type SliceIndex =
+pub(crate) type SliceIndex =
     BTreeMap<(String, String, String, Protocol, Family), Vec<(u16, Vec<SliceEndpoint>)>>;
 
-fn index_slices(
-    slices: &[EndpointSlice],
+pub(crate) fn index_slices<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
     notes: &mut Vec<String>,
 ) -> Result<SliceIndex, ModelError> {
     let mut index = SliceIndex::new();
@@ -480,7 +480,7 @@ fn cluster_ip_for(
     Ok(None)
 }
 
-fn service_ports(
+pub(crate) fn service_ports(
     svc: &Service,
     slices: &SliceIndex,
     node: &NodeContext,

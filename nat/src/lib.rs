@@ -7,6 +7,7 @@
 //! - [`model`]: Service ports, endpoints and the node, per IP family, as kube-proxy holds them;
 //! - [`topology`]: which endpoints each traffic policy may use (`CategorizeEndpoints`);
 //! - [`snapshot`]: the immutable, indexed view a worker decides with;
+//! - [`tracker`]: kube-proxy's change tracking: rebuild only what changed, RCU snapshots;
 //! - [`decide`]: forward / reject / drop / pass and masquerade, check by check;
 //! - [`select`]: random, affinity, Maglev and the IPVS schedulers;
 //! - [`rewrite`]: the header rewrite with incremental checksums.
@@ -19,6 +20,7 @@ pub mod rewrite;
 pub mod select;
 pub mod snapshot;
 pub mod topology;
+pub mod tracker;
 pub mod tuple;
 
 pub use decide::{Decision, DropReason, Forward, NewPacket, Policy, RejectReason, decide};

@@ -230,6 +230,12 @@ pub enum NodePortAddresses {
     Addrs(Vec<IpAddr>),
 }
 
+impl Default for NodePortAddresses {
+    fn default() -> Self {
+        NodePortAddresses::Addrs(Vec::new())
+    }
+}
+
 impl NodePortAddresses {
     pub fn accepts(&self, dst: IpAddr, node_local: &[IpAddr]) -> bool {
         match self {
@@ -240,7 +246,7 @@ impl NodePortAddresses {
 }
 
 /// What the node itself contributes to decisions.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeContext {
     pub name: String,
     /// `topology.kubernetes.io/zone` of this node's Node object.

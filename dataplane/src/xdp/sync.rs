@@ -94,6 +94,55 @@ impl<K: MapKey> SyncedMap<K> {
         Ok(stats)
     }
 
+    /// Inserts `add` and deletes `remove` (keys already in / already out are left
+    /// alone): the incremental form of [`Self::sync`], for callers that know the change.
+    ///
+    /// # Errors
+    /// As [`Self::sync`].
+    pub(super) fn change(&mut self, add: &[K], remove: &[K]) -> Result<SyncStats, XdpError> {
+        let capacity = self.map.max_entries() as usize;
+        let gone = remove
+            .iter()
+            .filter(|k| self.installed.contains(*k))
+            .count();
+        let fresh = add.iter().filter(|k| !self.installed.contains(*k)).count();
+        if self.installed.len() - gone + fresh > capacity {
+            return Err(XdpError::MapFull {
+                map: self.name,
+                capacity,
+                wanted: self.installed.len() - gone + fresh,
+            });
+        }
+        let mut stats = SyncStats::default();
+        for key in remove {
+            if !self.installed.contains(key) {
+                continue;
+            }
+            match self.map.delete(key.to_bytes().as_ref()) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(source) => return Err(self.map_error("delete", key, source)),
+            }
+            self.installed.remove(key);
+            stats.removed += 1;
+        }
+        for key in add {
+            if self.installed.contains(key) {
+                continue;
+            }
+            if let Err(source) = self
+                .map
+                .update(key.to_bytes().as_ref(), &[1], MapFlags::ANY)
+            {
+                return Err(self.map_error("update", key, source));
+            }
+            self.installed.insert(key.clone());
+            stats.added += 1;
+        }
+        stats.unchanged = self.installed.len() - stats.added;
+        Ok(stats)
+    }
+
     fn map_error(&self, op: &'static str, key: &K, source: libbpf_rs::Error) -> XdpError {
         XdpError::Map {
             map: self.name,

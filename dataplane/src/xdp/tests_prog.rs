@@ -655,6 +655,21 @@ fn sync_touches_only_the_difference() {
         want.iter().map(|k| k.to_bytes().to_vec()).collect()
     );
 
+    // The incremental form: only the named keys, present ones left alone.
+    let other = SteerKey::new("198.19.200.2".parse().unwrap(), 443, Protocol::Tcp);
+    let st = s.change_frontends(&[other, new], &[new, keys[3]]).unwrap();
+    assert_eq!((st.added, st.removed, st.unchanged), (2, 2, 998));
+    let in_kernel: HashSet<Vec<u8>> = s.frontends.map().keys().collect();
+    assert!(in_kernel.contains(other.to_bytes().as_slice()));
+    assert!(in_kernel.contains(new.to_bytes().as_slice()));
+    assert!(!in_kernel.contains(keys[3].to_bytes().as_slice()));
+    s.change_frontends(&[keys[3]], &[other]).unwrap();
+    let in_kernel: HashSet<Vec<u8>> = s.frontends.map().keys().collect();
+    assert_eq!(
+        in_kernel,
+        want.iter().map(|k| k.to_bytes().to_vec()).collect()
+    );
+
     let client: SocketAddr = "198.18.0.1:40000".parse().unwrap();
     let to = |k: SteerKey| {
         frame(&tuple(

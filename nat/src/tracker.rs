@@ -1,0 +1,482 @@
+//! kube-proxy's change trackers (`ServiceChangeTracker`, `EndpointsChangeTracker`) and
+//! the sync that follows: objects come in one by one (or as a whole state, diffed), the
+//! Services they touch are marked, and [`Tracker::sync`] rebuilds only those Services'
+//! ports and turns the difference into a new [`Snapshot`].
+//!
+//! The snapshot itself is double-buffered, RCU style: the tracker keeps the snapshot it
+//! published before the current one and, once no worker holds it any more (its `Arc` is
+//! unique again), brings it up to date with the operations of the last two syncs instead
+//! of copying the current one. A sync after one Service changed therefore costs that
+//! Service's rebuild plus a handful of index operations, whatever the cluster's size.
+//! A node change (labels, addresses, ServiceCIDRs, settings) rebuilds every Service, as
+//! in kube-proxy.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
+
+use crate::k8s::{
+    ClusterState, LABEL_SERVICE_NAME, ModelError, NodeSettings, index_slices, node_context,
+    obj_name, service_ports,
+};
+use crate::model::{NodeContext, ServicePort};
+use crate::snapshot::{Indexer, Op, Snapshot, Update};
+
+/// EndpointSlice annotation with the time of the change that triggered it.
+pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// `(namespace, name)`.
+pub type ObjKey = (String, String);
+
+fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjKey {
+    (
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+/// What a sync produced.
+#[derive(Debug)]
+pub struct Synced {
+    /// The new snapshot and which Service ports it adds and drops.
+    pub update: Update,
+    /// Objects or values skipped the way kube-proxy skips them (for rebuilt Services).
+    pub notes: Vec<String>,
+    /// Objects that could not be read: a Service in error keeps its previous ports; a
+    /// node error keeps the previous node context.
+    pub errors: Vec<ModelError>,
+    /// Distinct Services and EndpointSlices changed since the last sync.
+    pub service_changes: u64,
+    pub endpoint_changes: u64,
+    /// Services whose ports were rebuilt.
+    pub rebuilt: usize,
+    /// The `last-change-trigger-time` annotations of the EndpointSlices changed since the
+    /// last sync (for `network_programming_duration_seconds`).
+    pub trigger_times: Vec<String>,
+}
+
+/// The change tracker (see the module docs).
+#[derive(Debug)]
+pub struct Tracker {
+    settings: NodeSettings,
+    services: HashMap<ObjKey, Arc<Service>>,
+    slices: HashMap<ObjKey, Arc<EndpointSlice>>,
+    /// Slice → the Service it belongs to (its `kubernetes.io/service-name`).
+    slice_owner: HashMap<ObjKey, ObjKey>,
+    /// Service → names of its slices (same namespace).
+    service_slices: HashMap<ObjKey, BTreeSet<String>>,
+    nodes: BTreeMap<String, Arc<Node>>,
+    cidrs: BTreeMap<String, Arc<ServiceCIDR>>,
+    node: Arc<NodeContext>,
+    node_dirty: bool,
+    dirty: BTreeSet<ObjKey>,
+    /// Slots of each Service's ports.
+    built: HashMap<ObjKey, Vec<u32>>,
+    indexer: Indexer,
+    current: Option<Arc<Snapshot>>,
+    /// The snapshot published before `current`, and the ops it lacks.
+    spare: Option<(Arc<Snapshot>, Vec<Op>)>,
+    changed_services: BTreeSet<ObjKey>,
+    changed_slices: BTreeSet<ObjKey>,
+    trigger_times: Vec<String>,
+    pending_notes: Vec<String>,
+    /// Snapshots made by copying (the previous one was still in use) and by catching up.
+    pub copies: u64,
+    pub reuses: u64,
+}
+
+impl Tracker {
+    pub fn new(settings: NodeSettings) -> Tracker {
+        Tracker {
+            node: Arc::new(NodeContext {
+                name: settings.node_name.clone(),
+                masquerade_all: settings.masquerade_all,
+                ..Default::default()
+            }),
+            settings,
+            services: HashMap::new(),
+            slices: HashMap::new(),
+            slice_owner: HashMap::new(),
+            service_slices: HashMap::new(),
+            nodes: BTreeMap::new(),
+            cidrs: BTreeMap::new(),
+            node_dirty: true,
+            dirty: BTreeSet::new(),
+            built: HashMap::new(),
+            indexer: Indexer::default(),
+            current: None,
+            spare: None,
+            changed_services: BTreeSet::new(),
+            changed_slices: BTreeSet::new(),
+            trigger_times: Vec::new(),
+            pending_notes: Vec::new(),
+            copies: 0,
+            reuses: 0,
+        }
+    }
+
+    /// New node settings (e.g. the host's addresses once known): every Service is rebuilt.
+    pub fn set_settings(&mut self, settings: NodeSettings) {
+        self.settings = settings;
+        self.node_dirty = true;
+    }
+
+    pub fn settings(&self) -> &NodeSettings {
+        &self.settings
+    }
+
+    /// This node's Node object, if seen.
+    pub fn node_object(&self) -> Option<&Arc<Node>> {
+        self.nodes.get(&self.settings.node_name)
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn slice_count(&self) -> usize {
+        self.slices.len()
+    }
+
+    /// A Service added or changed (`Some`) or deleted (`None`).
+    pub fn apply_service(&mut self, key: ObjKey, svc: Option<Arc<Service>>) {
+        let same = match (self.services.get(&key), &svc) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        match svc {
+            Some(s) => self.services.insert(key.clone(), s),
+            None => self.services.remove(&key),
+        };
+        self.changed_services.insert(key.clone());
+        self.dirty.insert(key);
+    }
+
+    /// An EndpointSlice added or changed (`Some`) or deleted (`None`).
+    pub fn apply_slice(&mut self, key: ObjKey, slice: Option<Arc<EndpointSlice>>) {
+        let same = match (self.slices.get(&key), &slice) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        self.changed_slices.insert(key.clone());
+        if let Some(old) = self.slice_owner.remove(&key) {
+            if let Some(set) = self.service_slices.get_mut(&old) {
+                set.remove(&key.1);
+                if set.is_empty() {
+                    self.service_slices.remove(&old);
+                }
+            }
+            self.dirty.insert(old);
+        }
+        match slice {
+            Some(s) => {
+                let owner = s
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                    .filter(|n| !n.is_empty())
+                    .cloned();
+                if let Some(t) = s
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
+                {
+                    self.trigger_times.push(t.clone());
+                }
+                match owner {
+                    Some(svc) => {
+                        let owner = (key.0.clone(), svc);
+                        self.service_slices
+                            .entry(owner.clone())
+                            .or_default()
+                            .insert(key.1.clone());
+                        self.slice_owner.insert(key.clone(), owner.clone());
+                        self.dirty.insert(owner);
+                    }
+                    None => self.pending_notes.push(format!(
+                        "EndpointSlice {}: no {LABEL_SERVICE_NAME} label, ignored",
+                        obj_name(&s.metadata)
+                    )),
+                }
+                self.slices.insert(key, s);
+            }
+            None => {
+                self.slices.remove(&key);
+            }
+        }
+    }
+
+    /// A Node added or changed (`Some`) or deleted (`None`).
+    pub fn apply_node(&mut self, name: String, node: Option<Arc<Node>>) {
+        let changed = match (self.nodes.get(&name), &node) {
+            (Some(a), Some(b)) => !(Arc::ptr_eq(a, b) || a == b),
+            (None, None) => false,
+            _ => true,
+        };
+        if !changed {
+            return;
+        }
+        match node {
+            Some(n) => self.nodes.insert(name.clone(), n),
+            None => self.nodes.remove(&name),
+        };
+        if name == self.settings.node_name {
+            self.node_dirty = true;
+        }
+    }
+
+    /// A ServiceCIDR added or changed (`Some`) or deleted (`None`).
+    pub fn apply_service_cidr(&mut self, name: String, cidr: Option<Arc<ServiceCIDR>>) {
+        let changed = match (self.cidrs.get(&name), &cidr) {
+            (Some(a), Some(b)) => !(Arc::ptr_eq(a, b) || a == b),
+            (None, None) => false,
+            _ => true,
+        };
+        if !changed {
+            return;
+        }
+        match cidr {
+            Some(c) => self.cidrs.insert(name, c),
+            None => self.cidrs.remove(&name),
+        };
+        self.node_dirty = true;
+    }
+
+    /// Makes the tracked Services what `objs` holds: new and changed ones applied,
+    /// missing ones deleted. Unchanged objects (same `Arc`, or equal) cost a comparison.
+    pub fn replace_services(&mut self, objs: impl IntoIterator<Item = Arc<Service>>) {
+        let mut seen = BTreeSet::new();
+        for o in objs {
+            let k = key_of(&o.metadata);
+            seen.insert(k.clone());
+            self.apply_service(k, Some(o));
+        }
+        let gone: Vec<ObjKey> = self
+            .services
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.apply_service(k, None);
+        }
+    }
+
+    /// As [`Self::replace_services`], for EndpointSlices.
+    pub fn replace_slices(&mut self, objs: impl IntoIterator<Item = Arc<EndpointSlice>>) {
+        let mut seen = BTreeSet::new();
+        for o in objs {
+            let k = key_of(&o.metadata);
+            seen.insert(k.clone());
+            self.apply_slice(k, Some(o));
+        }
+        let gone: Vec<ObjKey> = self
+            .slices
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.apply_slice(k, None);
+        }
+    }
+
+    /// As [`Self::replace_services`], for Nodes.
+    pub fn replace_nodes(&mut self, objs: impl IntoIterator<Item = Arc<Node>>) {
+        let mut seen = BTreeSet::new();
+        for o in objs {
+            let k = o.metadata.name.clone().unwrap_or_default();
+            seen.insert(k.clone());
+            self.apply_node(k, Some(o));
+        }
+        let gone: Vec<String> = self
+            .nodes
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.apply_node(k, None);
+        }
+    }
+
+    /// As [`Self::replace_services`], for ServiceCIDRs.
+    pub fn replace_service_cidrs(&mut self, objs: impl IntoIterator<Item = Arc<ServiceCIDR>>) {
+        let mut seen = BTreeSet::new();
+        for o in objs {
+            let k = o.metadata.name.clone().unwrap_or_default();
+            seen.insert(k.clone());
+            self.apply_service_cidr(k, Some(o));
+        }
+        let gone: Vec<String> = self
+            .cidrs
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.apply_service_cidr(k, None);
+        }
+    }
+
+    /// Makes the tracked objects those of `state` (copies them).
+    pub fn replace_all(&mut self, state: &ClusterState) {
+        self.replace_services(state.services.iter().cloned().map(Arc::new));
+        self.replace_slices(state.endpoint_slices.iter().cloned().map(Arc::new));
+        self.replace_nodes(state.nodes.iter().cloned().map(Arc::new));
+        self.replace_service_cidrs(state.service_cidrs.iter().cloned().map(Arc::new));
+    }
+
+    /// Whether anything changed since the last sync.
+    pub fn has_changes(&self) -> bool {
+        self.node_dirty || !self.dirty.is_empty()
+    }
+
+    /// Rebuilds what changed and produces the next snapshot (see the module docs).
+    pub fn sync(&mut self, generation: u64) -> Synced {
+        let mut notes = std::mem::take(&mut self.pending_notes);
+        let mut errors = Vec::new();
+        let mut full = self.current.is_none();
+        if self.node_dirty {
+            self.node_dirty = false;
+            let node = self.nodes.get(&self.settings.node_name).map(|n| &**n);
+            match node_context(
+                node,
+                self.cidrs.values().map(|c| &**c),
+                &self.settings,
+                &mut notes,
+            ) {
+                Ok(ctx) => {
+                    if ctx != *self.node {
+                        self.node = Arc::new(ctx);
+                        full = true;
+                        self.dirty.extend(self.services.keys().cloned());
+                        self.dirty.extend(self.built.keys().cloned());
+                    }
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+
+        let mut removed = Vec::new();
+        let mut added = Vec::new();
+        let dirty = std::mem::take(&mut self.dirty);
+        let rebuilt = dirty.len();
+        for key in dirty {
+            let ports = match self.services.get(&key) {
+                None => Ok(Vec::new()),
+                Some(svc) => self.ports_of(&key, svc, &mut notes),
+            };
+            let ports = match ports {
+                Ok(p) => p,
+                Err(e) => {
+                    // Keep what was working for this Service.
+                    errors.push(e);
+                    continue;
+                }
+            };
+            for slot in self.built.remove(&key).unwrap_or_default() {
+                if let Some(old) = self.indexer.remove(slot) {
+                    removed.push(old);
+                }
+            }
+            let mut slots = Vec::with_capacity(ports.len());
+            for sp in ports {
+                let sp = Arc::new(sp);
+                slots.push(self.indexer.insert(sp.clone()));
+                added.push(sp);
+            }
+            if !slots.is_empty() {
+                self.built.insert(key, slots);
+            }
+        }
+
+        let ops = self.indexer.take_ops();
+        let reused = match self.spare.take() {
+            Some((mut spare, lag)) => match Arc::get_mut(&mut spare) {
+                Some(s) => {
+                    s.apply(&lag);
+                    s.apply(&ops);
+                    self.reuses += 1;
+                    Some(spare)
+                }
+                None => None,
+            },
+            None => None,
+        };
+        let mut next = match reused {
+            Some(s) => s,
+            None => {
+                self.copies += 1;
+                let mut s = match &self.current {
+                    Some(c) => (**c).clone(),
+                    None => Snapshot::empty(generation, self.node.clone()),
+                };
+                s.apply(&ops);
+                Arc::new(s)
+            }
+        };
+        if let Some(s) = Arc::get_mut(&mut next) {
+            s.generation = generation;
+            s.node = self.node.clone();
+            s.conflicts = self.indexer.conflicts();
+        }
+        if let Some(prev) = self.current.replace(next.clone()) {
+            self.spare = Some((prev, ops));
+        }
+        Synced {
+            update: Update {
+                snapshot: next,
+                removed,
+                added,
+                full,
+            },
+            notes,
+            errors,
+            service_changes: std::mem::take(&mut self.changed_services).len() as u64,
+            endpoint_changes: std::mem::take(&mut self.changed_slices).len() as u64,
+            rebuilt,
+            trigger_times: std::mem::take(&mut self.trigger_times),
+        }
+    }
+
+    fn ports_of(
+        &self,
+        key: &ObjKey,
+        svc: &Service,
+        notes: &mut Vec<String>,
+    ) -> Result<Vec<ServicePort>, ModelError> {
+        let slices = self
+            .service_slices
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.slices.get(&(key.0.clone(), name.clone())))
+            .map(|s| &**s);
+        let index = index_slices(slices, notes)?;
+        service_ports(
+            svc,
+            &index,
+            &self.node,
+            self.settings.default_scheduler,
+            notes,
+        )
+    }
+}
+
+#[cfg(test)]
+#[path = "tracker_tests.rs"]
+mod tests;
