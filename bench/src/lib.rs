@@ -96,3 +96,37 @@ impl XorShift {
         x
     }
 }
+
+/// The `kxp` binary next to this one (building it in release if missing), or `given`.
+///
+/// # Errors
+/// kxp is missing and cannot be built.
+pub fn locate_kxp(given: Option<&std::path::PathBuf>) -> anyhow::Result<std::path::PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.clone());
+    }
+    let me = std::env::current_exe()?;
+    let p = me.with_file_name("kxp");
+    if p.exists() {
+        return Ok(p);
+    }
+    eprintln!("macro-bench: {} missing; building it", p.display());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let st = std::process::Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "controlplane",
+            "--bin",
+            "kxp",
+            "--manifest-path",
+        ])
+        .arg(manifest)
+        .status()?;
+    if !st.success() || !p.exists() {
+        anyhow::bail!("cannot build kxp; give --kxp PATH (a release build of `kxp`)");
+    }
+    Ok(p)
+}

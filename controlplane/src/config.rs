@@ -409,6 +409,81 @@ impl KubeProxyConfiguration {
                 .unwrap_or(false)
     }
 
+    /// Fields set to something kxp does not do, each with its JSON path and why. (Fields
+    /// with no meaning without iptables/IPVS/nftables — masqueradeBit, tableName — and
+    /// the Windows ones are accepted silently; the mode is kxp's own.)
+    pub fn not_honoured(&self) -> Vec<(String, &'static str)> {
+        let mut out = Vec::new();
+        let mut note = |set: bool, field: &str, why: &'static str| {
+            if set {
+                out.push((field.to_string(), why));
+            }
+        };
+        note(
+            self.feature_gates.as_ref().is_some_and(|g| !g.is_empty()),
+            "featureGates",
+            "kxp has no feature gates; it implements kube-proxy's current defaults",
+        );
+        if let Some(c) = &self.client_connection {
+            let protobuf = |v: &Option<String>| v.as_deref().is_some_and(|t| t.contains("protobuf"));
+            note(
+                protobuf(&c.content_type),
+                "clientConnection.contentType",
+                "kxp's client speaks JSON",
+            );
+            note(
+                protobuf(&c.accept_content_types),
+                "clientConnection.acceptContentTypes",
+                "kxp's client speaks JSON",
+            );
+        }
+        note(
+            self.enable_profiling == Some(true),
+            "enableProfiling",
+            "kxp serves no pprof endpoints",
+        );
+        note(
+            self.show_hidden_metrics_for_version
+                .as_deref()
+                .is_some_and(|v| !v.is_empty()),
+            "showHiddenMetricsForVersion",
+            "kxp has no hidden metrics",
+        );
+        note(
+            self.port_range.as_deref().is_some_and(|v| !v.is_empty()),
+            "portRange",
+            "deprecated and unused (kube-proxy ignores it too)",
+        );
+        note(
+            self.iptables
+                .as_ref()
+                .and_then(|t| t.localhost_node_ports)
+                .unwrap_or(false),
+            "iptables.localhostNodePorts",
+            "NodePorts on 127.0.0.1 are the host's own traffic, which never crosses kxp's XDP hook",
+        );
+        if let Some(i) = &self.ipvs {
+            note(
+                i.exclude_cidrs.as_ref().is_some_and(|v| !v.is_empty()),
+                "ipvs.excludeCIDRs",
+                "kxp programs no IPVS",
+            );
+            note(i.strict_arp == Some(true), "ipvs.strictARP", "kxp programs no IPVS (no kube-ipvs0 addresses to hide)");
+            let set = |d: &Option<GoDuration>| d.is_some_and(|d| !d.0.is_zero());
+            note(
+                set(&i.tcp_timeout) || set(&i.tcp_fin_timeout) || set(&i.udp_timeout),
+                "ipvs.tcpTimeout/tcpFinTimeout/udpTimeout",
+                "kxp's flow timeouts come from conntrack.*",
+            );
+        }
+        note(
+            self.logging.as_ref().is_some_and(|l| !l.is_null()),
+            "logging",
+            "kxp logs to stderr without verbosity levels",
+        );
+        out
+    }
+
     /// The IPVS scheduler or kxp's own scheduler setting (kxp's wins).
     pub fn scheduler(&self) -> Option<&str> {
         self.kxp
@@ -422,6 +497,27 @@ impl KubeProxyConfiguration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fields_kxp_does_not_do_are_named() {
+        let cfg = KubeProxyConfiguration::parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             clientConnection: {contentType: application/vnd.kubernetes.protobuf, qps: 5}\n\
+             iptables: {localhostNodePorts: true, masqueradeBit: 14}\nenableProfiling: false\n\
+             ipvs: {strictARP: true, scheduler: rr}\n",
+            "test",
+        )
+        .unwrap();
+        let fields: Vec<String> = cfg.not_honoured().into_iter().map(|(f, _)| f).collect();
+        assert_eq!(
+            fields,
+            [
+                "clientConnection.contentType",
+                "iptables.localhostNodePorts",
+                "ipvs.strictARP"
+            ]
+        );
+    }
 
     const FULL: &str = r#"
 apiVersion: kubeproxy.config.k8s.io/v1alpha1

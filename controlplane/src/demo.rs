@@ -39,8 +39,14 @@ pub fn state_yaml(endpoints: &[&str]) -> String {
     state_yaml_with(endpoints, "")
 }
 
-/// The state file with extra Service spec lines (e.g. `  type: NodePort`).
+/// The state file with extra Service spec lines (e.g. `  externalTrafficPolicy: Local`;
+/// a `  type:` line replaces the default NodePort).
 pub fn state_yaml_with(endpoints: &[&str], extra_spec: &str) -> String {
+    let service_type = if extra_spec.contains("  type:") {
+        ""
+    } else {
+        "  type: NodePort\n"
+    };
     let mut eps = String::new();
     for ip in endpoints {
         eps.push_str(&format!(
@@ -55,8 +61,7 @@ pub fn state_yaml_with(endpoints: &[&str], extra_spec: &str) -> String {
 kind: Service
 metadata: {{name: web, namespace: demo}}
 spec:
-  type: NodePort
-  clusterIP: {VIP}
+{service_type}  clusterIP: {VIP}
   clusterIPs: [{VIP}]
   ipFamilies: [IPv4]
 {extra_spec}  ports:

@@ -62,6 +62,12 @@ impl Health {
         self.node_eligible.store(eligible, Ordering::Relaxed);
     }
 
+    /// Whether kxp is healthy, node state aside (what kube-proxy's service health
+    /// servers report as `serviceProxyHealthy`).
+    pub fn is_healthy(&self) -> bool {
+        self.report(false, SystemTime::now()).0
+    }
+
     /// (healthy, body) for `/healthz` (`node` = true) or `/livez`.
     pub fn report(&self, node: bool, now: SystemTime) -> (bool, String) {
         let (last, queued) = match self.times.lock() {
@@ -164,6 +170,7 @@ fn answer(health: &Health, path: &str) -> crate::http::Response {
         },
         content_type: "application/json",
         body,
+        headers: Vec::new(),
     }
 }
 

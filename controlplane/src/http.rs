@@ -15,6 +15,8 @@ pub struct Response {
     pub status: &'static str,
     pub content_type: &'static str,
     pub body: String,
+    /// More header lines (name, value).
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl Response {
@@ -23,6 +25,7 @@ impl Response {
             status: "404 Not Found",
             content_type: "text/plain; charset=utf-8",
             body: "404 page not found\n".to_string(),
+            headers: Vec::new(),
         }
     }
 }
@@ -82,7 +85,11 @@ impl HttpServer {
     }
 }
 
-fn serve(stream: TcpStream, handler: &impl Fn(&str, &str) -> Response) -> std::io::Result<()> {
+/// Reads one request from `stream`, answers it with `handler(method, path)`, closes.
+///
+/// # Errors
+/// The connection failed.
+pub fn serve(stream: TcpStream, handler: &impl Fn(&str, &str) -> Response) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
@@ -99,13 +106,17 @@ fn serve(stream: TcpStream, handler: &impl Fn(&str, &str) -> Response) -> std::i
     let path = path.split('?').next().unwrap_or(path);
     let r = handler(method, path);
     let mut stream = stream;
-    write!(
-        stream,
-        "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+    let mut head = format!(
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n",
         r.status,
         r.content_type,
         r.body.len()
-    )?;
+    );
+    for (name, value) in &r.headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
     if method != "HEAD" {
         stream.write_all(r.body.as_bytes())?;
     }

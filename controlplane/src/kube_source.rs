@@ -101,13 +101,39 @@ pub enum ClientError {
     Client(String),
 }
 
+/// `clientConnection.qps` and `burst`: at most `burst` requests at once and `qps` per
+/// second on average (kube-proxy's client-side limit).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimit {
+    pub qps: f64,
+    pub burst: u32,
+}
+
+impl RateLimit {
+    /// From the configuration's values; `None` when either is zero or absent. (kube-proxy
+    /// then applies client-go's 5 qps / burst 10; kxp's watchers list in pages, which such
+    /// a default would slow down on big clusters, so kxp limits only when asked to.)
+    pub fn from_config(qps: Option<f64>, burst: Option<i32>) -> Option<RateLimit> {
+        let qps = qps.filter(|q| q.is_finite() && *q > 0.0)?;
+        let burst = u32::try_from(burst?).ok().filter(|b| *b > 0)?;
+        Some(RateLimit { qps, burst })
+    }
+
+    /// The window in which `burst` requests are allowed.
+    pub fn period(&self) -> Duration {
+        Duration::from_secs_f64(f64::from(self.burst) / self.qps)
+    }
+}
+
 /// A client from a kubeconfig file (its current context), with `master` overriding the
 /// server URL; from `master` alone; or from the in-cluster service account when neither
-/// is given. Must run inside a tokio runtime. TLS is rustls (with the `ring` provider):
-/// the CA and client certificates come from the kubeconfig or the in-cluster account.
+/// is given; with `limit` on its request rate. Must run inside a tokio runtime. TLS is
+/// rustls (with the `ring` provider): the CA and client certificates come from the
+/// kubeconfig or the in-cluster account.
 pub async fn client_from(
     kubeconfig: Option<&Path>,
     master: Option<&str>,
+    limit: Option<RateLimit>,
 ) -> Result<Client, ClientError> {
     let master_uri = match master {
         Some(url) => Some(url.parse::<http::Uri>().map_err(|e| ClientError::Master {
@@ -135,7 +161,17 @@ pub async fn client_from(
     if let Some(uri) = master_uri {
         config.cluster_url = uri;
     }
-    Client::try_from(config).map_err(|e| ClientError::Client(e.to_string()))
+    let builder = kube::client::ClientBuilder::try_from(config)
+        .map_err(|e| ClientError::Client(e.to_string()))?;
+    Ok(match limit {
+        Some(l) => builder
+            .with_layer(&tower::limit::RateLimitLayer::new(
+                u64::from(l.burst),
+                l.period(),
+            ))
+            .build(),
+        None => builder.build(),
+    })
 }
 
 #[derive(Debug, Default)]

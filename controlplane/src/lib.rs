@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod hcnp;
 pub mod health;
 pub mod http;
 pub mod kube_source;

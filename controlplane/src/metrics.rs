@@ -399,12 +399,14 @@ fn answer(
         status: "200 OK",
         content_type,
         body,
+        headers: Vec::new(),
     };
     if method != "GET" && method != "HEAD" {
         return crate::http::Response {
             status: "405 Method Not Allowed",
             content_type: text,
             body: "Method Not Allowed\n".to_string(),
+            headers: Vec::new(),
         };
     }
     match path {

@@ -13,9 +13,11 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context as _;
 use dataplane::plane::{Dataplane, DataplaneConfig};
 use nat::k8s::build;
+use nat::snapshot::{Snapshot, Update};
 use nat::tracker::{Synced, Tracker};
 
 use crate::config::KubeProxyConfiguration;
+use crate::hcnp::ServiceHealthServers;
 use crate::health::{Health, HealthServer};
 use crate::settings::{NodeFlags, node_settings};
 use crate::state::load_state;
@@ -73,6 +75,14 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         None => SocketAddr::from(([127, 0, 0, 1], 10249)),
     };
     let configz_text = serde_json::json!({ "kubeproxy.config.k8s.io": &cfg }).to_string();
+    for (field, why) in cfg.not_honoured() {
+        eprintln!("kxp: {origin}: {field} is not honoured: {why}");
+    }
+    // kube-proxy's oomScoreAdj (default -999): the node's proxy is the last to be killed.
+    let oom = cfg.oom_score_adj.unwrap_or(-999).clamp(-1000, 1000);
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", oom.to_string()) {
+        eprintln!("kxp: cannot set oomScoreAdj {oom}: {e}");
+    }
     let cfg = Some(cfg);
     let mut settings = node_settings(cfg.as_ref(), &opts.flags, &origin)?;
 
@@ -114,6 +124,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         None => Input::kube(
             kubeconfig.as_deref(),
             opts.master.as_deref(),
+            cfg.as_ref()
+                .and_then(|c| c.client_connection.as_ref())
+                .and_then(|c| crate::kube_source::RateLimit::from_config(c.qps, c.burst)),
             &settings.node_name,
             service_proxy_name,
             &stop,
@@ -122,11 +135,10 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let (min_sync, resync) = sync_periods(cfg.as_ref());
     let explicit_node_ips = !settings.node_ips.is_empty();
     let mut tracker = Tracker::new(settings.clone());
+    let listed = Instant::now();
     input
         .feed(&mut tracker, true)
         .map_err(|e| anyhow::anyhow!("{}: {e:#}", input.describe()))?;
-    let first = tracker.sync(1);
-    report(&first, &input);
 
     let kxp = cfg.as_ref().and_then(|c| c.kxp.clone()).unwrap_or_default();
     let mut dp_cfg = DataplaneConfig {
@@ -170,20 +182,33 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         format!("cannot serve /healthz on {healthz}; give --healthz-bind-address ADDR:PORT")
     })?;
 
-    let mut dp = Dataplane::start(&dp_cfg, first.update.snapshot.clone())?;
+    // Started empty (nothing is redirected yet); the first sync follows once the node's
+    // addresses are known: without --node-ip they are the host's own (generation 2).
+    let mut dp = Dataplane::start(&dp_cfg, Snapshot::empty(0, Default::default()))?;
     let mut generation = 1;
-    // Without --node-ip, the node's local addresses are the host's own.
     if !explicit_node_ips {
         settings.node_ips = host_addresses(&dp);
         tracker.set_settings(settings.clone());
         generation += 1;
-        let s = tracker.sync(generation);
-        report(&s, &input);
-        dp.publish(s.update)?;
     }
+    let first = tracker.sync(generation);
+    report(&first, &input);
+    let mut hc = ServiceHealthServers::start(health.clone())
+        .context("starting the service health servers")?;
+    for e in hc.sync(&first.update) {
+        eprintln!("kxp: {e}");
+    }
+    dp.publish(first.update)?;
     health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
     health.programmed();
     metrics.set_last_sync_now();
+    eprintln!(
+        "kxp: initial sync: {} Services, {} EndpointSlices, {} Service ports programmed in {:.1} ms",
+        tracker.service_count(),
+        tracker.slice_count(),
+        dp.current().port_count(),
+        listed.elapsed().as_secs_f64() * 1e3
+    );
     let metrics_server = crate::metrics::MetricsServer::start(
         metrics_addr,
         metrics.clone(),
@@ -208,8 +233,16 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut last_stats = Instant::now();
     let mut last_sync = Instant::now();
     let mut pending = false;
+    let mut no_local = NoLocal::default();
+    no_local.apply(&Update::full(dp.current()));
     while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(100));
+        // Wake up for a change (then wait out minSyncPeriod), or every 100 ms.
+        let tick = Duration::from_millis(100);
+        input.wait(if pending {
+            min_sync.saturating_sub(last_sync.elapsed()).min(tick)
+        } else {
+            tick
+        });
         if let Some(every) = stats_every
             && last_stats.elapsed() >= every
         {
@@ -235,7 +268,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         pending = false;
         last_sync = Instant::now();
         let started = Instant::now();
-        if let Err(e) = input.feed(&mut tracker, periodic) {
+        let fed = input.feed(&mut tracker, periodic);
+        let t_feed = started.elapsed();
+        if let Err(e) = fed {
             eprintln!(
                 "kxp: {}: {e:#}; keeping the last good state",
                 input.describe()
@@ -245,17 +280,23 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         generation += 1;
         let synced = tracker.sync(generation);
+        let t_track = started.elapsed();
         report(&synced, &input);
         health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
         metrics.add_service_changes(synced.service_changes);
         metrics.add_endpoint_changes(synced.endpoint_changes);
-        let (internal, external) = no_local_endpoints(&synced.update.snapshot);
-        metrics.set_no_local_endpoints(internal, external);
+        no_local.apply(&synced.update);
+        metrics.set_no_local_endpoints(no_local.internal, no_local.external);
         let mut update = synced.update;
         // The periodic re-sync also redoes the XDP maps in full (repairs any drift).
         update.full |= periodic;
         let rebuilt = synced.rebuilt;
-        if let Err(e) = dp.publish(update) {
+        for e in hc.sync(&update) {
+            eprintln!("kxp: {e}");
+        }
+        let published = dp.publish(update);
+        let done = started.elapsed();
+        if let Err(e) = published {
             eprintln!("kxp: programming the XDP maps: {e:#}; will retry on the next change");
             continue;
         }
@@ -270,10 +311,15 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
                 metrics.observe_network_programming(d);
             }
         }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         eprintln!(
-            "kxp: {} applied (generation {generation}, {rebuilt} Service(s) rebuilt, {:.2} ms)",
+            "kxp: {} applied (generation {generation}, {rebuilt} Service(s) rebuilt; \
+             changes {:.3} + tracker {:.3} + dataplane {:.3} = {:.3} ms)",
             input.describe(),
-            started.elapsed().as_secs_f64() * 1e3
+            ms(t_feed),
+            ms(t_track - t_feed),
+            ms(done - t_track),
+            ms(done)
         );
     }
     eprintln!("kxp: {}", totals_line(&dp));
@@ -282,6 +328,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         dp_cfg.interfaces.join(", ")
     );
     dp.stop();
+    hc.stop();
     server.stop();
     metrics_server.stop();
     Ok(())
@@ -310,18 +357,46 @@ fn report(s: &Synced, input: &Input) {
 }
 
 /// Services whose traffic policy is Local and that have endpoints, but none on this node
-/// (kube-proxy's `sync_proxy_rules_no_local_endpoints_total`, internal / external).
-fn no_local_endpoints(snap: &nat::snapshot::Snapshot) -> (u64, u64) {
-    let mut internal = 0;
-    let mut external = 0;
-    for sp in snap.ports() {
-        if !sp.cat.has_endpoints || !sp.cat.local.is_empty() {
-            continue;
+/// (kube-proxy's `sync_proxy_rules_no_local_endpoints_total`, internal / external), kept
+/// by difference.
+#[derive(Debug, Default)]
+struct NoLocal {
+    internal: u64,
+    external: u64,
+}
+
+impl NoLocal {
+    fn apply(&mut self, u: &Update) {
+        if u.full {
+            *self = NoLocal::default();
+            for sp in u.snapshot.ports() {
+                self.count(sp, true);
+            }
+            return;
         }
-        internal += sp.internal_policy_local as u64;
-        external += (sp.external_policy_local && sp.externally_accessible()) as u64;
+        for sp in &u.added {
+            self.count(sp, true);
+        }
+        for sp in &u.removed {
+            self.count(sp, false);
+        }
     }
-    (internal, external)
+
+    fn count(&mut self, sp: &nat::model::ServicePort, add: bool) {
+        if !sp.cat.has_endpoints || !sp.cat.local.is_empty() {
+            return;
+        }
+        let step = |n: &mut u64, yes: bool| {
+            if yes {
+                *n = if add { *n + 1 } else { n.saturating_sub(1) };
+            }
+        };
+        step(&mut self.internal, sp.internal_policy_local);
+        step(
+            &mut self.external,
+            sp.external_policy_local && sp.externally_accessible(),
+        );
+    }
 }
 
 fn update_metrics(m: &crate::metrics::Metrics, dp: &Dataplane, last_sync: Instant) {
@@ -353,6 +428,8 @@ enum Input {
         // Field order = drop order: the watchers before their runtime.
         source: crate::kube_source::KubeSource,
         changes: tokio::sync::watch::Receiver<u64>,
+        /// A change arrived while [`Input::wait`] waited.
+        signalled: bool,
         _rt: tokio::runtime::Runtime,
     },
 }
@@ -369,6 +446,7 @@ impl Input {
     fn kube(
         kubeconfig: Option<&Path>,
         master: Option<&str>,
+        limit: Option<crate::kube_source::RateLimit>,
         node_name: &str,
         service_proxy_name: Option<String>,
         stop: &AtomicBool,
@@ -379,7 +457,7 @@ impl Input {
             .enable_all()
             .build()
             .context("starting the Kubernetes client's runtime")?;
-        let client = rt.block_on(crate::kube_source::client_from(kubeconfig, master))?;
+        let client = rt.block_on(crate::kube_source::client_from(kubeconfig, master, limit))?;
         let source = {
             let _guard = rt.enter();
             crate::kube_source::KubeSource::start(
@@ -391,6 +469,7 @@ impl Input {
             )
         };
         let mut waited = 0;
+        let listing = Instant::now();
         while !rt.block_on(source.wait_synced(Duration::from_secs(1))) {
             if stop.load(Ordering::Relaxed) {
                 anyhow::bail!("stopped before the first sync with the API server");
@@ -402,10 +481,16 @@ impl Input {
                 );
             }
         }
+        let objects: usize = source.status().resources.iter().map(|r| r.objects).sum();
+        eprintln!(
+            "kxp: first lists from the API server: {objects} objects in {:.1} ms",
+            listing.elapsed().as_secs_f64() * 1e3
+        );
         let changes = source.subscribe();
         Ok(Input::Kube {
             source,
             changes,
+            signalled: false,
             _rt: rt,
         })
     }
@@ -442,10 +527,35 @@ impl Input {
     fn changed(&mut self) -> bool {
         match self {
             Input::File { watch, .. } => watch.changed(),
-            Input::Kube { changes, .. } => {
-                let c = changes.has_changed().unwrap_or(false);
+            Input::Kube {
+                changes, signalled, ..
+            } => {
+                let c = std::mem::take(signalled) || changes.has_changed().unwrap_or(false);
                 changes.borrow_and_update();
                 c
+            }
+        }
+    }
+
+    /// Sleeps up to `d`; the Kubernetes source wakes up as soon as a change arrives.
+    fn wait(&mut self, d: Duration) {
+        match self {
+            Input::File { .. } => std::thread::sleep(d),
+            Input::Kube {
+                changes,
+                signalled,
+                _rt,
+                ..
+            } => {
+                if *signalled {
+                    return;
+                }
+                let got = _rt.block_on(async { tokio::time::timeout(d, changes.changed()).await });
+                match got {
+                    Ok(Ok(())) => *signalled = true,
+                    Ok(Err(_)) => std::thread::sleep(d),
+                    Err(_) => {}
+                }
             }
         }
     }

@@ -415,6 +415,39 @@ fn node_port_and_external_traffic_policy_local() {
         peers.iter().all(|p| p == "198.18.1.2"),
         "Local keeps the client address: {peers:?}"
     );
+
+    // A LoadBalancer with externalTrafficPolicy Local gets kube-proxy's health check
+    // server on its healthCheckNodePort, probed from outside like a cloud LB does.
+    let lb = "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n";
+    lab.set_endpoints(&WEB, lb);
+    let hc: SocketAddr = "198.18.1.1:32000".parse().unwrap();
+    let probe = |lab: &Lab| {
+        lab.in_client(move || {
+            let mut s = TcpStream::connect_timeout(&hc, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            write!(s, "GET /healthz HTTP/1.1\r\nHost: lb\r\n\r\n")?;
+            let mut r = String::new();
+            s.read_to_string(&mut r)?;
+            Ok::<String, std::io::Error>(r)
+        })
+    };
+    let r = probe(&lab).unwrap();
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}\n{}", lab.log());
+    assert!(r.contains("X-Load-Balancing-Endpoint-Weight: 3"), "{r}");
+    let body = r.split("\r\n\r\n").nth(1).unwrap();
+    assert_eq!(
+        body,
+        "{\n\t\"service\": {\n\t\t\"namespace\": \"demo\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 3,\n\t\"serviceProxyHealthy\": true\n}"
+    );
+    // No local endpoint left: the load balancer must skip this node.
+    lab.set_endpoints(&[], lb);
+    let r = probe(&lab).unwrap();
+    assert!(r.starts_with("HTTP/1.1 503"), "{r}");
+    assert!(r.contains("\"localEndpoints\": 0"), "{r}");
+    // Back to a NodePort Service: the health check port is closed.
+    lab.set_endpoints(&WEB, "");
+    let e = probe(&lab).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use controlplane::kube_source::{KubeSource, SourceConfig, client_from};
+use controlplane::kube_source::{KubeSource, RateLimit, SourceConfig, client_from};
 use kxp_tests::fakeapi::{FakeApi, Kind};
 use nat::k8s::ClusterState;
 use serde_json::{Value, json};
@@ -56,7 +56,7 @@ fn kubeconfig(api: &FakeApi) -> PathBuf {
 
 async fn start(api: &FakeApi, proxy_name: Option<&str>) -> KubeSource {
     let kc = kubeconfig(api);
-    let client = client_from(Some(&kc), None).await.unwrap();
+    let client = client_from(Some(&kc), None, None).await.unwrap();
     // The client has read it: nothing of the test stays behind in the temp dir.
     let _ = std::fs::remove_dir_all(kc.parent().unwrap());
     let src = KubeSource::start(
@@ -330,7 +330,7 @@ async fn burst_of_slice_changes_converges() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_from_errors_are_clear() {
-    let Err(err) = client_from(Some(std::path::Path::new("/nonexistent/kc")), None).await else {
+    let Err(err) = client_from(Some(std::path::Path::new("/nonexistent/kc")), None, None).await else {
         panic!("a missing kubeconfig is an error");
     };
     let err = err.to_string();
@@ -342,7 +342,7 @@ async fn client_from_errors_are_clear() {
     // --master alone works (and overrides a kubeconfig's server).
     let api = FakeApi::start();
     seed(&api);
-    let client = client_from(None, Some(&api.url())).await.unwrap();
+    let client = client_from(None, Some(&api.url()), None).await.unwrap();
     let src = KubeSource::start(
         client,
         SourceConfig {
@@ -352,4 +352,30 @@ async fn client_from_errors_are_clear() {
     );
     assert!(src.wait_synced(Duration::from_secs(10)).await);
     assert_eq!(node_names(&src.state()), set(&["node-b"]));
+}
+
+/// `clientConnection.qps` / `burst`: the client holds requests back beyond the burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_requests_are_rate_limited_as_configured() {
+    use kube::api::{Api, ListParams};
+    assert_eq!(RateLimit::from_config(Some(5.0), Some(0)), None);
+    assert_eq!(RateLimit::from_config(None, Some(10)), None);
+    let limit = RateLimit::from_config(Some(4.0), Some(2)).unwrap();
+    assert_eq!(limit.period(), Duration::from_millis(500));
+
+    let api = FakeApi::start();
+    seed(&api);
+    let client = client_from(None, Some(&api.url()), Some(limit)).await.unwrap();
+    let services: Api<k8s_openapi::api::core::v1::Service> = Api::all(client);
+    let started = std::time::Instant::now();
+    for _ in 0..6 {
+        services.list(&ListParams::default()).await.unwrap();
+    }
+    // 2 at once, then 2 per 500 ms: the 6th cannot leave before 1 s.
+    assert!(
+        started.elapsed() >= Duration::from_millis(1000),
+        "6 requests in {:?} with burst 2 at 4/s",
+        started.elapsed()
+    );
+    assert_eq!(api.requests("services", "list"), 6);
 }

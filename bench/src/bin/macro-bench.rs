@@ -1667,36 +1667,6 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
 
 // ---------------------------------------------------------------------------------------
 
-fn locate_kxp(given: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
-    if let Some(p) = given {
-        return Ok(p.clone());
-    }
-    let me = std::env::current_exe()?;
-    let p = me.with_file_name("kxp");
-    if p.exists() {
-        return Ok(p);
-    }
-    eprintln!("macro-bench: {} missing; building it", p.display());
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    let st = Command::new(cargo)
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "controlplane",
-            "--bin",
-            "kxp",
-            "--manifest-path",
-        ])
-        .arg(manifest)
-        .status()?;
-    if !st.success() || !p.exists() {
-        bail!("cannot build kxp; give --kxp PATH (a release build of `kxp`)");
-    }
-    Ok(p)
-}
-
 fn have(prog: &str, arg: &str) -> bool {
     Command::new(prog)
         .arg(arg)
@@ -1746,7 +1716,7 @@ fn real_main() -> anyhow::Result<()> {
         signal_hook::flag::register(sig, stop.0.clone())?;
     }
     let kxp = if cases.iter().any(|c| c.is_kxp()) {
-        locate_kxp(args.kxp.as_ref())?
+        kxp_bench::locate_kxp(args.kxp.as_ref())?
     } else {
         PathBuf::new()
     };

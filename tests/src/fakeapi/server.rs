@@ -436,6 +436,15 @@ pub(crate) fn selectors(
     Ok((l, f))
 }
 
+/// Whether `ns/name` sorts after a continue token's `start` (without building the string).
+fn after_start(ns: &str, name: &str, start: &str) -> bool {
+    ns.bytes()
+        .chain(std::iter::once(b'/'))
+        .chain(name.bytes())
+        .cmp(start.bytes())
+        == std::cmp::Ordering::Greater
+}
+
 fn list(st: &State, t: &Target, q: &Query) -> Result<Response<Body>, FakeError> {
     let bad = |m: &str| FakeError::new(400, "BadRequest", m.to_string());
     let (labels, fields) = selectors(t.kind, q)?;
@@ -512,7 +521,7 @@ fn list(st: &State, t: &Target, q: &Query) -> Result<Response<Body>, FakeError> 
     let objs = st.snapshot(t.kind, at)?;
     let mut matching = objs.iter().filter(|((ns, name), o)| {
         t.ns.as_ref().is_none_or(|want| want == ns)
-            && start.as_ref().is_none_or(|s| format!("{ns}/{name}") > *s)
+            && start.as_ref().is_none_or(|s| after_start(ns, name, s))
             && labels.matches(o)
             && fields.matches(o)
     });

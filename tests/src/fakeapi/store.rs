@@ -1,6 +1,7 @@
 //! The fake's object store: objects of every kind, one resourceVersion counter, and the
 //! event history watches replay from.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -231,10 +232,19 @@ impl State {
         self.compacted = self.compacted.max(rv);
     }
 
-    /// The objects of `kind` at resourceVersion `at` (None: now), rebuilt by undoing history.
-    pub fn snapshot(&self, kind: Kind, at: Option<u64>) -> Result<BTreeMap<Key, Value>, FakeError> {
-        let mut objs = self.objects.get(&kind).cloned().unwrap_or_default();
-        let Some(at) = at else { return Ok(objs) };
+    /// The objects of `kind` at resourceVersion `at` (None: now), rebuilt by undoing history
+    /// (borrowed when nothing of that kind changed since `at`, so paging through a big
+    /// list does not copy it page after page).
+    pub fn snapshot(
+        &self,
+        kind: Kind,
+        at: Option<u64>,
+    ) -> Result<Cow<'_, BTreeMap<Key, Value>>, FakeError> {
+        let current = match self.objects.get(&kind) {
+            Some(o) => Cow::Borrowed(o),
+            None => Cow::Owned(BTreeMap::new()),
+        };
+        let Some(at) = at else { return Ok(current) };
         if at < self.compacted {
             return Err(expired(at, self.compacted));
         }
@@ -245,17 +255,25 @@ impl State {
                 format!("Too large resource version: {at}, current: {}", self.rv),
             ));
         }
-        for ev in self.history.iter().rev().take_while(|e| e.rv > at) {
-            if ev.kind != kind {
-                continue;
-            }
+        let newer: Vec<&StoredEvent> = self
+            .history
+            .iter()
+            .rev()
+            .take_while(|e| e.rv > at)
+            .filter(|e| e.kind == kind)
+            .collect();
+        if newer.is_empty() {
+            return Ok(current);
+        }
+        let mut objs = current.into_owned();
+        for ev in newer {
             let key = key_of(kind, &ev.obj);
             match &ev.prev {
                 Some(p) => objs.insert(key, p.clone()),
                 None => objs.remove(&key),
             };
         }
-        Ok(objs)
+        Ok(Cow::Owned(objs))
     }
 }
 
