@@ -105,7 +105,7 @@ fn sync(c: &mut Criterion) {
                 t.apply_slice(k, Some(s));
                 let synced = t.sync(u64::from(n.get()) + 1);
                 // Keep the previous snapshot alive until the next sync has run.
-                std::mem::replace(&mut held, Some(synced.update.snapshot))
+                held.replace(synced.update.snapshot)
             },
             BatchSize::SmallInput,
         )

@@ -425,7 +425,8 @@ impl KubeProxyConfiguration {
             "kxp has no feature gates; it implements kube-proxy's current defaults",
         );
         if let Some(c) = &self.client_connection {
-            let protobuf = |v: &Option<String>| v.as_deref().is_some_and(|t| t.contains("protobuf"));
+            let protobuf =
+                |v: &Option<String>| v.as_deref().is_some_and(|t| t.contains("protobuf"));
             note(
                 protobuf(&c.content_type),
                 "clientConnection.contentType",
@@ -468,7 +469,11 @@ impl KubeProxyConfiguration {
                 "ipvs.excludeCIDRs",
                 "kxp programs no IPVS",
             );
-            note(i.strict_arp == Some(true), "ipvs.strictARP", "kxp programs no IPVS (no kube-ipvs0 addresses to hide)");
+            note(
+                i.strict_arp == Some(true),
+                "ipvs.strictARP",
+                "kxp programs no IPVS (no kube-ipvs0 addresses to hide)",
+            );
             let set = |d: &Option<GoDuration>| d.is_some_and(|d| !d.0.is_zero());
             note(
                 set(&i.tcp_timeout) || set(&i.tcp_fin_timeout) || set(&i.udp_timeout),

@@ -5,16 +5,16 @@
 //!
 //! Any request gets `200` while this node has a ready local endpoint of the Service and
 //! kxp is healthy, else `503`, with kube-proxy's headers (`X-Load-Balancing-Endpoint-
-//! Weight`: the local endpoint count) and body:
+//! Weight`: the local endpoint count) and body (indented with tabs by kube-proxy):
 //!
 //! ```text
 //! {
-//! 	"service": {
-//! 		"namespace": "ns",
-//! 		"name": "name"
-//! 	},
-//! 	"localEndpoints": 1,
-//! 	"serviceProxyHealthy": true
+//!     "service": {
+//!         "namespace": "ns",
+//!         "name": "name"
+//!     },
+//!     "localEndpoints": 1,
+//!     "serviceProxyHealthy": true
 //! }
 //! ```
 //!
@@ -134,11 +134,10 @@ impl ServiceHealthServers {
         }
         let mut errors = Vec::new();
         for key in touched {
-            let want = self.ports.get(&key).and_then(|v| {
-                v.iter()
-                    .map(|p| p.health_check_node_port)
-                    .find(|&p| p != 0)
-            });
+            let want = self
+                .ports
+                .get(&key)
+                .and_then(|v| v.iter().map(|p| p.health_check_node_port).find(|&p| p != 0));
             let endpoints = self.ports.get(&key).map_or(0, |v| local_ready_ips(v));
             match (want, st.services.get_mut(&key)) {
                 (None, _) => {

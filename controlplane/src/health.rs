@@ -8,9 +8,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// kube-proxy's default `--healthz` timeout: an update queued and not programmed for
-/// longer than this makes the proxy unhealthy.
-pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(120);
+/// kube-proxy's health timeout with the default syncPeriod (2 × syncPeriod): an update
+/// queued and not programmed for longer than this makes the proxy unhealthy.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Default)]
 struct Times {
@@ -21,17 +21,31 @@ struct Times {
 }
 
 /// What the health endpoints report.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Health {
     times: Mutex<Times>,
     node_eligible: AtomicBool,
+    /// How long a queued update may wait before the health endpoints answer 503.
+    timeout: Duration,
     /// Counts answers in kube-proxy's `kubeproxy_proxy_healthz_total` / `_livez_total`.
     metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
 }
 
+impl Default for Health {
+    fn default() -> Self {
+        Health::new()
+    }
+}
+
 impl Health {
     pub fn new() -> Health {
+        Health::with_timeout(HEALTH_TIMEOUT)
+    }
+
+    /// With kube-proxy's timeout for a given syncPeriod: twice it.
+    pub fn with_timeout(timeout: Duration) -> Health {
         Health {
+            timeout,
             times: Mutex::new(Times::default()),
             node_eligible: AtomicBool::new(true),
             metrics: std::sync::OnceLock::new(),
@@ -77,7 +91,7 @@ impl Health {
         let fresh = match (last, queued) {
             (None, _) => false,
             (Some(_), None) => true,
-            (Some(_), Some(q)) => now.duration_since(q).unwrap_or_default() <= HEALTH_TIMEOUT,
+            (Some(_), Some(q)) => now.duration_since(q).unwrap_or_default() <= self.timeout,
         };
         let eligible = self.node_eligible.load(Ordering::Relaxed);
         let healthy = fresh && (!node || eligible);

@@ -176,7 +176,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     }
 
     let metrics = Arc::new(crate::metrics::Metrics::new());
-    let health = Arc::new(Health::new());
+    let health = Arc::new(Health::with_timeout(resync * 2));
     health.set_metrics(metrics.clone());
     let server = HealthServer::start(healthz, health.clone()).with_context(|| {
         format!("cannot serve /healthz on {healthz}; give --healthz-bind-address ADDR:PORT")
@@ -233,6 +233,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut last_stats = Instant::now();
     let mut last_sync = Instant::now();
     let mut pending = false;
+    let mut retry_at: Option<Instant> = None;
     let mut no_local = NoLocal::default();
     no_local.apply(&Update::full(dp.current()));
     while !stop.load(Ordering::Relaxed) {
@@ -261,7 +262,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         // kube-proxy's sync loop: changes are batched by minSyncPeriod, and the whole
         // state is re-synced every syncPeriod even without changes.
         let periodic = input.resyncs() && last_sync.elapsed() >= resync;
-        let due = periodic || (pending && last_sync.elapsed() >= min_sync);
+        // A failed programming is retried after syncPeriod, as kube-proxy does.
+        let retry = retry_at.is_some_and(|t| Instant::now() >= t);
+        let due = periodic || retry || (pending && last_sync.elapsed() >= min_sync);
         if !due {
             continue;
         }
@@ -297,9 +300,14 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         let published = dp.publish(update);
         let done = started.elapsed();
         if let Err(e) = published {
-            eprintln!("kxp: programming the XDP maps: {e:#}; will retry on the next change");
+            eprintln!(
+                "kxp: programming the XDP maps: {e:#}; retrying in {} s",
+                resync.as_secs()
+            );
+            retry_at = Some(Instant::now() + resync);
             continue;
         }
+        retry_at = None;
         health.programmed();
         metrics.observe_sync(started.elapsed());
         metrics.set_last_sync_now();

@@ -62,6 +62,8 @@ struct Opts<'a> {
     /// Serve the state from a fake API server inside the node's namespace and run kxp
     /// with `--kubeconfig` instead of `--state-file`.
     api: bool,
+    /// More lines for kxp's KubeProxyConfiguration.
+    config_extra: &'a str,
 }
 
 impl Default for Opts<'_> {
@@ -75,6 +77,7 @@ impl Default for Opts<'_> {
             endpoints: 3,
             ipv6_state: None,
             api: false,
+            config_extra: "",
         }
     }
 }
@@ -163,8 +166,8 @@ impl Lab {
         std::fs::write(
             &config,
             format!(
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: \"{}\"\nhostnameOverride: node-a\n",
-                o.cluster_cidr
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: \"{}\"\nhostnameOverride: node-a\n{}",
+                o.cluster_cidr, o.config_extra
             ),
         )
         .unwrap();
@@ -757,6 +760,8 @@ fn cluster_ip_wrong_port_rejected_and_unallocated_dropped() {
 fn unreadable_edit_keeps_the_last_good_state() {
     let lab = Lab::new(Opts {
         prefix: "kxea",
+        // Health timeout = 2 × syncPeriod, as in kube-proxy.
+        config_extra: "nftables:\n  syncPeriod: 1s\n",
         ..Default::default()
     });
     std::fs::write(
@@ -777,6 +782,41 @@ fn unreadable_edit_keeps_the_last_good_state() {
     let (spread, _, failed) = lab.http_spread(vip(80), 60);
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(spread.len(), 3, "{spread:?}");
+    assert!(health_status(&lab, "/healthz").contains("200"));
+
+    // A valid state kxp cannot program (more ServiceCIDRs than its XDP map holds): the
+    // update stays queued, so after 2 × syncPeriod /healthz and /livez answer 503, as
+    // kube-proxy's do when a sync keeps failing; fixed, they recover.
+    let mut text = state_yaml_with(&WEB, "");
+    for i in 0..300 {
+        text.push_str(&format!(
+            "---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: extra-{i}}}\nspec: {{cidrs: [\"10.{}.{}.0/24\"]}}\n",
+            i / 256,
+            i % 256
+        ));
+    }
+    std::fs::write(lab.dir.join("state.yaml"), text).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !health_status(&lab, "/healthz").contains("503") {
+        assert!(
+            Instant::now() < deadline,
+            "/healthz stayed healthy:\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(health_status(&lab, "/livez").contains("503"));
+    assert!(lab.log().contains("service_cidrs"), "{}", lab.log());
+    std::fs::write(lab.dir.join("state.yaml"), state_yaml_with(&WEB, "")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !health_status(&lab, "/healthz").contains("200") {
+        assert!(
+            Instant::now() < deadline,
+            "/healthz did not recover:\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Fetches `path` from one of kxp's HTTP servers inside the node's namespace.

@@ -330,7 +330,8 @@ async fn burst_of_slice_changes_converges() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_from_errors_are_clear() {
-    let Err(err) = client_from(Some(std::path::Path::new("/nonexistent/kc")), None, None).await else {
+    let Err(err) = client_from(Some(std::path::Path::new("/nonexistent/kc")), None, None).await
+    else {
         panic!("a missing kubeconfig is an error");
     };
     let err = err.to_string();
@@ -365,7 +366,9 @@ async fn client_requests_are_rate_limited_as_configured() {
 
     let api = FakeApi::start();
     seed(&api);
-    let client = client_from(None, Some(&api.url()), Some(limit)).await.unwrap();
+    let client = client_from(None, Some(&api.url()), Some(limit))
+        .await
+        .unwrap();
     let services: Api<k8s_openapi::api::core::v1::Service> = Api::all(client);
     let started = std::time::Instant::now();
     for _ in 0..6 {
