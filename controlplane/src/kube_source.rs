@@ -538,6 +538,22 @@ where
     store
 }
 
+/// An error and its chain of causes on one line ("client error (Connect)" says little;
+/// its causes say "invalid peer certificate: UnknownIssuer").
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        cur = c.source();
+    }
+    text
+}
+
 /// A one-line error text: the HTTP code and message of API errors (not the whole Status).
 fn error_text(e: &watcher::Error) -> String {
     let (what, inner) = match e {
@@ -551,6 +567,6 @@ fn error_text(e: &watcher::Error) -> String {
     };
     match inner {
         kube::Error::Api(s) => format!("{what}: HTTP {} {}: {}", s.code, s.reason, s.message),
-        other => format!("{what}: {other}"),
+        other => format!("{what}: {}", with_causes(other)),
     }
 }

@@ -59,8 +59,8 @@ struct Opts<'a> {
     endpoints: usize,
     /// Also give every link IPv6 addresses (2001:db8::/32) and use this state instead.
     ipv6_state: Option<String>,
-    /// Serve the state from a fake API server inside the node's namespace and run kxp
-    /// with `--kubeconfig` instead of `--state-file`.
+    /// Serve the state from a fake API server (HTTPS, bearer token) inside the node's
+    /// namespace and run kxp with `--kubeconfig` instead of `--state-file`.
     api: bool,
     /// More lines for kxp's KubeProxyConfiguration.
     config_extra: &'a str,
@@ -174,7 +174,10 @@ impl Lab {
         let api = if o.api {
             let text = std::fs::read_to_string(&state).unwrap();
             let node_ns = node.clone();
-            let api = spawn_in(&node_ns, kxp_tests::fakeapi::FakeApi::start)
+            // Over TLS with a ServiceAccount-style token, as a real API server.
+            let api = spawn_in(&node_ns, || {
+                kxp_tests::fakeapi::FakeApi::start_tls(Some("kxp-e2e-token"))
+            })
                 .join()
                 .unwrap()
                 .unwrap();

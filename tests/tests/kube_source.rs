@@ -382,3 +382,48 @@ async fn client_requests_are_rate_limited_as_configured() {
     );
     assert_eq!(api.requests("services", "list"), 6);
 }
+
+/// A real API server speaks TLS and wants a token (a ServiceAccount's, in cluster): the
+/// client (rustls) trusts only the kubeconfig's CA and presents the token. A wrong token
+/// and an untrusted server fail with errors that say so, and nothing is synced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_bearer_token() {
+    let api = FakeApi::start_tls(Some("s3cret-token"));
+    assert!(api.url().starts_with("https://127.0.0.1:"));
+    seed(&api);
+    let src = start(&api, None).await;
+    assert!(!src.state().services.is_empty());
+    src.stop();
+
+    let kc = kubeconfig(&api);
+    let good = std::fs::read_to_string(&kc).unwrap();
+    let attempt = |text: String| {
+        let kc = kc.clone();
+        async move {
+            std::fs::write(&kc, text).unwrap();
+            let client = client_from(Some(&kc), None, None).await.unwrap();
+            let src = KubeSource::start(
+                client,
+                SourceConfig {
+                    node_name: "node-a".into(),
+                    service_proxy_name: None,
+                },
+            );
+            assert!(!src.wait_synced(Duration::from_secs(2)).await);
+            let err = src.status().get("services").unwrap().last_error.clone();
+            src.stop();
+            err.unwrap_or_default()
+        }
+    };
+    let err = attempt(good.replace("s3cret-token", "wrong")).await;
+    assert!(err.contains("401"), "{err}");
+    // Without the CA the server's certificate is not trusted.
+    let no_ca: String = good
+        .lines()
+        .filter(|l| !l.contains("certificate-authority-data"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let err = attempt(no_ca).await;
+    assert!(err.to_lowercase().contains("certificate"), "{err}");
+    let _ = std::fs::remove_dir_all(kc.parent().unwrap());
+}

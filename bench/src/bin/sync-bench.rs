@@ -1,6 +1,6 @@
 //! The control plane end to end: from API events to a programmed dataplane, on a cluster
 //! of 10,000 Services with 100,000 endpoints served by the repository's fake API server
-//! (the real list/watch protocol over HTTP), with the real `kxp run` (kube-rs watchers,
+//! (the real list/watch protocol over HTTPS with a bearer token), with the real `kxp run` (kube-rs watchers,
 //! change tracker, snapshot publication, XDP map updates) attached to a veth in a
 //! throw-away network namespace.
 //!
@@ -73,7 +73,7 @@ fn run_one(kxp_bin: &std::path::Path, services: u32, changes: u32) -> anyhow::Re
         (&node, "s-eth0", "198.18.100.1/24"),
         (&peer, "eth0", "198.18.100.2/24"),
     )?;
-    let api = spawn_in(&node, FakeApi::start)
+    let api = spawn_in(&node, || FakeApi::start_tls(Some("sync-bench-token")))
         .join()
         .map_err(|_| anyhow::anyhow!("fake API thread panicked"))??;
     let state = cluster(services, 10);

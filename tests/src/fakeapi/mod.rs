@@ -22,6 +22,7 @@
 mod selector;
 mod server;
 mod store;
+mod tls;
 mod watch;
 
 use std::collections::BTreeMap;
@@ -184,6 +185,8 @@ impl std::error::Error for FakeError {}
 #[derive(Debug)]
 pub(crate) struct Shared {
     state: Mutex<State>,
+    /// When set, every request must carry `Authorization: Bearer <token>` (else 401).
+    pub(crate) token: Option<String>,
     /// Bumped on every change watches must look at (writes, drops, silence, compaction).
     poke: tokio::sync::watch::Sender<u64>,
 }
@@ -202,6 +205,8 @@ impl Shared {
 #[derive(Debug)]
 pub struct FakeApi {
     addr: SocketAddr,
+    tls: Option<tls::Tls>,
+    token: Option<String>,
     shared: Arc<Shared>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
@@ -209,12 +214,26 @@ pub struct FakeApi {
 
 impl FakeApi {
     /// Starts the server on 127.0.0.1 (a free port) in its own thread and tokio runtime,
-    /// so it works from plain and from `#[tokio::test]` tests alike.
+    /// so it works from plain and from `#[tokio::test]` tests alike. Plain HTTP, no
+    /// authentication.
     pub fn start() -> FakeApi {
+        Self::start_with(false, None)
+    }
+
+    /// As [`FakeApi::start`], over HTTPS (a CA made for this server, trusted by the
+    /// kubeconfig it writes) and, with `token`, requiring that bearer token as a real API
+    /// server requires a ServiceAccount's.
+    pub fn start_tls(token: Option<&str>) -> FakeApi {
+        Self::start_with(true, token.map(str::to_string))
+    }
+
+    fn start_with(tls: bool, token: Option<String>) -> FakeApi {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
+            token: token.clone(),
             poke: tokio::sync::watch::Sender::new(0),
         });
+        let tls = tls.then(tls::make);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
         listener
             .set_nonblocking(true)
@@ -222,6 +241,7 @@ impl FakeApi {
         let addr = listener.local_addr().expect("local addr");
         let (tx, rx) = tokio::sync::oneshot::channel();
         let server_shared = shared.clone();
+        let acceptor = tls.as_ref().map(|t| t.acceptor.clone());
         let thread = std::thread::Builder::new()
             .name("fakeapi".into())
             .spawn(move || {
@@ -229,20 +249,28 @@ impl FakeApi {
                     .enable_all()
                     .build()
                     .expect("fakeapi runtime");
-                rt.block_on(server::serve(listener, server_shared, rx));
+                rt.block_on(server::serve(listener, server_shared, acceptor, rx));
             })
             .expect("spawn fakeapi thread");
         FakeApi {
             addr,
+            tls,
+            token,
             shared,
             shutdown: Some(tx),
             thread: Some(thread),
         }
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// The CA certificate (PEM) of a TLS server.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.tls.as_ref().map(|t| t.ca_pem.as_str())
+    }
+
+    /// `http://127.0.0.1:PORT` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The listening address.
@@ -250,12 +278,28 @@ impl FakeApi {
         self.addr
     }
 
-    /// Writes a kubeconfig for this server (plain http, no auth; namespace "default").
+    /// Writes a kubeconfig for this server (namespace "default"): with TLS it trusts the
+    /// server's CA (`certificate-authority-data`), with a token it presents it.
     pub fn write_kubeconfig(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
+        let ca = match self.ca_pem() {
+            Some(pem) => {
+                // Standard base64, padded.
+                let mut b64 = server::b64_encode(pem.as_bytes());
+                while b64.len() % 4 != 0 {
+                    b64.push('=');
+                }
+                format!("\n    certificate-authority-data: {b64}")
+            }
+            None => String::new(),
+        };
+        let user = match &self.token {
+            Some(t) => format!("\n    token: {t}"),
+            None => " {}".to_string(),
+        };
         let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}{ca}\n\
              contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    \
-             namespace: default\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n\
+             namespace: default\ncurrent-context: fake\nusers:\n- name: fake\n  user:{user}\n\
              preferences: {{}}\n",
             self.url()
         );

@@ -19,10 +19,11 @@ use super::{FakeError, Kind, Shared, watch};
 pub(crate) type Body = BoxBody<Bytes, std::io::Error>;
 pub(crate) type Query = HashMap<String, String>;
 
-/// Accepts connections until `shutdown` fires.
+/// Accepts connections (over TLS with `tls`) until `shutdown` fires.
 pub(crate) async fn serve(
     listener: std::net::TcpListener,
     shared: Arc<Shared>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     mut shutdown: tokio::sync::oneshot::Receiver<()>,
 ) {
     let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
@@ -33,17 +34,34 @@ pub(crate) async fn serve(
             acc = listener.accept() => {
                 let Ok((stream, _)) = acc else { continue };
                 let shared = shared.clone();
+                let tls = tls.clone();
                 conns.spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| handle(shared.clone(), req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    match tls {
+                        None => serve_conn(stream, shared).await,
+                        Some(acceptor) => {
+                            // A failed handshake (e.g. a client that does not trust
+                            // the CA) just closes the connection.
+                            if let Ok(stream) = acceptor.accept(stream).await {
+                                serve_conn(stream, shared).await;
+                            }
+                        }
+                    }
                 });
             }
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
     }
     conns.abort_all();
+}
+
+async fn serve_conn<IO>(io: IO, shared: Arc<Shared>)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper::service::service_fn(move |req| handle(shared.clone(), req));
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), svc)
+        .await;
 }
 
 pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
@@ -111,7 +129,7 @@ pub(crate) fn flag(q: &Query, k: &str) -> Option<bool> {
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
-fn b64_encode(data: &[u8]) -> String {
+pub(crate) fn b64_encode(data: &[u8]) -> String {
     let mut out = String::new();
     for chunk in data.chunks(3) {
         let n = chunk
@@ -267,6 +285,17 @@ fn injected(code: u16, t: &Target, verb: &str) -> FakeError {
 }
 
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    if let Some(token) = &shared.token {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.strip_prefix("Bearer "));
+        if given != Some(token.as_str()) {
+            let e = FakeError::new(401, "Unauthorized", "Unauthorized".into());
+            return Ok(error_response(&e));
+        }
+    }
     let path = req.uri().path().to_string();
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     let q = parse_query(req.uri().query().unwrap_or(""));
