@@ -178,9 +178,9 @@ impl Lab {
             let api = spawn_in(&node_ns, || {
                 kxp_tests::fakeapi::FakeApi::start_tls(Some("kxp-e2e-token"))
             })
-                .join()
-                .unwrap()
-                .unwrap();
+            .join()
+            .unwrap()
+            .unwrap();
             for doc in text.split("\n---\n") {
                 let v: serde_json::Value = serde_yaml::from_str(doc).unwrap();
                 if !v.is_null() {
@@ -915,6 +915,47 @@ fn kubernetes_source_drives_the_dataplane() {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0);
     assert!(changes >= 1.0, "endpoint change not counted:\n{m}");
+
+    // A burst of 1,000 EndpointSlice changes is batched by minSyncPeriod (1 s): a few
+    // syncs, not a thousand, and the last state wins.
+    let variants: Vec<serde_json::Value> = [&WEB[..1], &WEB[..2], &WEB[1..], &WEB[..]]
+        .iter()
+        .map(|eps| {
+            let text = state_yaml_with(eps, "");
+            let doc = text
+                .split("\n---\n")
+                .find(|d| d.contains("kind: EndpointSlice"))
+                .unwrap()
+                .to_string();
+            serde_yaml::from_str(&doc).unwrap()
+        })
+        .collect();
+    let syncs = |lab: &Lab| lab.log().matches("applied (generation").count();
+    let before = syncs(&lab);
+    let started = Instant::now();
+    for i in 0..1000 {
+        lab.api.as_ref().unwrap().apply(&variants[i % 3]).unwrap();
+    }
+    lab.api.as_ref().unwrap().apply(&variants[3]).unwrap();
+    let burst = started.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (spread, _, failed) = lab.http_spread(vip(80), 12);
+        if failed == 0 && spread.len() == 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the burst's last state was not applied: {spread:?}\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let during = syncs(&lab) - before;
+    assert!(
+        during >= 1 && during as f64 <= burst.as_secs_f64().ceil() + 3.0,
+        "{during} syncs for 1,001 changes in {burst:?}"
+    );
 
     // The node is being deleted: /healthz 503, /livez still 200 (kube-proxy's rules).
     assert!(health_status(&lab, "/healthz").contains("200"));
