@@ -24,7 +24,7 @@ use std::fmt::Debug;
 use std::hash::Hash;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -69,7 +69,8 @@ pub struct ResourceStatus {
     pub objects: usize,
     /// The last error's text.
     pub last_error: Option<String>,
-    /// Whether the last thing that happened was an error (an error streak is going on).
+    /// Whether the API server's last answer to a list or watch of this resource was an
+    /// error (or none came): an error streak is going on.
     pub failing: bool,
 }
 
@@ -99,6 +100,107 @@ pub enum ClientError {
     InCluster { message: String },
     #[error("cannot build a Kubernetes client: {0}")]
     Client(String),
+}
+
+/// What the API server answered last, per resource: kube-runtime's watchers report
+/// errors but not a watch that started again quietly, so the client itself records the
+/// outcome of every list and watch request (a tower layer in front of the transport).
+#[derive(Debug, Clone, Default)]
+pub struct ApiObserver {
+    last: Arc<Mutex<std::collections::HashMap<String, (Option<Instant>, Option<Instant>)>>>,
+}
+
+impl ApiObserver {
+    fn record(&self, path: &str, ok: bool) {
+        let resource = path.rsplit('/').next().unwrap_or("").to_string();
+        let mut m = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let e = m.entry(resource).or_default();
+        if ok {
+            e.0 = Some(Instant::now());
+        } else {
+            e.1 = Some(Instant::now());
+        }
+    }
+
+    /// Whether the last request for `resource` (`services`, …) failed.
+    pub fn failing(&self, resource: &str) -> bool {
+        let m = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(resource)
+            .is_some_and(|&(ok, err)| err.is_some() && err > ok)
+    }
+
+    /// When a request for `resource` last succeeded.
+    pub fn last_ok(&self, resource: &str) -> Option<Instant> {
+        let m = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(resource).and_then(|e| e.0)
+    }
+}
+
+/// The tower layer that feeds an [`ApiObserver`].
+#[derive(Debug, Clone)]
+struct ObserveLayer(ApiObserver);
+
+impl<S> tower::Layer<S> for ObserveLayer {
+    type Service = Observe<S>;
+    fn layer(&self, inner: S) -> Observe<S> {
+        Observe {
+            inner,
+            observer: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Observe<S> {
+    inner: S,
+    observer: ApiObserver,
+}
+
+impl<S, B> tower::Service<http::Request<kube::client::Body>> for Observe<S>
+where
+    S: tower::Service<http::Request<kube::client::Body>, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    B: 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
+        let path = req.uri().path().to_string();
+        let observer = self.observer.clone();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let r = fut.await;
+            let ok = r.as_ref().is_ok_and(|resp| resp.status().is_success());
+            observer.record(&path, ok);
+            r
+        })
+    }
+}
+
+/// A client and the observer of its answers.
+#[derive(Clone)]
+pub struct ApiClient {
+    pub client: Client,
+    pub observer: ApiObserver,
+}
+
+impl std::fmt::Debug for ApiClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiClient")
+            .field("observer", &self.observer)
+            .finish_non_exhaustive()
+    }
 }
 
 /// `clientConnection.qps` and `burst`: at most `burst` requests at once and `qps` per
@@ -134,7 +236,7 @@ pub async fn client_from(
     kubeconfig: Option<&Path>,
     master: Option<&str>,
     limit: Option<RateLimit>,
-) -> Result<Client, ClientError> {
+) -> Result<ApiClient, ClientError> {
     let master_uri = match master {
         Some(url) => Some(url.parse::<http::Uri>().map_err(|e| ClientError::Master {
             url: url.to_string(),
@@ -161,9 +263,11 @@ pub async fn client_from(
     if let Some(uri) = master_uri {
         config.cluster_url = uri;
     }
+    let observer = ApiObserver::default();
     let builder = kube::client::ClientBuilder::try_from(config)
-        .map_err(|e| ClientError::Client(e.to_string()))?;
-    Ok(match limit {
+        .map_err(|e| ClientError::Client(e.to_string()))?
+        .with_layer(&ObserveLayer(observer.clone()));
+    let client = match limit {
         Some(l) => builder
             .with_layer(&tower::limit::RateLimitLayer::new(
                 u64::from(l.burst),
@@ -171,7 +275,8 @@ pub async fn client_from(
             ))
             .build(),
         None => builder.build(),
-    })
+    };
+    Ok(ApiClient { client, observer })
 }
 
 #[derive(Debug, Default)]
@@ -182,6 +287,8 @@ struct Counters {
     dirty_full: bool,
     /// Objects applied or deleted since then.
     dirty: HashSet<ObjKey>,
+    /// When the current error streak was logged.
+    logged_at: Option<Instant>,
 }
 
 /// What changed in one resource since the last look.
@@ -242,6 +349,7 @@ impl Changes {
 #[derive(Debug)]
 struct Shared {
     counters: [Mutex<Counters>; 4],
+    observer: ApiObserver,
     bump: watch::Sender<u64>,
 }
 
@@ -268,10 +376,12 @@ pub struct KubeSource {
 
 impl KubeSource {
     /// Starts the four watchers on the current tokio runtime (panics outside one).
-    pub fn start(client: Client, cfg: SourceConfig) -> KubeSource {
+    pub fn start(api: ApiClient, cfg: SourceConfig) -> KubeSource {
+        let ApiClient { client, observer } = api;
         let (bump, _) = watch::channel(0u64);
         let shared = Arc::new(Shared {
             counters: Default::default(),
+            observer,
             bump,
         });
         for (i, name) in RESOURCES.iter().enumerate() {
@@ -427,6 +537,7 @@ impl KubeSource {
                 .map(|i| {
                     let mut st = self.shared.counters(i).st.clone();
                     st.objects = stores[i];
+                    st.failing = self.shared.observer.failing(RESOURCES[i]);
                     st
                 })
                 .collect(),
@@ -480,41 +591,42 @@ where
             let applied = {
                 let mut c = shared.counters(index);
                 match item {
-                    Ok(ev) => {
-                        c.st.failing = false;
-                        match ev {
-                            watcher::Event::Init => {
-                                if c.listed_once {
-                                    c.st.relists += 1;
-                                }
-                                c.listed_once = true;
-                                false
+                    Ok(ev) => match ev {
+                        watcher::Event::Init => {
+                            if c.listed_once {
+                                c.st.relists += 1;
                             }
-                            watcher::Event::InitApply(_) => {
-                                c.st.events += 1;
-                                false
-                            }
-                            watcher::Event::InitDone => {
-                                c.st.synced = true;
-                                c.dirty_full = true;
-                                c.dirty.clear();
-                                true
-                            }
-                            watcher::Event::Apply(o) | watcher::Event::Delete(o) => {
-                                c.st.events += 1;
-                                let m = o.meta();
-                                c.dirty.insert((
-                                    m.namespace.clone().unwrap_or_default(),
-                                    m.name.clone().unwrap_or_default(),
-                                ));
-                                true
-                            }
+                            c.listed_once = true;
+                            false
                         }
-                    }
+                        watcher::Event::InitApply(_) => {
+                            c.st.events += 1;
+                            false
+                        }
+                        watcher::Event::InitDone => {
+                            c.st.synced = true;
+                            c.dirty_full = true;
+                            c.dirty.clear();
+                            true
+                        }
+                        watcher::Event::Apply(o) | watcher::Event::Delete(o) => {
+                            c.st.events += 1;
+                            let m = o.meta();
+                            c.dirty.insert((
+                                m.namespace.clone().unwrap_or_default(),
+                                m.name.clone().unwrap_or_default(),
+                            ));
+                            true
+                        }
+                    },
                     Err(e) => {
                         let text = error_text(&e);
                         c.st.errors += 1;
-                        if !c.st.failing {
+                        // Log once per streak: a request succeeded since the last log.
+                        let resource = c.st.resource;
+                        let recovered = shared.observer.last_ok(resource) > c.logged_at;
+                        if c.logged_at.is_none() || recovered {
+                            c.logged_at = Some(Instant::now());
                             let then = match &e {
                                 watcher::Error::WatchError(s) if s.code == 410 => "relisting",
                                 _ => "retrying with backoff",
@@ -524,7 +636,6 @@ where
                                 c.st.resource
                             );
                         }
-                        c.st.failing = true;
                         c.st.last_error = Some(text);
                         false
                     }

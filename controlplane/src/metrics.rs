@@ -84,7 +84,23 @@ pub struct Metrics {
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
+    api_events: Family<Labels, Counter>,
+    api_errors: Family<Labels, Counter>,
+    api_relists: Family<Labels, Counter>,
+    api_failing: Family<Labels, Gauge>,
+    api_objects: Family<Labels, Gauge>,
     totals: Mutex<Totals>,
+}
+
+/// What the Kubernetes source reports for one watched resource.
+#[derive(Debug, Clone, Default)]
+pub struct ApiCounters {
+    pub resource: String,
+    pub events: u64,
+    pub errors: u64,
+    pub relists: u64,
+    pub failing: bool,
+    pub objects: usize,
 }
 
 impl Default for Metrics {
@@ -142,6 +158,11 @@ impl Metrics {
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
+            api_events: Family::default(),
+            api_errors: Family::default(),
+            api_relists: Family::default(),
+            api_failing: Family::default(),
+            api_objects: Family::default(),
             totals: Mutex::new(Totals::default()),
             registry: Registry::default(),
         };
@@ -238,6 +259,31 @@ impl Metrics {
                 m.snapshot_age.clone(),
             );
             kxp.register(
+                "api_watch_events",
+                "Watch events applied from the API server, by resource",
+                m.api_events.clone(),
+            );
+            kxp.register(
+                "api_watch_errors",
+                "Failed list/watch requests and error events, by resource",
+                m.api_errors.clone(),
+            );
+            kxp.register(
+                "api_relists",
+                "Lists after the first (410 Expired, a watch that could not resume), by resource",
+                m.api_relists.clone(),
+            );
+            kxp.register(
+                "api_watch_failing",
+                "1 while a resource's watch is failing (the last good state is in force)",
+                m.api_failing.clone(),
+            );
+            kxp.register(
+                "api_objects",
+                "Objects held from the API server, by resource",
+                m.api_objects.clone(),
+            );
+            kxp.register(
                 "worker_busy_ratio",
                 "Fraction of time each worker spent processing packets",
                 m.busy.clone(),
@@ -296,6 +342,35 @@ impl Metrics {
         self.livez
             .get_or_create(&label("code", &code.to_string()))
             .inc();
+    }
+
+    /// Takes the Kubernetes source's counters.
+    pub fn update_api(&self, resources: &[ApiCounters]) {
+        let Ok(mut t) = self.totals.lock() else {
+            return;
+        };
+        for r in resources {
+            let l = label("resource", &r.resource);
+            t.advance(
+                &format!("api_events/{}", r.resource),
+                r.events,
+                &self.api_events.get_or_create(&l),
+            );
+            t.advance(
+                &format!("api_errors/{}", r.resource),
+                r.errors,
+                &self.api_errors.get_or_create(&l),
+            );
+            t.advance(
+                &format!("api_relists/{}", r.resource),
+                r.relists,
+                &self.api_relists.get_or_create(&l),
+            );
+            self.api_failing.get_or_create(&l).set(i64::from(r.failing));
+            self.api_objects
+                .get_or_create(&l)
+                .set(to_i64(r.objects as u64));
+        }
     }
 
     /// Takes the dataplane's current totals and gauges.

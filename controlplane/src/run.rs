@@ -253,6 +253,22 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         if last_metrics.elapsed() >= Duration::from_secs(1) {
             last_metrics = Instant::now();
             update_metrics(&metrics, &dp, last_sync);
+            if let Input::Kube { source, .. } = &input {
+                let api: Vec<crate::metrics::ApiCounters> = source
+                    .status()
+                    .resources
+                    .into_iter()
+                    .map(|r| crate::metrics::ApiCounters {
+                        resource: r.resource.to_string(),
+                        events: r.events,
+                        errors: r.errors,
+                        relists: r.relists,
+                        failing: r.failing,
+                        objects: r.objects,
+                    })
+                    .collect();
+                metrics.update_api(&api);
+            }
         }
         if input.changed() {
             pending = true;

@@ -957,6 +957,60 @@ fn kubernetes_source_drives_the_dataplane() {
         "{during} syncs for 1,001 changes in {burst:?}"
     );
 
+    // The API server goes away (watches dropped, every request failing for a while):
+    // traffic keeps flowing on the last good state, the outage shows in kxp's metrics,
+    // and kxp comes back by itself.
+    let metric = |m: &str, name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let api = lab.api.as_ref().unwrap();
+    api.fail_next(12, 500);
+    api.drop_watches();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = node_http(&lab, 10249, "/metrics");
+        if metric(&m, "kxp_api_watch_errors_total{resource=\"services\"}") >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "outage not in metrics (pending {}, {:?}):\n{}",
+            api.pending_failures(),
+            api.request_counts(),
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 3, "{spread:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = node_http(&lab, 10249, "/metrics");
+        let failing: f64 = ["services", "endpointslices", "servicecidrs", "nodes"]
+            .iter()
+            .map(|r| metric(&m, &format!("kxp_api_watch_failing{{resource=\"{r}\"}}")))
+            .sum();
+        if api.pending_failures() == 0 && failing == 0.0 {
+            assert_eq!(
+                metric(&m, "kxp_api_objects{resource=\"services\"}"),
+                1.0,
+                "{m}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no recovery:\n{m}\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
     // The node is being deleted: /healthz 503, /livez still 200 (kube-proxy's rules).
     assert!(health_status(&lab, "/healthz").contains("200"));
     let node = serde_json::json!({

@@ -287,6 +287,11 @@ async fn outage_keeps_last_good_state() {
         status.resources.iter().any(|r| r.last_error.is_some()),
         "{status:?}"
     );
+    // Every watch is up again, also those that had no event to show it.
+    wait_for("no resource failing", Duration::from_secs(20), || {
+        src.status().resources.iter().all(|r| !r.failing)
+    })
+    .await;
     src.stop();
 }
 
@@ -369,7 +374,7 @@ async fn client_requests_are_rate_limited_as_configured() {
     let client = client_from(None, Some(&api.url()), Some(limit))
         .await
         .unwrap();
-    let services: Api<k8s_openapi::api::core::v1::Service> = Api::all(client);
+    let services: Api<k8s_openapi::api::core::v1::Service> = Api::all(client.client);
     let started = std::time::Instant::now();
     for _ in 0..6 {
         services.list(&ListParams::default()).await.unwrap();

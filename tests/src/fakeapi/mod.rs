@@ -285,7 +285,7 @@ impl FakeApi {
             Some(pem) => {
                 // Standard base64, padded.
                 let mut b64 = server::b64_encode(pem.as_bytes());
-                while b64.len() % 4 != 0 {
+                while !b64.len().is_multiple_of(4) {
                     b64.push('=');
                 }
                 format!("\n    certificate-authority-data: {b64}")
