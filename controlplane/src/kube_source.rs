@@ -107,8 +107,11 @@ pub enum ClientError {
 /// outcome of every list and watch request (a tower layer in front of the transport).
 #[derive(Debug, Clone, Default)]
 pub struct ApiObserver {
-    last: Arc<Mutex<std::collections::HashMap<String, (Option<Instant>, Option<Instant>)>>>,
+    last: Arc<Mutex<std::collections::HashMap<String, Outcomes>>>,
 }
+
+/// When a request last succeeded and last failed.
+type Outcomes = (Option<Instant>, Option<Instant>);
 
 impl ApiObserver {
     fn record(&self, path: &str, ok: bool) {
