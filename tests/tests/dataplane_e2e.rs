@@ -1011,6 +1011,31 @@ fn kubernetes_source_drives_the_dataplane() {
         std::thread::sleep(Duration::from_millis(300));
     }
 
+    // A change the watches miss (silenced), then history compacted past it and the
+    // watches dropped: they come back with 410 Expired, relist, and the change (only
+    // web-1 left) still reaches the dataplane.
+    let relists = |m: &str| metric(m, "kxp_api_relists_total{resource=\"endpointslices\"}");
+    let before = relists(&node_http(&lab, 10249, "/metrics"));
+    api.silence_watches(true);
+    api.apply(&variants[0]).unwrap();
+    api.compact(api.resource_version());
+    api.drop_watches();
+    api.silence_watches(false);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = node_http(&lab, 10249, "/metrics");
+        let (spread, _, _) = lab.http_spread(vip(80), 12);
+        if relists(&m) > before && spread.len() == 1 && spread.contains_key("web-1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no relist after 410 ({spread:?}):\n{m}\n{}",
+            lab.log()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
     // The node is being deleted: /healthz 503, /livez still 200 (kube-proxy's rules).
     assert!(health_status(&lab, "/healthz").contains("200"));
     let node = serde_json::json!({
