@@ -179,6 +179,9 @@ fn find(index: &HashTable<u32>, slots: &[Entry], hash: u64, key: &Tuple) -> Opti
         .copied()
 }
 
+/// Flows the index is first sized for.
+const INITIAL_INDEX_FLOWS: usize = 4096;
+
 impl ConnTable {
     /// Largest capacity: slot numbers must fit in 31 bits.
     pub const MAX_CAPACITY: usize = (1 << 31) - 2;
@@ -186,7 +189,8 @@ impl ConnTable {
     /// Size of one entry in the slab, bytes.
     pub const ENTRY_SIZE: usize = size_of::<Entry>();
 
-    /// A table for at most `capacity` flows, all memory reserved now.
+    /// A table for at most `capacity` flows: the entries' memory is reserved now, the
+    /// index grows with the flows.
     ///
     /// # Errors
     /// [`CapacityError`] if `capacity` is 0 or above [`ConnTable::MAX_CAPACITY`], or the
@@ -206,8 +210,14 @@ impl ConnTable {
         let mut slots = Vec::new();
         slots.try_reserve_exact(capacity).map_err(|_| oom.clone())?;
         let hasher = DefaultHashBuilder::default();
+        // The index starts sized for a few thousand flows and doubles as flows arrive
+        // (once per power of two, never shrinking): sized for the full capacity from the
+        // start, a few hot flows would be spread over megabytes of index and every
+        // lookup would miss the caches.
         let mut index = HashTable::new();
-        index.try_reserve(2 * capacity, |_| 0).map_err(|_| oom)?;
+        index
+            .try_reserve(2 * capacity.min(INITIAL_INDEX_FLOWS), |_| 0)
+            .map_err(|_| oom)?;
         Ok(ConnTable {
             slots,
             index,
@@ -255,7 +265,7 @@ impl ConnTable {
         &self.snat
     }
 
-    /// Bytes reserved by the table (slab plus index), all of it allocated up front.
+    /// Bytes reserved by the table now (slab plus index; the index grows with the flows).
     pub fn memory_bytes(&self) -> usize {
         self.slots.capacity() * ConnTable::ENTRY_SIZE + self.index.allocation_size()
     }

@@ -99,6 +99,10 @@ struct Args {
     /// Keep the working directory (trafgen configs, nft ruleset, kxp logs) and print it.
     #[arg(long)]
     keep: bool,
+    /// The generator: trafgen (`-t 0`, one sendto per packet: the setup) or xsk
+    /// (the same packets in batches on an AF_XDP socket: `xsk-gen`, built alongside).
+    #[arg(long, default_value = "trafgen")]
+    generator: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -481,7 +485,27 @@ impl Lab {
         Ok(p)
     }
 
-    fn start_trafgen(&self, cfg: &Path, max_packets: u64, tag: &str) -> anyhow::Result<Proc> {
+    fn start_trafgen(
+        &self,
+        cfg: &Path,
+        mode: Mode,
+        plan: &Plan,
+        max_packets: u64,
+        tag: &str,
+    ) -> anyhow::Result<Proc> {
+        if let Some(gen_bin) = &plan.xsk_gen {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", &self.genns, "taskset", "-c"])
+                .arg(GEN_CPU.to_string())
+                .arg(gen_bin)
+                .args(["--dev", "eth0", "--mode", mode.name()])
+                .args(["--src-mac", &self.gen_mac, "--dst-mac", &self.rg_mac])
+                .args(["--src-ip", GEN_IP, "--dst-ip", VIP])
+                .args(["--dport", &SINK_PORT.to_string()])
+                .arg("--max")
+                .arg(max_packets.to_string());
+            return Proc::spawn(cmd, "xsk-gen", &self.dir.join(format!("xsk-gen-{tag}.log")));
+        }
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.genns, "taskset", "-c"])
             .arg(GEN_CPU.to_string())
@@ -1225,6 +1249,8 @@ struct CaseResult {
 
 #[derive(Debug, Clone)]
 struct Plan {
+    /// `None`: trafgen; `Some(path)`: the AF_XDP generator at `path`.
+    xsk_gen: Option<PathBuf>,
     runs: usize,
     secs: f64,
     warm: f64,
@@ -1282,6 +1308,7 @@ fn wait_quiet(lab: &Lab, plan: &Plan, ours: &[u32]) -> anyhow::Result<f64> {
 fn run_once(
     lab: &Lab,
     cfg: &Path,
+    mode: Mode,
     plan: &Plan,
     tag: &str,
     probe: bool,
@@ -1289,7 +1316,7 @@ fn run_once(
 ) -> anyhow::Result<(RunResult, Option<Latency>)> {
     wait_quiet(lab, plan, ours)?;
     let max_packets = ((plan.warm + plan.secs + 5.0) * 5e6) as u64;
-    let mut tg = lab.start_trafgen(cfg, max_packets, tag)?;
+    let mut tg = lab.start_trafgen(cfg, mode, plan, max_packets, tag)?;
     let mut ours = ours.to_vec();
     ours.push(tg.child.id());
     lab.stop.sleep(Duration::from_secs_f64(plan.warm))?;
@@ -1351,6 +1378,7 @@ fn run_mode(
         let (r, _) = run_once(
             lab,
             &cfg,
+            mode,
             plan,
             &format!("{name}-{}-{i}", mode.name()),
             false,
@@ -1378,6 +1406,7 @@ fn run_mode(
         let (r, lat) = run_once(
             lab,
             &cfg,
+            mode,
             &lat_plan,
             &format!("{name}-{}-lat", mode.name()),
             true,
@@ -1559,7 +1588,12 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
         plan.runs, plan.secs
     );
     println!(
-        "generator trafgen -t 0 on CPU{GEN_CPU}, router on CPU{ROUTER_CPU}; Mpps = packets/s counted at the backend's interface"
+        "generator {} on CPU{GEN_CPU}, router on CPU{ROUTER_CPU}; Mpps = packets/s counted at the backend's interface",
+        if plan.xsk_gen.is_some() {
+            "xsk-gen (AF_XDP, batches of 64)"
+        } else {
+            "trafgen -t 0"
+        }
     );
     println!(
         "load average before {} / after {}; offered = trafgen's own count, dropped = lost before the backend (Mpps); CPU busy/softirq % over the last est. run; others = most CPU (% of one) other processes used in any run",
@@ -1720,7 +1754,22 @@ fn real_main() -> anyhow::Result<()> {
     } else {
         PathBuf::new()
     };
+    let xsk_gen = match args.generator.as_str() {
+        "trafgen" => None,
+        "xsk" => {
+            let p = std::env::current_exe()?.with_file_name("xsk-gen");
+            if !p.exists() {
+                bail!(
+                    "{} missing: cargo build --release -p kxp-bench --bin xsk-gen",
+                    p.display()
+                );
+            }
+            Some(p)
+        }
+        g => bail!("unknown generator {g:?} (trafgen, xsk)"),
+    };
     let plan = Plan {
+        xsk_gen,
         runs: args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
         secs: args.secs.unwrap_or(if args.quick { 1.0 } else { 3.0 }),
         warm: if args.quick { 0.5 } else { 1.0 },

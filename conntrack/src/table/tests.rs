@@ -504,10 +504,23 @@ fn bad_arguments_are_errors_not_panics() {
 
 #[test]
 fn entries_are_compact() {
-    let t = table(1 << 16);
+    // Full, so that the index has grown to its size for the whole capacity.
+    let mut t = table(1 << 16);
+    let empty = t.memory_bytes();
+    for p in 0..(1u32 << 16) {
+        let (o, r) = flow(Protocol::Udp, (p % 65_535 + 1) as u16);
+        let o = Tuple {
+            src: std::net::IpAddr::from([10, 9, (p >> 16) as u8 + 1, (p >> 8) as u8]),
+            ..o
+        };
+        let r = Tuple { dst: o.src, ..r };
+        t.insert(o, r, 0, 0, 0).unwrap();
+    }
     let per = t.bytes_per_entry_estimate();
     // Slab entry plus two 4-byte index slots and their control bytes, with load slack.
     assert!(per <= ConnTable::ENTRY_SIZE + 24, "{per}");
+    // The index started small: a few hot flows stay in a few cache lines.
+    assert!(empty < t.memory_bytes(), "{empty} {}", t.memory_bytes());
 }
 
 /// Random operations against the invariants: a deterministic xorshift, no wall clock.
