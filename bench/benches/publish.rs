@@ -38,7 +38,11 @@ fn publish(c: &mut Criterion) {
         .noise_threshold(0.03)
         .measurement_time(Duration::from_secs(3));
     for contended in [false, true] {
-        let label = if contended { "publisher_running" } else { "alone" };
+        let label = if contended {
+            "publisher_running"
+        } else {
+            "alone"
+        };
         let swap = Arc::new(ArcSwap::from_pointee(snap(0)));
         let atomic = Arc::new(Atomic::new(snap(0)));
         let stop = Arc::new(AtomicBool::new(false));

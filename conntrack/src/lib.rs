@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 mod entry;
+mod index;
 mod reclaim;
 mod snat;
 mod table;

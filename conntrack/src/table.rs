@@ -3,9 +3,10 @@
 //! Layout, for a million entries per worker without a million allocations:
 //! - `slots: Vec<Entry>` reserved once at the full capacity (untouched pages cost no
 //!   memory); freed slots are chained through `Entry::next` and reused.
-//! - `index: HashTable<u32>` holds, per tuple, `slot << 1 | direction`: 4 bytes, not a
-//!   copy of the 40-byte tuple. Equality is checked against the slab. It is reserved for
-//!   `2 × capacity` so it never grows on the packet path.
+//! - `index` ([`crate::index`]) holds, per tuple, `slot << 1 | direction`: 4 bytes, not a
+//!   copy of the 40-byte tuple, next to a 16-bit tag in one cache line per bucket.
+//!   Equality is checked against the slab. It starts small and doubles as flows arrive,
+//!   so a few hot flows stay in a few cache lines.
 //! - Unassured live entries are also on a doubly linked list through `prev`/`next`, oldest
 //!   first, so early drop finds its victim in O(1) (see [`crate`] docs for the policy).
 //!
@@ -16,10 +17,11 @@ use std::hash::BuildHasher;
 use std::mem::size_of;
 use std::net::{IpAddr, SocketAddr};
 
-use hashbrown::{DefaultHashBuilder, HashTable};
+use hashbrown::DefaultHashBuilder;
 use nat::{Protocol, Tuple};
 
 use crate::entry::{Direction, Entry, NIL, flag};
+use crate::index::FlowIndex;
 use crate::snat::SnatPorts;
 use crate::timeouts::{Timeouts, TimeoutsNs};
 use crate::track::{self, Outcome, Update};
@@ -129,7 +131,7 @@ impl Hit<'_> {
 #[derive(Debug)]
 pub struct ConnTable {
     pub(crate) slots: Vec<Entry>,
-    pub(crate) index: HashTable<u32>,
+    pub(crate) index: FlowIndex,
     pub(crate) hasher: DefaultHashBuilder,
     pub(crate) capacity: usize,
     pub(crate) len: usize,
@@ -170,13 +172,11 @@ fn hash_tuple(hasher: &DefaultHashBuilder, t: &Tuple) -> u64 {
 }
 
 /// Looks a tuple up; a free function so callers can borrow other fields meanwhile.
-fn find(index: &HashTable<u32>, slots: &[Entry], hash: u64, key: &Tuple) -> Option<u32> {
-    index
-        .find(hash, |&v| {
-            let (slot, dir) = unpack(v);
-            slots.get(slot).is_some_and(|e| e.tuple(dir) == key)
-        })
-        .copied()
+fn find(index: &FlowIndex, slots: &[Entry], hash: u64, key: &Tuple) -> Option<u32> {
+    index.find(hash, |v| {
+        let (slot, dir) = unpack(v);
+        slots.get(slot).is_some_and(|e| e.tuple(dir) == key)
+    })
 }
 
 /// Flows the index is first sized for.
@@ -214,10 +214,8 @@ impl ConnTable {
         // (once per power of two, never shrinking): sized for the full capacity from the
         // start, a few hot flows would be spread over megabytes of index and every
         // lookup would miss the caches.
-        let mut index = HashTable::new();
-        index
-            .try_reserve(2 * capacity.min(INITIAL_INDEX_FLOWS), |_| 0)
-            .map_err(|_| oom)?;
+        let index =
+            FlowIndex::try_with_capacity(2 * capacity.min(INITIAL_INDEX_FLOWS)).ok_or(oom)?;
         Ok(ConnTable {
             slots,
             index,
@@ -356,12 +354,12 @@ impl ConnTable {
             hasher,
             ..
         } = self;
-        let rehash = |&v: &u32| {
+        let rehash = |v: u32| {
             let (s, d) = unpack(v);
             slots.get(s).map_or(0, |e| hash_tuple(hasher, e.tuple(d)))
         };
         for (dir, hash) in dirs.into_iter().zip(hashes) {
-            index.insert_unique(hash, pack(slot, dir), rehash);
+            index.insert(hash, pack(slot, dir), rehash);
         }
         self.push_unassured(slot);
         self.len += 1;
@@ -467,10 +465,7 @@ impl ConnTable {
         let e = &self.slots[slot];
         for dir in [Direction::Original, Direction::Reply] {
             let hash = hash_tuple(&self.hasher, e.tuple(dir));
-            let v = pack(slot, dir);
-            if let Ok(found) = self.index.find_entry(hash, |&x| x == v) {
-                found.remove();
-            }
+            self.index.remove(hash, pack(slot, dir));
         }
         if !e.is_assured() {
             self.unlink_unassured(slot);

@@ -1,0 +1,231 @@
+//! The flow index: hash → `u32` values (slot and direction), one cache line per bucket.
+//!
+//! A general-purpose hash table keeps its tags and its values in two arrays, so a lookup
+//! of a cold key misses the cache twice before it even reaches the flow; with a full
+//! table of random flows (a new connection per packet) those misses are most of the
+//! lookup. Here a bucket is one 64-byte line with ten 16-bit tags (from the hash's top
+//! bits; 0 = empty), their ten values and an overflow count, so a lookup misses once.
+//!
+//! Collisions probe the following buckets (linear, bucket by bucket). Each bucket
+//! counts the entries that had to move past it; a lookup stops at the first bucket whose
+//! count is zero, and a removal decrements the counts it had incremented. The table
+//! doubles when it is 90% full and never shrinks. No `unsafe`.
+
+/// Entries per bucket.
+const WAYS: usize = 10;
+
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Bucket {
+    tags: [u16; WAYS],
+    vals: [u32; WAYS],
+    /// Entries homed at an earlier bucket that are stored at or after the next one.
+    overflow: u32,
+}
+
+const _: () = assert!(size_of::<Bucket>() == 64);
+
+/// See the module docs.
+#[derive(Debug, Clone)]
+pub(crate) struct FlowIndex {
+    buckets: Vec<Bucket>,
+    len: usize,
+}
+
+#[inline]
+fn tag(hash: u64) -> u16 {
+    ((hash >> 48) as u16).max(1)
+}
+
+impl FlowIndex {
+    /// An index with room for `entries` before it first grows (`None` if that memory
+    /// cannot be had).
+    pub(crate) fn try_with_capacity(entries: usize) -> Option<FlowIndex> {
+        let buckets = (entries * 10).div_ceil(9 * WAYS).next_power_of_two().max(2);
+        let mut v = Vec::new();
+        v.try_reserve_exact(buckets).ok()?;
+        v.resize(buckets, Bucket::default());
+        Some(FlowIndex { buckets: v, len: 0 })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn allocation_size(&self) -> usize {
+        self.buckets.len() * size_of::<Bucket>()
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.buckets.len() - 1
+    }
+
+    /// The value with this hash for which `eq` holds.
+    #[inline]
+    pub(crate) fn find(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
+        let t = tag(hash);
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        for _ in 0..self.buckets.len() {
+            let b = &self.buckets[i];
+            for k in 0..WAYS {
+                if b.tags[k] == t && eq(b.vals[k]) {
+                    return Some(b.vals[k]);
+                }
+            }
+            if b.overflow == 0 {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// Adds `v` under `hash` (the caller knows it is not there); `rehash` gives the hash
+    /// of a value already in, for growing.
+    pub(crate) fn insert(&mut self, hash: u64, v: u32, rehash: impl Fn(u32) -> u64) {
+        if (self.len + 1) * 10 > self.buckets.len() * WAYS * 9 {
+            self.grow(&rehash);
+        }
+        self.place(hash, v);
+        self.len += 1;
+    }
+
+    fn place(&mut self, hash: u64, v: u32) {
+        let t = tag(hash);
+        let mask = self.mask();
+        let mut i = hash as usize & mask;
+        loop {
+            let b = &mut self.buckets[i];
+            if let Some(k) = b.tags.iter().position(|&x| x == 0) {
+                b.tags[k] = t;
+                b.vals[k] = v;
+                return;
+            }
+            b.overflow += 1;
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn grow(&mut self, rehash: &impl Fn(u32) -> u64) {
+        let doubled = vec![Bucket::default(); self.buckets.len() * 2];
+        let old = std::mem::replace(&mut self.buckets, doubled);
+        for b in &old {
+            for k in 0..WAYS {
+                if b.tags[k] != 0 {
+                    self.place(rehash(b.vals[k]), b.vals[k]);
+                }
+            }
+        }
+    }
+
+    /// Removes `v` stored under `hash`; returns whether it was there.
+    pub(crate) fn remove(&mut self, hash: u64, v: u32) -> bool {
+        let t = tag(hash);
+        let mask = self.mask();
+        let home = hash as usize & mask;
+        let mut i = home;
+        for _ in 0..self.buckets.len() {
+            let b = &mut self.buckets[i];
+            if let Some(k) = (0..WAYS).find(|&k| b.tags[k] == t && b.vals[k] == v) {
+                b.tags[k] = 0;
+                let mut j = home;
+                while j != i {
+                    self.buckets[j].overflow -= 1;
+                    j = (j + 1) & mask;
+                }
+                self.len -= 1;
+                return true;
+            }
+            if b.overflow == 0 {
+                return false;
+            }
+            i = (i + 1) & mask;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// A hash that piles keys onto few buckets, to exercise overflow chains.
+    fn clustered(v: u32) -> u64 {
+        let h = u64::from(v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (h & 0xFFFF_0000_0000_0000) | u64::from(v % 7)
+    }
+
+    #[test]
+    fn random_operations_agree_with_a_map() {
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut rand = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for hash in [clustered as fn(u32) -> u64, |v| {
+            u64::from(v)
+                .wrapping_mul(0xD6E8_FEB8_6659_FD93)
+                .rotate_left(17)
+        }] {
+            let mut ix = FlowIndex::try_with_capacity(8).unwrap();
+            let mut model: HashMap<u32, ()> = HashMap::new();
+            for _ in 0..20_000 {
+                let v = rand(600) as u32;
+                match rand(3) {
+                    0 | 1 if !model.contains_key(&v) => {
+                        ix.insert(hash(v), v, hash);
+                        model.insert(v, ());
+                    }
+                    _ => {
+                        assert_eq!(ix.remove(hash(v), v), model.remove(&v).is_some());
+                    }
+                }
+                let probe = rand(600) as u32;
+                assert_eq!(
+                    ix.find(hash(probe), |x| x == probe),
+                    model.contains_key(&probe).then_some(probe)
+                );
+                assert_eq!(ix.len(), model.len());
+            }
+            // Every overflow count is exactly the entries that passed the bucket.
+            let mask = ix.mask();
+            let mut want = vec![0u32; ix.buckets.len()];
+            for (i, b) in ix.buckets.iter().enumerate() {
+                for k in 0..WAYS {
+                    if b.tags[k] != 0 {
+                        let mut j = hash(b.vals[k]) as usize & mask;
+                        while j != i {
+                            want[j] += 1;
+                            j = (j + 1) & mask;
+                        }
+                    }
+                }
+            }
+            let have: Vec<u32> = ix.buckets.iter().map(|b| b.overflow).collect();
+            assert_eq!(have, want);
+        }
+    }
+
+    #[test]
+    fn grows_when_nine_tenths_full() {
+        let h = |v: u32| u64::from(v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut ix = FlowIndex::try_with_capacity(18).unwrap();
+        assert_eq!(ix.buckets.len(), 2);
+        for v in 0..18 {
+            ix.insert(h(v), v, h);
+        }
+        assert_eq!(ix.buckets.len(), 2);
+        ix.insert(h(18), 18, h);
+        assert_eq!(ix.buckets.len(), 4);
+        for v in 0..19 {
+            assert_eq!(ix.find(h(v), |x| x == v), Some(v));
+        }
+    }
+}
