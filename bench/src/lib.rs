@@ -1,5 +1,6 @@
 //! Shared set-up for kxp's benchmarks: synthetic clusters of any size, built from real
 //! Kubernetes objects so that benchmarks exercise the same path as `kxp`.
+#![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};

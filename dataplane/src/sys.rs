@@ -105,3 +105,86 @@ pub fn enter_netns(name: &str) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Sends `sig` to the process group `pgid` (a child started in its own group).
+///
+/// # Errors
+/// kill(2) failed (no such group, not permitted).
+pub fn signal_group(pgid: u32, sig: libc::c_int) -> io::Result<()> {
+    let pgid = libc::pid_t::try_from(pgid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pgid out of range"))?;
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
+    if unsafe { libc::kill(-pgid, sig) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Clock ticks per second (`sysconf(_SC_CLK_TCK)`, the unit of /proc/PID/stat times).
+pub fn clock_ticks_per_sec() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    u64::try_from(hz).ok().filter(|&h| h > 0).unwrap_or(100)
+}
+
+/// Asks the kernel to stamp every datagram received on `fd` (SO_TIMESTAMPNS).
+///
+/// # Errors
+/// setsockopt(2) failed.
+pub fn enable_rx_timestamps(fd: RawFd) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: `one` is a c_int that outlives the call and its size is passed; the kernel
+    // only reads it.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TIMESTAMPNS,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// recvmsg(2) into `buf`, with the kernel's receive timestamp (CLOCK_REALTIME, ns) when
+/// [`enable_rx_timestamps`] is on.
+///
+/// # Errors
+/// recvmsg(2) failed (e.g. `WouldBlock` on a timeout).
+pub fn recv_with_timestamp(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<u64>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut control = [0u64; 16];
+    // SAFETY: msghdr is plain data for which all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: `msg` points at `iov` (which points at `buf`) and at `control`, all alive
+    // and writable for the duration of the call, with their lengths.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut ts = None;
+    // SAFETY: the CMSG_* macros walk the control buffer the kernel just filled, bounded
+    // by msg_controllen; SCM_TIMESTAMPNS carries a struct timespec, read unaligned.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                let t: libc::timespec = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
+                ts = Some(t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64);
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n as usize, ts))
+}

@@ -1,4 +1,5 @@
 //! Helpers for kxp's end-to-end tests.
+#![forbid(unsafe_code)]
 
 pub mod fakeapi;
 

@@ -22,11 +22,12 @@
 //! 198.18.0.0/15 only; the namespaces (with their veths, rules, XDP programs and
 //! conntrack entries) are deleted when the program ends, also on an error or Ctrl-C.
 //! See `bench/MACRO.md`.
+#![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
 use std::io;
 use std::net::{SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -215,12 +216,8 @@ impl Proc {
     }
 
     fn signal(&self, sig: libc::c_int) {
-        let pgid = self.child.id() as libc::pid_t;
-        // SAFETY: kill(2) with a negative pid signals the process group we created for
-        // this child (process_group(0) made its pid the group id); no memory is involved.
-        unsafe {
-            libc::kill(-pgid, sig);
-        }
+        // process_group(0) made the child's pid its group id.
+        let _ = dataplane::sys::signal_group(self.child.id(), sig);
     }
 
     fn running(&mut self) -> bool {
@@ -587,8 +584,7 @@ fn foreign_pct(
     b: &std::collections::HashMap<u32, u64>,
     secs: f64,
 ) -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let hz = dataplane::sys::clock_ticks_per_sec() as f64;
     let ticks: u64 = b
         .iter()
         .map(|(pid, t)| t.saturating_sub(a.get(pid).copied().unwrap_or(0)))
@@ -896,6 +892,16 @@ impl Drop for Router<'_> {
                 if self.case == Case::KxpBusyPoll {
                     let _ = lab.napi_knobs(0, 0);
                 }
+                if self.case == Case::KxpThreaded {
+                    // Back to softirq NAPI, or the next cases would inherit the kthreads.
+                    let (rg, rb) = (&lab.rg, &lab.rb);
+                    let _ = sh_in(
+                        &lab.router,
+                        &format!(
+                            "echo 0 > /sys/class/net/{rg}/threaded; echo 0 > /sys/class/net/{rb}/threaded"
+                        ),
+                    );
+                }
             }
         }
     }
@@ -989,60 +995,6 @@ fn realtime_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn enable_rx_timestamps(fd: RawFd) -> io::Result<()> {
-    let one: libc::c_int = 1;
-    // SAFETY: `one` is a c_int that outlives the call and its size is passed; the kernel
-    // only reads it.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_TIMESTAMPNS,
-            (&one as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// recvmsg with the kernel's receive timestamp (CLOCK_REALTIME ns) when there is one.
-fn recv_with_ts(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<u64>)> {
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    let mut control = [0u64; 16];
-    // SAFETY: msghdr is plain data for which all-zero is a valid value.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control);
-    // SAFETY: `msg` points at `iov` (which points at `buf`) and at `control`, all alive
-    // and writable for the duration of the call, with their lengths.
-    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut ts = None;
-    // SAFETY: the CMSG_* macros walk the control buffer the kernel just filled, bounded
-    // by msg_controllen; SCM_TIMESTAMPNS carries a struct timespec, read unaligned.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
-                let t: libc::timespec = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
-                ts = Some(t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64);
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
-        }
-    }
-    Ok((n as usize, ts))
-}
-
 #[derive(Debug, Clone)]
 struct Latency {
     hist: Histogram<u64>,
@@ -1119,7 +1071,7 @@ impl Probe {
         let rx = controlplane::demo::spawn_in(&lab.back, move || -> anyhow::Result<Latency> {
             let _ = dataplane::sys::pin_to_cpu(GEN_CPU);
             let sock = match UdpSocket::bind(("0.0.0.0", PROBE_PORT)).and_then(|s| {
-                enable_rx_timestamps(s.as_raw_fd())?;
+                dataplane::sys::enable_rx_timestamps(s.as_raw_fd())?;
                 s.set_read_timeout(Some(Duration::from_millis(20)))?;
                 Ok(s)
             }) {
@@ -1144,7 +1096,7 @@ impl Probe {
                 if drain_until.is_some_and(|d| now > d) || now > hard_end {
                     break;
                 }
-                if let Ok((n, ts)) = recv_with_ts(sock.as_raw_fd(), &mut buf)
+                if let Ok((n, ts)) = dataplane::sys::recv_with_timestamp(sock.as_raw_fd(), &mut buf)
                     && n >= 16
                     && u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) == PROBE_MAGIC
                 {

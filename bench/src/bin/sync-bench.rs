@@ -14,6 +14,7 @@
 //!   XDP maps) and the latency from the write to the sync's log line.
 //!
 //! `sudo cargo run --release -p kxp-bench --bin sync-bench [-- --services N --changes K]`
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

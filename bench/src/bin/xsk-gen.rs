@@ -9,6 +9,7 @@
 //!
 //! Stops after `--max` packets or at SIGINT/SIGTERM and prints trafgen's closing lines
 //! (`N packets outgoing`, `S sec, U usec on CPU0`) so the benchmark reads both alike.
+#![forbid(unsafe_code)]
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
