@@ -190,3 +190,47 @@ fn bad_flag_values_are_usage_errors() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("is not a duration"), "{err}");
 }
+
+/// The README's first command: `kxp demo` builds its namespaces, spreads 300 HTTP
+/// connections over three backends, shows the refusal once scaled to zero, and leaves
+/// nothing behind.
+#[test]
+fn demo_runs_end_to_end_and_cleans_up() {
+    let child = Command::new(kxp_bin())
+        .arg("demo")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    let spread = out
+        .lines()
+        .find(|l| l.starts_with("300 HTTP connections"))
+        .unwrap_or_else(|| panic!("no spread line:\n{out}"));
+    assert!(spread.contains("(0 failed)"), "{spread}");
+    for backend in ["web-1", "web-2", "web-3"] {
+        assert!(spread.contains(backend), "{spread}");
+    }
+    assert!(out.contains("the next connection was refused"), "{out}");
+    assert!(
+        out.contains("XDP programs left on the interfaces: none"),
+        "{out}"
+    );
+    assert!(out.contains("removed the namespaces"), "{out}");
+    let ns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let suffix = format!("-{pid}");
+    let left: Vec<String> = String::from_utf8_lossy(&ns.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("kxd-") && n.ends_with(&suffix))
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "demo namespaces left behind: {left:?}");
+}
