@@ -55,6 +55,14 @@ fn changed_slice(o: &Objects, i: usize, n: u32) -> Arc<EndpointSlice> {
     Arc::new(s)
 }
 
+/// The next slice to change (spread over all of them) and its changed version.
+fn next_change(o: &Objects, n: &std::cell::Cell<u32>) -> ((String, String), Arc<EndpointSlice>) {
+    n.set(n.get() + 1);
+    let i = (n.get() as usize * 7919) % o.slices.len();
+    let s = changed_slice(o, i, n.get());
+    (key(&s), s)
+}
+
 fn key(s: &EndpointSlice) -> (String, String) {
     (
         s.metadata.namespace.clone().unwrap_or_default(),
@@ -77,12 +85,7 @@ fn sync(c: &mut Criterion) {
     g.sample_size(50).measurement_time(Duration::from_secs(5));
     g.bench_function("one_endpoint_slice_changed", |b| {
         b.iter_batched(
-            || {
-                n.set(n.get() + 1);
-                let i = (n.get() as usize * 7919) % o.slices.len();
-                let s = changed_slice(&o, i, n.get());
-                (key(&s), s)
-            },
+            || next_change(&o, &n),
             |(k, s)| {
                 t.apply_slice(k, Some(s));
                 let synced = t.sync(u64::from(n.get()) + 1);
@@ -95,12 +98,7 @@ fn sync(c: &mut Criterion) {
     let mut held = None;
     g.bench_function("one_endpoint_slice_changed_snapshot_held", |b| {
         b.iter_batched(
-            || {
-                n.set(n.get() + 1);
-                let i = (n.get() as usize * 7919) % o.slices.len();
-                let s = changed_slice(&o, i, n.get());
-                (key(&s), s)
-            },
+            || next_change(&o, &n),
             |(k, s)| {
                 t.apply_slice(k, Some(s));
                 let synced = t.sync(u64::from(n.get()) + 1);

@@ -312,6 +312,23 @@ impl Drop for KxpProcess {
     }
 }
 
+/// Whether `http://addr/healthz` answers 200 now, asked from inside `ns`.
+///
+/// # Errors
+/// The namespace cannot be entered.
+pub fn healthz_ok(ns: &str, addr: SocketAddr) -> anyhow::Result<bool> {
+    join(spawn_in(ns, move || -> bool {
+        let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let _ = s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n");
+        let mut r = String::new();
+        let _ = s.read_to_string(&mut r);
+        r.starts_with("HTTP/1.1 200")
+    }))
+}
+
 /// Waits until `http://addr/healthz` answers 200 from inside `ns`.
 pub fn wait_healthy(
     ns: &str,
@@ -327,17 +344,7 @@ pub fn wait_healthy(
                 kxp.log_text()
             );
         }
-        let ok = join(spawn_in(ns, move || -> bool {
-            let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
-                return false;
-            };
-            let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-            let _ = s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n");
-            let mut r = String::new();
-            let _ = s.read_to_string(&mut r);
-            r.starts_with("HTTP/1.1 200")
-        }))?;
-        if ok {
+        if healthz_ok(ns, addr)? {
             return Ok(());
         }
         if Instant::now() > deadline {

@@ -177,15 +177,6 @@ impl ServiceHealthServers {
         touched.insert(key);
     }
 
-    /// The Services served now, with their port and local endpoint count.
-    pub fn served(&self) -> Vec<(ObjKey, u16, usize)> {
-        lock(&self.state)
-            .services
-            .iter()
-            .map(|(k, i)| (k.clone(), i.port, i.endpoints))
-            .collect()
-    }
-
     /// Closes every listener and stops the thread.
     pub fn stop(mut self) {
         self.stop.store(true, Ordering::Relaxed);

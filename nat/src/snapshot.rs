@@ -188,18 +188,6 @@ impl Snapshot {
         }
     }
 
-    /// Indexes `ports` (in any order: conflicts are settled by name).
-    pub fn new(generation: u64, node: Arc<NodeContext>, ports: Vec<Arc<ServicePort>>) -> Self {
-        let mut ix = Indexer::default();
-        for p in ports {
-            ix.insert(p);
-        }
-        let mut s = Snapshot::empty(generation, node);
-        s.apply(&ix.take_ops());
-        s.conflicts = ix.conflicts();
-        s
-    }
-
     /// Applies an [`Indexer`]'s changes in order.
     pub fn apply(&mut self, ops: &[Op]) {
         for op in ops {

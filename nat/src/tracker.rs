@@ -38,6 +38,28 @@ fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> 
     )
 }
 
+/// Whether `new` is what is held already (the same `Arc`, or an equal object).
+fn unchanged<T: PartialEq>(held: Option<&Arc<T>>, new: Option<&Arc<T>>) -> bool {
+    match (held, new) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+        (None, None) => true,
+        _ => false,
+    }
+}
+
+/// The changes that make a kind's objects `objs`: each of them (applying an unchanged
+/// one is a no-op), then a deletion for every `held` key not among them.
+fn replacement<K: Ord + Clone, T>(
+    objs: impl IntoIterator<Item = Arc<T>>,
+    key: impl Fn(&T) -> K,
+    held: impl Iterator<Item = K>,
+) -> Vec<(K, Option<Arc<T>>)> {
+    let mut out: Vec<(K, Option<Arc<T>>)> = objs.into_iter().map(|o| (key(&o), Some(o))).collect();
+    let seen: BTreeSet<K> = out.iter().map(|(k, _)| k.clone()).collect();
+    out.extend(held.filter(|k| !seen.contains(k)).map(|k| (k, None)));
+    out
+}
+
 /// What a sync produced.
 #[derive(Debug)]
 pub struct Synced {
@@ -143,12 +165,7 @@ impl Tracker {
 
     /// A Service added or changed (`Some`) or deleted (`None`).
     pub fn apply_service(&mut self, key: ObjKey, svc: Option<Arc<Service>>) {
-        let same = match (self.services.get(&key), &svc) {
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-            (None, None) => true,
-            _ => false,
-        };
-        if same {
+        if unchanged(self.services.get(&key), svc.as_ref()) {
             return;
         }
         match svc {
@@ -161,12 +178,7 @@ impl Tracker {
 
     /// An EndpointSlice added or changed (`Some`) or deleted (`None`).
     pub fn apply_slice(&mut self, key: ObjKey, slice: Option<Arc<EndpointSlice>>) {
-        let same = match (self.slices.get(&key), &slice) {
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-            (None, None) => true,
-            _ => false,
-        };
-        if same {
+        if unchanged(self.slices.get(&key), slice.as_ref()) {
             return;
         }
         self.changed_slices.insert(key.clone());
@@ -221,12 +233,7 @@ impl Tracker {
 
     /// A Node added or changed (`Some`) or deleted (`None`).
     pub fn apply_node(&mut self, name: String, node: Option<Arc<Node>>) {
-        let changed = match (self.nodes.get(&name), &node) {
-            (Some(a), Some(b)) => !(Arc::ptr_eq(a, b) || a == b),
-            (None, None) => false,
-            _ => true,
-        };
-        if !changed {
+        if unchanged(self.nodes.get(&name), node.as_ref()) {
             return;
         }
         match node {
@@ -240,12 +247,7 @@ impl Tracker {
 
     /// A ServiceCIDR added or changed (`Some`) or deleted (`None`).
     pub fn apply_service_cidr(&mut self, name: String, cidr: Option<Arc<ServiceCIDR>>) {
-        let changed = match (self.cidrs.get(&name), &cidr) {
-            (Some(a), Some(b)) => !(Arc::ptr_eq(a, b) || a == b),
-            (None, None) => false,
-            _ => true,
-        };
-        if !changed {
+        if unchanged(self.cidrs.get(&name), cidr.as_ref()) {
             return;
         }
         match cidr {
@@ -258,77 +260,33 @@ impl Tracker {
     /// Makes the tracked Services what `objs` holds: new and changed ones applied,
     /// missing ones deleted. Unchanged objects (same `Arc`, or equal) cost a comparison.
     pub fn replace_services(&mut self, objs: impl IntoIterator<Item = Arc<Service>>) {
-        let mut seen = BTreeSet::new();
-        for o in objs {
-            let k = key_of(&o.metadata);
-            seen.insert(k.clone());
-            self.apply_service(k, Some(o));
-        }
-        let gone: Vec<ObjKey> = self
-            .services
-            .keys()
-            .filter(|k| !seen.contains(*k))
-            .cloned()
-            .collect();
-        for k in gone {
-            self.apply_service(k, None);
+        let held = self.services.keys().cloned();
+        for (k, o) in replacement(objs, |o| key_of(&o.metadata), held) {
+            self.apply_service(k, o);
         }
     }
 
     /// As [`Self::replace_services`], for EndpointSlices.
     pub fn replace_slices(&mut self, objs: impl IntoIterator<Item = Arc<EndpointSlice>>) {
-        let mut seen = BTreeSet::new();
-        for o in objs {
-            let k = key_of(&o.metadata);
-            seen.insert(k.clone());
-            self.apply_slice(k, Some(o));
-        }
-        let gone: Vec<ObjKey> = self
-            .slices
-            .keys()
-            .filter(|k| !seen.contains(*k))
-            .cloned()
-            .collect();
-        for k in gone {
-            self.apply_slice(k, None);
+        let held = self.slices.keys().cloned();
+        for (k, o) in replacement(objs, |o| key_of(&o.metadata), held) {
+            self.apply_slice(k, o);
         }
     }
 
     /// As [`Self::replace_services`], for Nodes.
     pub fn replace_nodes(&mut self, objs: impl IntoIterator<Item = Arc<Node>>) {
-        let mut seen = BTreeSet::new();
-        for o in objs {
-            let k = o.metadata.name.clone().unwrap_or_default();
-            seen.insert(k.clone());
-            self.apply_node(k, Some(o));
-        }
-        let gone: Vec<String> = self
-            .nodes
-            .keys()
-            .filter(|k| !seen.contains(*k))
-            .cloned()
-            .collect();
-        for k in gone {
-            self.apply_node(k, None);
+        let held = self.nodes.keys().cloned();
+        for (k, o) in replacement(objs, |o| o.metadata.name.clone().unwrap_or_default(), held) {
+            self.apply_node(k, o);
         }
     }
 
     /// As [`Self::replace_services`], for ServiceCIDRs.
     pub fn replace_service_cidrs(&mut self, objs: impl IntoIterator<Item = Arc<ServiceCIDR>>) {
-        let mut seen = BTreeSet::new();
-        for o in objs {
-            let k = o.metadata.name.clone().unwrap_or_default();
-            seen.insert(k.clone());
-            self.apply_service_cidr(k, Some(o));
-        }
-        let gone: Vec<String> = self
-            .cidrs
-            .keys()
-            .filter(|k| !seen.contains(*k))
-            .cloned()
-            .collect();
-        for k in gone {
-            self.apply_service_cidr(k, None);
+        let held = self.cidrs.keys().cloned();
+        for (k, o) in replacement(objs, |o| o.metadata.name.clone().unwrap_or_default(), held) {
+            self.apply_service_cidr(k, o);
         }
     }
 

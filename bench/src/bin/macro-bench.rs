@@ -905,20 +905,7 @@ fn wait_healthy(lab: &Lab, p: &mut Proc) -> anyhow::Result<()> {
         if !p.running() {
             bail!("kxp run exited before becoming healthy:\n{}", p.log_text());
         }
-        let ok = controlplane::demo::spawn_in(&lab.router, move || {
-            use std::io::{Read as _, Write as _};
-            let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200))
-            else {
-                return false;
-            };
-            let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-            let _ = s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n");
-            let mut r = String::new();
-            let _ = s.read_to_string(&mut r);
-            r.starts_with("HTTP/1.1 200")
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("health check thread panicked"))??;
+        let ok = controlplane::demo::healthz_ok(&lab.router, addr)?;
         if ok {
             return Ok(());
         }
