@@ -154,5 +154,6 @@ pub fn node_settings(
         node_port_addresses: cfg.node_port_addresses.clone().unwrap_or_default(),
         masquerade_all: cfg.masquerade_all(),
         default_scheduler,
+        service_proxy_name: cfg.service_proxy_name.clone().filter(|n| !n.is_empty()),
     })
 }

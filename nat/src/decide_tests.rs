@@ -451,6 +451,41 @@ fn ignored_services() {
 }
 
 #[test]
+fn service_proxy_name_serves_exactly_the_services_labelled_with_it() {
+    let labelled = |name: &str| {
+        WEB.replace(
+            "metadata: {name: web, namespace: ns}",
+            &format!(
+                "metadata: {{name: web, namespace: ns, labels: {{service.kubernetes.io/service-proxy-name: {name}}}}}"
+            ),
+        )
+    };
+    let mine = NodeSettings {
+        service_proxy_name: Some("kxp".into()),
+        ..settings()
+    };
+    // Labelled with our name: served, as kube-proxy with serviceProxyName serves it.
+    let s = snap(&labelled("kxp"), &mine);
+    assert!(matches!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), V::Dnat(..)));
+    // Another proxy's, or unlabelled: not ours when a name is set.
+    for yaml in [labelled("other"), WEB.to_string()] {
+        let s = snap(&yaml, &mine);
+        assert_eq!(
+            tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+            V::Drop(DropReason::UnallocatedServiceIp)
+        );
+    }
+    // Without a name, the unlabelled one is served and a labelled one is not.
+    let s = snap(WEB, &settings());
+    assert!(matches!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), V::Dnat(..)));
+    let s = snap(&labelled("kxp"), &settings());
+    assert_eq!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        V::Drop(DropReason::UnallocatedServiceIp)
+    );
+}
+
+#[test]
 fn endpoint_slices_join_by_label_port_name_and_protocol() {
     let yaml = format!(
         "{WEB}\n---\n{}\n---\n{}\n---\n{}",

@@ -80,6 +80,10 @@ pub struct NodeSettings {
     pub masquerade_all: bool,
     /// Scheduler for Services without a `kxp.dev/scheduler` annotation.
     pub default_scheduler: Scheduler,
+    /// `serviceProxyName`: when set, kxp serves only the Services whose
+    /// `service.kubernetes.io/service-proxy-name` label holds it; when not, only the
+    /// Services without that label (kube-proxy's label selector, either way).
+    pub service_proxy_name: Option<String>,
 }
 
 /// Everything read from the cluster.
@@ -485,14 +489,26 @@ pub(crate) fn service_ports(
     slices: &SliceIndex,
     node: &NodeContext,
     default_scheduler: Scheduler,
+    proxy_name: Option<&str>,
     notes: &mut Vec<String>,
 ) -> Result<Vec<ServicePort>, ModelError> {
     let name = obj_name(&svc.metadata);
     let labels = svc.metadata.labels.clone().unwrap_or_default();
-    if labels.contains_key(LABEL_SERVICE_PROXY_NAME) {
-        notes.push(format!(
-            "Service {name}: labelled {LABEL_SERVICE_PROXY_NAME}, left to another proxy"
-        ));
+    let label = labels.get(LABEL_SERVICE_PROXY_NAME).map(String::as_str);
+    let ours = match proxy_name.filter(|n| !n.is_empty()) {
+        Some(mine) => label == Some(mine),
+        None => label.is_none(),
+    };
+    if !ours {
+        notes.push(match label {
+            Some(other) => format!(
+                "Service {name}: labelled {LABEL_SERVICE_PROXY_NAME}={other}, left to that proxy"
+            ),
+            None => format!(
+                "Service {name}: not labelled {LABEL_SERVICE_PROXY_NAME}={}, left to the default proxy",
+                proxy_name.unwrap_or_default()
+            ),
+        });
         return Ok(vec![]);
     }
     let Some(spec) = svc.spec.as_ref() else {

@@ -430,6 +430,7 @@ impl Tracker {
             &index,
             &self.node,
             self.settings.default_scheduler,
+            self.settings.service_proxy_name.as_deref(),
             notes,
         )
     }

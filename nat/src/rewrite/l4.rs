@@ -3,6 +3,8 @@
 
 use super::ParseError;
 use super::checksum::{self, Delta, get16};
+use std::net::IpAddr;
+
 use crate::tuple::Protocol;
 
 /// Byte offsets of the transport header fields kxp reads or writes.
@@ -128,6 +130,66 @@ pub(super) fn rewrite(seg: &mut [u8], proto: Protocol, sport: u16, dport: u16, p
             }
         }
     }
+}
+
+/// Whether the TCP or UDP checksum of `seg` (the IP payload of a packet sent from `src` to
+/// `dst`) holds only the pseudo-header's sum, folded and not complemented: the state of a
+/// packet whose sender left the checksum to the hardware (Linux `CHECKSUM_PARTIAL`, the
+/// default on every veth, so on every pod's traffic). The skb's flag that says so does not
+/// travel through an AF_XDP ring, so the field itself is the only witness.
+///
+/// When can it misfire? A complete, valid checksum equal to the pseudo-header sum means
+/// the rest of the segment sums to zero (ones' complement): the segment is then
+/// checksummed in full by [`complete`], which yields that same valid checksum, so nothing
+/// changes. A *wrong* checksum that happens to equal the pseudo-header sum (about one
+/// corrupted segment in 65,536) is made valid: the receiver then accepts a segment it
+/// would have dropped. That is the same trust the kernel places in a `CHECKSUM_PARTIAL`
+/// skb on a veth, and links deliver frames that passed their own CRC, so it is accepted.
+/// SCTP (CRC32c, no pseudo-header) is never partial here.
+pub(super) fn checksum_is_partial(seg: &[u8], proto: Protocol, src: IpAddr, dst: IpAddr) -> bool {
+    let (at, len) = match proto {
+        Protocol::Tcp => (field::TCP_CHECKSUM, seg.len()),
+        Protocol::Udp => (field::UDP_CHECKSUM, usize::from(get16(seg, field::UDP_LEN))),
+        Protocol::Sctp => return false,
+    };
+    let stored = get16(seg, at);
+    if stored == 0 {
+        // UDP's "no checksum"; a folded pseudo-header sum is never 0.
+        return false;
+    }
+    let folded = checksum::fold(checksum::pseudo_sum(src, dst, proto.number(), len));
+    // 0x0000 and 0xFFFF are the same ones'-complement number (stored is not 0 here).
+    stored == folded || (stored == 0xFFFF && folded == 0)
+}
+
+/// Writes the ports of `seg` (a TCP or UDP packet now sent from `src` to `dst`) and fills
+/// in its whole checksum, pseudo-header and payload summed again: for a packet whose
+/// checksum was partial ([`checksum_is_partial`]), which no one after kxp will complete
+/// (an AF_XDP transmit carries no offload request in copy mode).
+pub(super) fn rewrite_complete(
+    seg: &mut [u8],
+    proto: Protocol,
+    sport: u16,
+    dport: u16,
+    src: IpAddr,
+    dst: IpAddr,
+) {
+    seg[field::SPORT..field::SPORT + 2].copy_from_slice(&sport.to_be_bytes());
+    seg[field::DPORT..field::DPORT + 2].copy_from_slice(&dport.to_be_bytes());
+    let (at, len) = match proto {
+        Protocol::Tcp => (field::TCP_CHECKSUM, seg.len()),
+        Protocol::Udp => (field::UDP_CHECKSUM, usize::from(get16(seg, field::UDP_LEN))),
+        Protocol::Sctp => return,
+    };
+    seg[at..at + 2].fill(0);
+    let c = checksum::finish(
+        checksum::pseudo_sum(src, dst, proto.number(), len) + checksum::sum_fast(&seg[..len]),
+    );
+    let c = match (proto, c) {
+        (Protocol::Udp, 0) => 0xFFFF,
+        (_, c) => c,
+    };
+    seg[at..at + 2].copy_from_slice(&c.to_be_bytes());
 }
 
 /// Writes the ports of a transport header quoted in an ICMP error and fixes its checksum

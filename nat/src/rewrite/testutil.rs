@@ -213,6 +213,31 @@ pub fn insert_v6_ext(pkt: &[u8], kinds: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Turns the TCP or UDP checksum of the IP packet `pkt` (no IPv4 options, no IPv6
+/// extension headers) into what a sender with checksum offload leaves there, as Linux
+/// does for a `CHECKSUM_PARTIAL` skb (`~tcp_v4_check(len, saddr, daddr, 0)`): the
+/// pseudo-header's sum, folded, not complemented. Computed here on its own, not with the
+/// code under test.
+pub fn make_partial(pkt: &mut [u8]) {
+    let v4 = pkt[0] >> 4 == 4;
+    let (l4, proto, addrs) = if v4 {
+        (20, pkt[9], &pkt[12..20])
+    } else {
+        (40, pkt[6], &pkt[8..40])
+    };
+    let len = pkt.len() - l4;
+    let mut sum: u32 = addrs
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    sum += u32::from(proto) + (len as u32 >> 16) + (len as u32 & 0xFFFF);
+    while sum > 0xFFFF {
+        sum = (sum & 0xFFFF) + (sum >> 16);
+    }
+    let at = l4 + if proto == 6 { 16 } else { 6 };
+    pkt[at..at + 2].copy_from_slice(&(sum as u16).to_be_bytes());
+}
+
 /// Checks every checksum of `pkt` by recomputing it: with etherparse for the IPv4 header,
 /// TCP, UDP and ICMP, with the crc32c crate for SCTP.
 pub fn verify_checksums(pkt: &[u8]) {

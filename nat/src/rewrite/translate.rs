@@ -2,7 +2,8 @@
 //!
 //! This is the per-packet fast path: it writes the addresses and ports that change and
 //! patches the IPv4 header checksum and the TCP/UDP checksum incrementally (RFC 1624),
-//! without reading the payload. SCTP's CRC32c is not a sum and covers no pseudo-header:
+//! without reading the payload, except for a packet whose checksum was left partial by
+//! its sender (checksum offload): that one is summed in full, once. SCTP's CRC32c is not a sum and covers no pseudo-header:
 //! it is recomputed, only when a port changes.
 
 use std::net::IpAddr;
@@ -35,6 +36,11 @@ pub enum RewriteError {
 /// (pseudo-header included, both families) are patched incrementally, a UDP checksum of 0
 /// (none) stays 0, and an SCTP packet whose ports change gets its CRC32c recomputed.
 ///
+/// A TCP/UDP checksum that holds only the pseudo-header sum (the sender left it to the
+/// hardware: every pod's veth does) is completed instead: summed in full over the
+/// translated packet, since nothing downstream of an AF_XDP transmit will finish it. See
+/// `l4::checksum_is_partial` for when that test could be fooled.
+///
 /// `pkt` keeps describing the packet as it arrived; its offsets stay valid.
 ///
 /// # Errors
@@ -57,8 +63,13 @@ pub fn rewrite(buf: &mut [u8], pkt: &FlowPacket, to: &Tuple) -> Result<(), Rewri
             have,
         })?;
     let (ip, seg) = buf.split_at_mut(pkt.l4_offset);
+    let partial = l4::checksum_is_partial(seg, from.proto, from.src, from.dst);
     let change = set_addrs(ip, Some(to.src), Some(to.dst), v6);
-    l4::rewrite(seg, to.proto, to.sport, to.dport, change.pseudo);
+    if partial {
+        l4::rewrite_complete(seg, to.proto, to.sport, to.dport, to.src, to.dst);
+    } else {
+        l4::rewrite(seg, to.proto, to.sport, to.dport, change.pseudo);
+    }
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 use super::*;
 use crate::rewrite::testutil::{
     Endpoints, PATTERN, XorShift, build_tuple, icmp_echo, icmp_error, insert_v6_ext,
-    verify_checksums,
+    make_partial, verify_checksums,
 };
 use crate::rewrite::{
     FlowPacket, Parsed, build_icmp_port_unreachable, build_tcp_rst, parse, rewrite_icmp_error,
@@ -58,6 +58,47 @@ fn dnat_snat_both_and_replies_in_both_families() {
             check_translation(&original, &original); // identity is a no-op
         }
     }
+}
+
+#[test]
+fn partial_checksums_are_completed_in_both_directions_and_families() {
+    // A pod's veth offloads the checksum: its packets carry only the pseudo-header sum.
+    // Translated, they must carry the complete checksum of the packet as it now is.
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        for proto in [Protocol::Tcp, Protocol::Udp] {
+            let original = e.original(proto);
+            for translated in [e.dnat(proto), e.masquerade(proto)] {
+                for (from, to) in [
+                    (original, translated),
+                    (translated.reversed(), original.reversed()),
+                ] {
+                    for payload in [&b""[..], PAYLOAD, &[0x5Au8; 1473][..]] {
+                        let mut buf = build_tuple(&from, payload);
+                        make_partial(&mut buf);
+                        let parsed = flow(&buf);
+                        rewrite(&mut buf, &parsed, &to).unwrap();
+                        assert_eq!(buf, build_tuple(&to, payload), "{from} => {to}");
+                        verify_checksums(&buf);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_complete_checksum_is_still_patched_not_recomputed() {
+    // A wrong (not partial) checksum stays exactly as wrong: kxp only completes the
+    // pseudo-header sum it recognises, and patches everything else incrementally.
+    let e = Endpoints::v4();
+    let from = e.original(Protocol::Tcp);
+    let mut buf = build_tuple(&from, PAYLOAD);
+    buf[36] ^= 0x01;
+    let parsed = flow(&buf);
+    rewrite(&mut buf, &parsed, &e.dnat(Protocol::Tcp)).unwrap();
+    let mut expected = build_tuple(&e.dnat(Protocol::Tcp), PAYLOAD);
+    expected[36] ^= 0x01;
+    assert_eq!(buf, expected);
 }
 
 #[test]
