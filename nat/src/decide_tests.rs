@@ -466,7 +466,10 @@ fn service_proxy_name_serves_exactly_the_services_labelled_with_it() {
     };
     // Labelled with our name: served, as kube-proxy with serviceProxyName serves it.
     let s = snap(&labelled("kxp"), &mine);
-    assert!(matches!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), V::Dnat(..)));
+    assert!(matches!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        V::Dnat(..)
+    ));
     // Another proxy's, or unlabelled: not ours when a name is set.
     for yaml in [labelled("other"), WEB.to_string()] {
         let s = snap(&yaml, &mine);
@@ -477,7 +480,10 @@ fn service_proxy_name_serves_exactly_the_services_labelled_with_it() {
     }
     // Without a name, the unlabelled one is served and a labelled one is not.
     let s = snap(WEB, &settings());
-    assert!(matches!(tcp(&s, "10.9.0.1", "172.30.0.10", 80), V::Dnat(..)));
+    assert!(matches!(
+        tcp(&s, "10.9.0.1", "172.30.0.10", 80),
+        V::Dnat(..)
+    ));
     let s = snap(&labelled("kxp"), &settings());
     assert_eq!(
         tcp(&s, "10.9.0.1", "172.30.0.10", 80),

@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::rewrite::testutil::{
-    Endpoints, PATTERN, XorShift, build_tuple, icmp_echo, icmp_error, insert_v6_ext,
-    make_partial, verify_checksums,
+    Endpoints, PATTERN, XorShift, build_tuple, icmp_echo, icmp_error, insert_v6_ext, make_partial,
+    verify_checksums,
 };
 use crate::rewrite::{
     FlowPacket, Parsed, build_icmp_port_unreachable, build_tcp_rst, parse, rewrite_icmp_error,
