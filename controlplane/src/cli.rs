@@ -289,7 +289,21 @@ pub struct TraceArgs {
 }
 
 /// Runs the command line; returns the process exit status.
+/// Installs the process's one log subscriber: text lines on stderr, level `info` unless
+/// `RUST_LOG` says otherwise.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_target(false)
+        .try_init();
+}
+
 pub fn main() -> i32 {
+    init_logging();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -417,5 +431,10 @@ fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
         }
     }
     println!("kxp cleanup: {removed} interface(s) cleaned");
+    for dev in ["kxp0"] {
+        if dataplane::servicedev::remove(dev)? {
+            println!("removed kxp's service device {dev} ({dev}-dp)");
+        }
+    }
     Ok(())
 }

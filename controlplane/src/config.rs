@@ -186,9 +186,14 @@ pub struct KxpSection {
     /// random (default), rr, wrr, lc, wlc, sh, dh, sed, nq or maglev.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scheduler: Option<String>,
-    /// Interfaces the dataplane attaches to.
+    /// Interfaces the dataplane attaches to: names and shell-style patterns (`eth0`,
+    /// `veth*`, `cali*`); links that appear later and match are attached then.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interfaces: Option<Vec<String>>,
+    /// Host-side name of kxp's service device (default `kxp0`; the other end is
+    /// `NAME-dp`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_device: Option<String>,
     /// Number of dataplane workers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<u32>,

@@ -149,6 +149,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         },
         ..Default::default()
     };
+    if let Some(d) = kxp.service_device.clone() {
+        dp_cfg.service_device = d;
+    }
     let cpus = opts.cpus.clone().or_else(|| {
         kxp.cpus
             .as_ref()
@@ -219,9 +222,16 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         format!("cannot serve /metrics on {metrics_addr}; give --metrics-bind-address ADDR:PORT")
     })?;
     let mut last_metrics = Instant::now();
+    let attached: Vec<String> = dp.attached().into_iter().map(|(n, _)| n).collect();
     eprintln!(
-        "kxp: running on {} with {} worker(s); health on http://{}/healthz",
+        "kxp: running on {} (attached now: {}; service device {}) with {} worker(s); health on http://{}/healthz",
         dp_cfg.interfaces.join(", "),
+        if attached.is_empty() {
+            "none yet".to_string()
+        } else {
+            attached.join(", ")
+        },
+        dp.service_device().unwrap_or("-"),
         dp_cfg.workers,
         server.local_addr()
     );

@@ -59,6 +59,15 @@ pub struct NextHop {
     pub dst_mac: [u8; 6],
 }
 
+/// A link of the host, as the mirror last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub ifindex: u32,
+    pub name: String,
+    pub up: bool,
+    pub mac: Option<[u8; 6]>,
+}
+
 /// What the host's tables say about one destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Route {
@@ -155,6 +164,23 @@ impl FibView {
     /// XDP program treats as "to this host").
     pub fn local_addrs(&self) -> Vec<IpAddr> {
         self.table.load().local_addrs()
+    }
+
+    /// Every link of the host (this network namespace), as netlink last said.
+    pub fn links(&self) -> Vec<LinkInfo> {
+        let t = self.table.load();
+        let mut v: Vec<LinkInfo> = t
+            .links
+            .iter()
+            .map(|(&ifindex, l)| LinkInfo {
+                ifindex,
+                name: l.name.clone(),
+                up: l.up,
+                mac: l.mac,
+            })
+            .collect();
+        v.sort_by_key(|l| l.ifindex);
+        v
     }
 
     /// Bumped on every publication; 0 until the first full dump is applied.

@@ -4,7 +4,9 @@
 
 pub mod engine;
 pub mod fib;
+pub mod ifmatch;
 pub mod plane;
+pub mod servicedev;
 pub mod sys;
 pub mod worker;
 pub mod xdp;

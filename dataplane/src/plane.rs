@@ -11,9 +11,10 @@
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use conntrack::{SnatPorts, Timeouts};
@@ -24,7 +25,8 @@ use nat::snapshot::{Snapshot, Update};
 use nat::tuple::Protocol;
 
 use crate::engine::Engine;
-use crate::fib::FibMirror;
+use crate::fib::{FibMirror, LinkInfo};
+use crate::servicedev::ServiceDevice;
 use crate::worker::{Command, FlowInfo, Shared, Worker, WorkerStats};
 use crate::xdp::{AttachMode, SteerKey, Steering};
 use crate::xsk::{WorkerIo, XskConfig};
@@ -32,7 +34,10 @@ use crate::xsk::{WorkerIo, XskConfig};
 /// How to run the dataplane.
 #[derive(Debug, Clone)]
 pub struct DataplaneConfig {
+    /// Interface names and shell-style patterns (`eth0`, `veth*`): see [`crate::ifmatch`].
     pub interfaces: Vec<String>,
+    /// Host-side name of kxp's service device (see [`crate::servicedev`]).
+    pub service_device: String,
     pub workers: usize,
     /// CPU of each worker (`None`: not pinned).
     pub cpus: Option<Vec<usize>>,
@@ -49,6 +54,7 @@ impl Default for DataplaneConfig {
     fn default() -> Self {
         DataplaneConfig {
             interfaces: Vec::new(),
+            service_device: "kxp0".into(),
             workers: 1,
             cpus: None,
             xsk: XskConfig::default(),
@@ -67,6 +73,10 @@ pub enum DataplaneError {
     NotRoot,
     #[error("no interface given; kxp attaches to: --interface NAME (repeat for each)")]
     NoInterface,
+    #[error("interface pattern {0}; kxp attaches to: --interface NAME or PATTERN (e.g. veth*)")]
+    BadPattern(String),
+    #[error(transparent)]
+    ServiceDevice(#[from] crate::servicedev::ServiceDeviceError),
     #[error("interface {0} not found; kxp attaches to: --interface NAME (see `ip link`)")]
     NoSuchInterface(String),
     #[error(
@@ -94,16 +104,49 @@ pub enum DataplaneError {
 #[derive(Debug)]
 pub struct Dataplane {
     pub shared: Arc<Shared>,
-    steering: Vec<Steering>,
-    fib: FibMirror,
+    links: Arc<LinkCtl>,
+    fib: Arc<FibMirror>,
     threads: Vec<JoinHandle<()>>,
+    link_thread: Option<JoinHandle<()>>,
+    link_stop: Arc<AtomicBool>,
+    /// Last: removed once every socket on it is closed.
+    service: Option<ServiceDevice>,
+}
+
+/// What the XDP programs on the attached interfaces hold, and the interfaces themselves.
+#[derive(Debug, Default)]
+struct Programming {
+    /// One program instance per attached interface.
+    steering: Vec<Steering>,
     /// What the XDP maps must hold, counted per Service port (to apply updates by
-    /// difference).
+    /// difference, and to fill the maps of an interface attached later).
     wanted: Wanted,
     /// The last programming failed: redo the maps in full next time.
     needs_full: bool,
     /// sysfs knobs changed for busy polling, with their old values (restored on stop).
     restore: Vec<(String, String)>,
+    /// Interfaces whose attach failed, with when (retried after [`ATTACH_RETRY`]).
+    failed: HashMap<u32, Instant>,
+}
+
+/// How long a failed attach waits before it is tried again.
+const ATTACH_RETRY: Duration = Duration::from_secs(10);
+/// How long a worker may take to open or close a socket.
+const WORKER_REPLY: Duration = Duration::from_secs(5);
+
+/// What the link manager and the publisher share.
+#[derive(Debug)]
+struct LinkCtl {
+    prog: Mutex<Programming>,
+    patterns: Vec<String>,
+    attach: AttachMode,
+    workers: usize,
+    snat: (u16, u16),
+    busy_poll: bool,
+    shared: Arc<Shared>,
+    fib: Arc<FibMirror>,
+    /// Names never attached as pod interfaces (kxp's service device).
+    reserved: Vec<String>,
 }
 
 /// With preferred busy polling the device must defer its interrupts so that the worker's
@@ -123,8 +166,8 @@ fn busy_poll_knobs(ifnames: &[String]) -> Vec<(String, String)> {
             if std::fs::write(&path, value).is_ok() {
                 old.push((path, prev.trim().to_string()));
             } else {
-                eprintln!(
-                    "kxp: cannot set {path} for busy polling; receive processing stays in softirq"
+                tracing::warn!(
+                    "cannot set {path} for busy polling; receive processing stays in softirq"
                 );
             }
         }
@@ -195,6 +238,9 @@ struct Wanted {
     udp: Counted<SocketAddr>,
     /// The addresses NodePorts were expanded with (sorted).
     np_addrs: Vec<IpAddr>,
+    /// The node's addresses and the Service CIDRs, as last programmed.
+    local: HashSet<IpAddr>,
+    service_cidrs: HashSet<ipnet::IpNet>,
 }
 
 impl Wanted {
@@ -276,8 +322,9 @@ fn rx_queues(ifname: &str) -> Option<usize> {
 }
 
 impl Dataplane {
-    /// Attaches to the interfaces, opens the sockets, starts the FIB mirror and the
-    /// workers, and publishes `initial`.
+    /// Creates kxp's service device, starts the FIB mirror and the workers, publishes
+    /// `initial`, attaches to every interface that matches `cfg.interfaces`, and follows
+    /// links coming and going from then on.
     ///
     /// # Errors
     /// A [`DataplaneError`] that says what is wrong and what to do.
@@ -307,12 +354,17 @@ impl Dataplane {
                 cfg.workers
             )));
         }
-        for ifname in &cfg.interfaces {
-            let queues =
-                rx_queues(ifname).ok_or_else(|| DataplaneError::NoSuchInterface(ifname.clone()))?;
+        for pattern in &cfg.interfaces {
+            crate::ifmatch::check(pattern).map_err(DataplaneError::BadPattern)?;
+            if crate::ifmatch::is_pattern(pattern) {
+                continue;
+            }
+            // A name without a wildcard must exist now: a typo is an error.
+            let queues = rx_queues(pattern)
+                .ok_or_else(|| DataplaneError::NoSuchInterface(pattern.clone()))?;
             if queues < cfg.workers {
                 return Err(DataplaneError::Queues {
-                    ifname: ifname.clone(),
+                    ifname: pattern.clone(),
                     queues,
                     workers: cfg.workers,
                 });
@@ -322,14 +374,8 @@ impl Dataplane {
         let ranges = SnatPorts::split(lo..=hi, cfg.workers)
             .map_err(|e| DataplaneError::Config(format!("SNAT port range {lo}-{hi}: {e}")))?;
 
-        let mut steering = Vec::new();
-        for ifname in &cfg.interfaces {
-            let s = Steering::load_and_attach(ifname, cfg.attach)?;
-            s.set_snat_range(lo, hi)?;
-            steering.push(s);
-        }
-        let ifindexes: Vec<u32> = steering.iter().map(Steering::ifindex).collect();
-        let fib = FibMirror::start(&ifindexes)?;
+        let service = ServiceDevice::create(&cfg.service_device, cfg.workers as u32)?;
+        let fib = Arc::new(FibMirror::start(&[])?);
         fib.wait_ready(Duration::from_secs(5))?;
 
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..cfg.workers)
@@ -343,14 +389,13 @@ impl Dataplane {
             commands: txs,
             snat_lo: lo,
             snat_hi: hi,
+            attached: ArcSwap::from_pointee(Vec::new()),
         });
 
         let mut workers = Vec::new();
         for (id, (rx, snat)) in rxs.into_iter().zip(ranges).enumerate() {
-            let io = WorkerIo::open(&cfg.xsk, &cfg.interfaces, id as u32)?;
-            for (port, s) in steering.iter().enumerate() {
-                s.set_socket(id as u32, io.fd(port))?;
-            }
+            // The UMEM's own socket goes on the service device (see crate::servicedev).
+            let io = WorkerIo::open(&cfg.xsk, std::slice::from_ref(&service.dp), id as u32)?;
             let table = conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
                 .map_err(|e| DataplaneError::Conntrack(e.to_string()))?;
             let mut w = Worker::new(
@@ -359,27 +404,35 @@ impl Dataplane {
                 io,
                 Engine::new(table, 0x9E37_79B9_7F4A_7C15 ^ id as u64),
                 fib.view(),
-                ifindexes.clone(),
                 shared.clone(),
                 rx,
             );
             w.busy_poll = cfg.xsk.busy_poll.is_some();
             workers.push(w);
         }
+        let links = Arc::new(LinkCtl {
+            prog: Mutex::new(Programming {
+                needs_full: true,
+                ..Programming::default()
+            }),
+            patterns: cfg.interfaces.clone(),
+            attach: cfg.attach,
+            workers: cfg.workers,
+            snat: cfg.snat_ports,
+            busy_poll: cfg.xsk.busy_poll.is_some(),
+            shared: shared.clone(),
+            fib: fib.clone(),
+            reserved: vec![service.host.clone(), service.dp.clone()],
+        });
         let mut dp = Dataplane {
             shared: shared.clone(),
-            steering,
+            links: links.clone(),
             fib,
             threads: Vec::new(),
-            wanted: Wanted::default(),
-            needs_full: true,
-            restore: if cfg.xsk.busy_poll.is_some() {
-                busy_poll_knobs(&cfg.interfaces)
-            } else {
-                Vec::new()
-            },
+            link_thread: None,
+            link_stop: Arc::new(AtomicBool::new(false)),
+            service: Some(service),
         };
-        dp.program(&Update::full(initial))?;
         for w in workers {
             let name = format!("kxp-worker-{}", w.id);
             let h = std::thread::Builder::new()
@@ -390,7 +443,42 @@ impl Dataplane {
                 })?;
             dp.threads.push(h);
         }
+        dp.program(&Update::full(initial))?;
+        // The interfaces there now; one named without a wildcard must attach.
+        links.reconcile(&dp.fib.view().links(), true)?;
+        let stop = dp.link_stop.clone();
+        let published = dp.fib.published();
+        let view = dp.fib.view();
+        let h = std::thread::Builder::new()
+            .name("kxp-links".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    // Woken by every change of the host's tables (links included), and
+                    // at least every half second.
+                    let _ = published.recv_timeout(Duration::from_millis(500));
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let _ = links.reconcile(&view.links(), false);
+                }
+            })
+            .map_err(|e| DataplaneError::Config(format!("cannot start the link thread: {e}")))?;
+        dp.link_thread = Some(h);
         Ok(dp)
+    }
+
+    /// The interfaces kxp is attached to now (name, ifindex).
+    pub fn attached(&self) -> Vec<(String, u32)> {
+        let prog = self.links.lock();
+        prog.steering
+            .iter()
+            .map(|s| (s.ifname().unwrap_or_default().to_string(), s.ifindex()))
+            .collect()
+    }
+
+    /// The service device's host-side name.
+    pub fn service_device(&self) -> Option<&str> {
+        self.service.as_ref().map(|s| s.host.as_str())
     }
 
     /// Swaps in a new snapshot and brings the XDP maps, conntrack and neighbours in line,
@@ -402,82 +490,15 @@ impl Dataplane {
     /// redoes the maps in full).
     pub fn publish(&mut self, update: Update) -> Result<(), DataplaneError> {
         self.shared.snapshot.store(update.snapshot.clone());
-        let r = self.program(&update);
-        self.needs_full = r.is_err();
-        r
+        self.program(&update)
     }
 
     fn program(&mut self, update: &Update) -> Result<(), DataplaneError> {
-        let snap = &*update.snapshot;
-        let view = self.fib.view();
-        let mut local: HashSet<IpAddr> = view.local_addrs().into_iter().collect();
-        local.extend(snap.node.local_addrs.iter().copied());
-        let mut np_addrs: Vec<IpAddr> = match &snap.node.node_port_addresses {
-            NodePortAddresses::All => local
-                .iter()
-                .copied()
-                .filter(|ip| !ip.is_loopback())
-                .collect(),
-            NodePortAddresses::Addrs(a) => a.clone(),
-        };
-        np_addrs.sort();
-        let full = update.full || self.needs_full || np_addrs != self.wanted.np_addrs;
-        let service_cidrs: HashSet<ipnet::IpNet> =
-            snap.node.service_cidrs.iter().copied().collect();
-        let mut first_err = None;
-        let mut note = |r: Result<crate::xdp::SyncStats, crate::xdp::XdpError>| {
-            if let Err(e) = r {
-                first_err.get_or_insert(e);
-            }
-        };
-        for s in &mut self.steering {
-            note(s.sync_local_addrs(&local));
-            note(s.sync_service_cidrs(&service_cidrs));
-        }
-        let gone_udp = if full {
-            let old_udp = std::mem::take(&mut self.wanted.udp);
-            self.wanted = Wanted {
-                np_addrs,
-                ..Wanted::default()
-            };
-            for sp in snap.ports() {
-                self.wanted.count(sp, 1);
-            }
-            let frontends: HashSet<SteerKey> = self.wanted.frontends.keys().copied().collect();
-            let endpoints: HashSet<SteerKey> = self.wanted.endpoints.keys().copied().collect();
-            let cluster_ips: HashSet<IpAddr> = self.wanted.cluster_ips.keys().copied().collect();
-            for s in &mut self.steering {
-                note(s.sync_frontends(&frontends));
-                note(s.sync_endpoints(&endpoints));
-                note(s.sync_cluster_ips(&cluster_ips));
-            }
-            for sp in snap.ports() {
-                resolve_next_hops(&view, sp);
-            }
-            self.wanted.settle();
-            old_udp
-                .into_keys()
-                .filter(|a| !self.wanted.udp.contains_key(a))
-                .collect()
-        } else {
-            // Additions first, so that a port that is removed and added again (changed)
-            // never drops its keys to zero on the way.
-            for sp in &update.added {
-                self.wanted.count(sp, 1);
-                resolve_next_hops(&view, sp);
-            }
-            for sp in &update.removed {
-                self.wanted.count(sp, -1);
-            }
-            let (fa, fr) = self.wanted.frontends.changes();
-            let (ea, er) = self.wanted.endpoints.changes();
-            let (ca, cr) = self.wanted.cluster_ips.changes();
-            for s in &mut self.steering {
-                note(s.change_frontends(&fa, &fr));
-                note(s.change_endpoints(&ea, &er));
-                note(s.change_cluster_ips(&ca, &cr));
-            }
-            self.wanted.udp.changes().1
+        let (gone_udp, err) = {
+            let mut prog = self.links.lock();
+            let r = prog.program(update, &self.fib.view());
+            prog.needs_full = r.1.is_some();
+            r
         };
         // kube-proxy's conntrack cleanup: UDP flows to endpoints that are gone.
         for gone in gone_udp {
@@ -485,8 +506,8 @@ impl Dataplane {
                 let _ = tx.send(Command::RemoveUdpTo(gone.ip(), gone.port()));
             }
         }
-        match first_err {
-            Some(e) => Err(e.into()),
+        match err {
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
@@ -565,18 +586,279 @@ impl Dataplane {
     }
 
     fn shutdown(&mut self) {
+        self.link_stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.link_thread.take() {
+            let _ = h.join();
+        }
+        {
+            let mut prog = self.links.lock();
+            // Programs first: from here on the interfaces' traffic is the kernel's.
+            for s in prog.steering.drain(..) {
+                if let Err(e) = s.detach() {
+                    tracing::warn!(error = %e, "detaching an XDP program");
+                }
+            }
+            for (path, value) in prog.restore.drain(..) {
+                let _ = std::fs::write(&path, value);
+            }
+        }
         self.shared.stop.store(true, Ordering::Relaxed);
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
-        for s in self.steering.drain(..) {
-            if let Err(e) = s.detach() {
-                eprintln!("kxp: {e}");
+        // The workers' sockets are closed: the service device can go.
+        self.service.take();
+    }
+}
+
+impl LinkCtl {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Programming> {
+        self.prog.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wanted_name(&self, name: &str) -> bool {
+        !self.reserved.iter().any(|r| r == name)
+            && self
+                .patterns
+                .iter()
+                .any(|p| crate::ifmatch::matches(p, name))
+    }
+
+    /// Attaches to every link that matches and is not attached yet, and forgets the
+    /// attached ones that are gone or no longer match (renamed). With `strict`, an
+    /// interface named without a wildcard that fails to attach is an error (at start).
+    fn reconcile(&self, links: &[LinkInfo], strict: bool) -> Result<(), DataplaneError> {
+        let mut prog = self.lock();
+        let gone: Vec<u32> = prog
+            .steering
+            .iter()
+            .filter(|s| {
+                !links
+                    .iter()
+                    .any(|l| l.ifindex == s.ifindex() && self.wanted_name(&l.name))
+            })
+            .map(Steering::ifindex)
+            .collect();
+        let mut changed = !gone.is_empty();
+        for ifindex in gone {
+            self.detach(&mut prog, ifindex);
+        }
+        prog.failed
+            .retain(|i, at| at.elapsed() < ATTACH_RETRY && links.iter().any(|l| l.ifindex == *i));
+        for l in links {
+            if !self.wanted_name(&l.name)
+                || prog.steering.iter().any(|s| s.ifindex() == l.ifindex)
+                || prog.failed.contains_key(&l.ifindex)
+            {
+                continue;
+            }
+            changed = true;
+            match self.attach(&mut prog, l) {
+                Ok(queues) => tracing::info!(
+                    interface = %l.name,
+                    ifindex = l.ifindex,
+                    sockets = queues,
+                    "attached"
+                ),
+                Err(e) => {
+                    prog.failed.insert(l.ifindex, Instant::now());
+                    let literal = self
+                        .patterns
+                        .iter()
+                        .any(|p| !crate::ifmatch::is_pattern(p) && *p == l.name);
+                    if strict && literal {
+                        return Err(e);
+                    }
+                    tracing::warn!(interface = %l.name, error = %e, "cannot attach; retrying in 10 s");
+                }
             }
         }
-        for (path, value) in self.restore.drain(..) {
-            let _ = std::fs::write(&path, value);
+        if changed {
+            let list: Vec<(u32, String)> = prog
+                .steering
+                .iter()
+                .map(|s| (s.ifindex(), s.ifname().unwrap_or_default().to_string()))
+                .collect();
+            self.fib
+                .set_attached(&list.iter().map(|(i, _)| *i).collect::<Vec<_>>());
+            self.shared.attached.store(Arc::new(list));
         }
+        Ok(())
+    }
+
+    /// Loads and attaches a program instance to `link`, fills its maps with what is
+    /// wanted now, and has each worker whose queue the interface has open a socket there.
+    /// Returns the number of sockets.
+    fn attach(&self, prog: &mut Programming, link: &LinkInfo) -> Result<usize, DataplaneError> {
+        let queues = rx_queues(&link.name).unwrap_or(1).clamp(1, self.workers);
+        let mut s = Steering::load_and_attach(&link.name, self.attach)?;
+        s.set_snat_range(self.snat.0, self.snat.1)?;
+        prog.fill(&mut s)?;
+        let mut opened = Vec::new();
+        let mut result = Ok(());
+        for (queue, tx) in self.shared.commands.iter().enumerate().take(queues) {
+            let (rtx, rrx) = crossbeam::channel::bounded(1);
+            let _ = tx.send(Command::AddPort {
+                ifname: link.name.clone(),
+                ifindex: link.ifindex,
+                reply: rtx,
+            });
+            let r = match rrx.recv_timeout(WORKER_REPLY) {
+                Ok(Ok(fd)) => {
+                    opened.push(queue);
+                    s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
+                }
+                Ok(Err(reason)) => Err(DataplaneError::Config(reason)),
+                Err(_) => Err(DataplaneError::Config(format!(
+                    "worker {queue} did not open its socket on {}",
+                    link.name
+                ))),
+            };
+            if let Err(e) = r {
+                result = Err(e);
+                break;
+            }
+        }
+        if let Err(e) = result {
+            drop(s);
+            self.close_ports(link.ifindex, &opened);
+            return Err(e);
+        }
+        if self.busy_poll {
+            prog.restore
+                .extend(busy_poll_knobs(std::slice::from_ref(&link.name)));
+        }
+        prog.steering.push(s);
+        Ok(queues)
+    }
+
+    /// Detaches from `ifindex` and has the workers close their sockets there.
+    fn detach(&self, prog: &mut Programming, ifindex: u32) {
+        let Some(i) = prog.steering.iter().position(|s| s.ifindex() == ifindex) else {
+            return;
+        };
+        let s = prog.steering.remove(i);
+        let name = s.ifname().unwrap_or_default().to_string();
+        if let Err(e) = s.detach() {
+            tracing::warn!(interface = %name, error = %e, "detaching an XDP program");
+        }
+        let all: Vec<usize> = (0..self.workers).collect();
+        self.close_ports(ifindex, &all);
+        tracing::info!(interface = %name, ifindex, "detached (gone or no longer matching)");
+    }
+
+    fn close_ports(&self, ifindex: u32, workers: &[usize]) {
+        let replies: Vec<_> = workers
+            .iter()
+            .filter_map(|&w| {
+                let (rtx, rrx) = crossbeam::channel::bounded(1);
+                self.shared.commands[w]
+                    .send(Command::RemovePort {
+                        ifindex,
+                        reply: rtx,
+                    })
+                    .ok()
+                    .map(|()| rrx)
+            })
+            .collect();
+        for r in replies {
+            let _ = r.recv_timeout(WORKER_REPLY);
+        }
+    }
+}
+
+impl Programming {
+    /// Fills the maps of a newly attached interface's program with what is wanted now.
+    fn fill(&self, s: &mut Steering) -> Result<(), DataplaneError> {
+        let w = &self.wanted;
+        s.sync_local_addrs(&w.local)?;
+        s.sync_service_cidrs(&w.service_cidrs)?;
+        s.sync_frontends(&w.frontends.keys().copied().collect())?;
+        s.sync_endpoints(&w.endpoints.keys().copied().collect())?;
+        s.sync_cluster_ips(&w.cluster_ips.keys().copied().collect())?;
+        Ok(())
+    }
+
+    /// Brings every attached program's maps in line with `update`; returns the UDP
+    /// endpoints that went away and the first error, if any.
+    fn program(
+        &mut self,
+        update: &Update,
+        view: &crate::fib::FibView,
+    ) -> (Vec<SocketAddr>, Option<DataplaneError>) {
+        let snap = &*update.snapshot;
+        let mut local: HashSet<IpAddr> = view.local_addrs().into_iter().collect();
+        local.extend(snap.node.local_addrs.iter().copied());
+        let mut np_addrs: Vec<IpAddr> = match &snap.node.node_port_addresses {
+            NodePortAddresses::All => local
+                .iter()
+                .copied()
+                .filter(|ip| !ip.is_loopback())
+                .collect(),
+            NodePortAddresses::Addrs(a) => a.clone(),
+        };
+        np_addrs.sort();
+        let full = update.full || self.needs_full || np_addrs != self.wanted.np_addrs;
+        let service_cidrs: HashSet<ipnet::IpNet> =
+            snap.node.service_cidrs.iter().copied().collect();
+        let mut first_err = None;
+        let mut note = |r: Result<crate::xdp::SyncStats, crate::xdp::XdpError>| {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        };
+        for s in &mut self.steering {
+            note(s.sync_local_addrs(&local));
+            note(s.sync_service_cidrs(&service_cidrs));
+        }
+        let gone_udp = if full {
+            let old_udp = std::mem::take(&mut self.wanted.udp);
+            self.wanted = Wanted {
+                np_addrs,
+                ..Wanted::default()
+            };
+            for sp in snap.ports() {
+                self.wanted.count(sp, 1);
+            }
+            let frontends: HashSet<SteerKey> = self.wanted.frontends.keys().copied().collect();
+            let endpoints: HashSet<SteerKey> = self.wanted.endpoints.keys().copied().collect();
+            let cluster_ips: HashSet<IpAddr> = self.wanted.cluster_ips.keys().copied().collect();
+            for s in &mut self.steering {
+                note(s.sync_frontends(&frontends));
+                note(s.sync_endpoints(&endpoints));
+                note(s.sync_cluster_ips(&cluster_ips));
+            }
+            for sp in snap.ports() {
+                resolve_next_hops(view, sp);
+            }
+            self.wanted.settle();
+            old_udp
+                .into_keys()
+                .filter(|a| !self.wanted.udp.contains_key(a))
+                .collect()
+        } else {
+            // Additions first, so that a port that is removed and added again (changed)
+            // never drops its keys to zero on the way.
+            for sp in &update.added {
+                self.wanted.count(sp, 1);
+                resolve_next_hops(view, sp);
+            }
+            for sp in &update.removed {
+                self.wanted.count(sp, -1);
+            }
+            let (fa, fr) = self.wanted.frontends.changes();
+            let (ea, er) = self.wanted.endpoints.changes();
+            let (ca, cr) = self.wanted.cluster_ips.changes();
+            for s in &mut self.steering {
+                note(s.change_frontends(&fa, &fr));
+                note(s.change_endpoints(&ea, &er));
+                note(s.change_cluster_ips(&ca, &cr));
+            }
+            self.wanted.udp.changes().1
+        };
+        self.wanted.local = local;
+        self.wanted.service_cidrs = service_cidrs;
+        (gone_udp, first_err.map(DataplaneError::from))
     }
 }
 

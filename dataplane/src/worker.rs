@@ -32,11 +32,16 @@ const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 
-/// A packet copied to the worker that owns its flow.
+/// A packet copied to another worker: to the one that owns its flow (to process it), or,
+/// already processed, to one that has a socket on the interface it must leave by (worker
+/// 0 has one on every attached interface: every interface has a queue 0, while a pod's
+/// veth usually has only that one).
 #[derive(Debug)]
 pub struct Handoff {
     pub frame: Vec<u8>,
-    pub port: usize,
+    /// Where it arrived (to process) or where it must leave (to transmit).
+    pub ifindex: u32,
+    pub transmit: bool,
 }
 
 /// A request from the control plane to a worker.
@@ -46,6 +51,19 @@ pub enum Command {
     RemoveUdpTo(IpAddr, u16),
     /// Send back a description of every flow (for `kxp conntrack list`).
     ListFlows(crossbeam::channel::Sender<Vec<FlowInfo>>),
+    /// Open a socket on a newly attached interface at this worker's queue and send back
+    /// its descriptor (for the interface's XSKMAP) or why it failed.
+    AddPort {
+        ifname: String,
+        ifindex: u32,
+        reply: crossbeam::channel::Sender<Result<std::os::fd::RawFd, String>>,
+    },
+    /// Close the socket on an interface that went away (or no longer matches), taking
+    /// back the frames its rings held; answers when done.
+    RemovePort {
+        ifindex: u32,
+        reply: crossbeam::channel::Sender<bool>,
+    },
 }
 
 /// One conntrack entry, for display.
@@ -96,6 +114,9 @@ pub struct Shared {
     /// SNAT port range, split evenly between workers.
     pub snat_lo: u16,
     pub snat_hi: u16,
+    /// Names of the attached interfaces by ifindex (for a packet handed over from an
+    /// interface this worker has no socket on).
+    pub attached: ArcSwap<Vec<(u32, String)>>,
 }
 
 impl Shared {
@@ -113,12 +134,12 @@ pub struct Worker {
     pub io: WorkerIo,
     pub engine: Engine,
     pub fib: FibView,
-    /// ifindex of each port (same order as the sockets).
-    pub port_ifindex: Vec<u32>,
     pub shared: Arc<Shared>,
     pub commands: crossbeam::channel::Receiver<Command>,
     /// Interface name of each port (for interface-based local-traffic detection).
     pub port_names: Vec<String>,
+    /// The ports changed: poll on the new set of sockets.
+    ports_changed: bool,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
     pub busy_poll: bool,
     local: Local,
@@ -150,16 +171,14 @@ fn monotonic_ns(start: Instant) -> u64 {
 }
 
 impl Worker {
-    /// A worker for queue `id`; `io` holds its sockets (one per interface, in the order of
-    /// `port_ifindex`).
-    #[allow(clippy::too_many_arguments)]
+    /// A worker for queue `id`; `io` holds its sockets (more come and go by
+    /// [`Command::AddPort`] and [`Command::RemovePort`]).
     pub fn new(
         id: usize,
         cpu: Option<usize>,
         io: WorkerIo,
         engine: Engine,
         fib: FibView,
-        port_ifindex: Vec<u32>,
         shared: Arc<Shared>,
         commands: crossbeam::channel::Receiver<Command>,
     ) -> Worker {
@@ -172,10 +191,10 @@ impl Worker {
             io,
             engine,
             fib,
-            port_ifindex,
             shared,
             commands,
             port_names,
+            ports_changed: false,
             busy_poll: false,
             local: Local::default(),
         }
@@ -189,7 +208,7 @@ impl Worker {
             eprintln!("kxp: worker {}: cannot pin to CPU {cpu}: {e}", self.id);
         }
         let start = Instant::now();
-        let fds = self.io.fds();
+        let mut fds = self.io.fds();
         let mut batch: Vec<Frame> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
         let mut idle: u32 = 0;
@@ -204,6 +223,13 @@ impl Worker {
             while let Ok(cmd) = self.commands.try_recv() {
                 self.command(cmd, now);
             }
+            if self.ports_changed {
+                self.ports_changed = false;
+                fds = self.io.fds();
+                self.port_names = (0..self.io.port_count())
+                    .map(|p| self.io.ifname(p).to_string())
+                    .collect();
+            }
             for _ in 0..256 {
                 let Some(h) = self.shared.inbox[self.id].pop() else {
                     break;
@@ -214,8 +240,21 @@ impl Worker {
                 let n = h.frame.len().min(self.io.frame_capacity());
                 self.io.set_len(&mut f, n);
                 self.io.bytes(&mut f).copy_from_slice(&h.frame[..n]);
-                f.port = h.port;
-                self.handle(f, &snap, now, workers, &mut answer, true);
+                if h.transmit {
+                    match self.io.port_of(h.ifindex) {
+                        Some(port) => {
+                            self.local.tx_packets += 1;
+                            self.io.send(port, f);
+                        }
+                        None => {
+                            self.local.no_route += 1;
+                            self.io.recycle(f);
+                        }
+                    }
+                    continue;
+                }
+                f.port = self.io.port_of(h.ifindex).unwrap_or(usize::MAX);
+                self.handle(f, h.ifindex, &snap, now, workers, &mut answer, true);
             }
             if self.busy_poll {
                 self.io.busy_poll_kick();
@@ -224,8 +263,9 @@ impl Worker {
                 batch.clear();
                 let n = self.io.recv(port, &mut batch);
                 work += n;
+                let ifindex = self.io.ifindex(port);
                 for f in batch.drain(..) {
-                    self.handle(f, &snap, now, workers, &mut answer, false);
+                    self.handle(f, ifindex, &snap, now, workers, &mut answer, false);
                 }
             }
             self.io.flush();
@@ -309,16 +349,56 @@ impl Worker {
                     .collect();
                 let _ = reply.send(flows);
             }
+            Command::AddPort {
+                ifname,
+                ifindex,
+                reply,
+            } => {
+                let r = self
+                    .io
+                    .add_port(&ifname, ifindex)
+                    .map_err(|e| e.to_string());
+                self.ports_changed = true;
+                let _ = reply.send(r);
+            }
+            Command::RemovePort { ifindex, reply } => {
+                let removed = self.io.remove_port(ifindex);
+                self.ports_changed = true;
+                let _ = reply.send(removed);
+            }
         }
     }
 
-    fn port_of(&self, ifindex: u32) -> Option<usize> {
-        self.port_ifindex.iter().position(|&i| i == ifindex)
+    /// Sends `f` out of interface `ifindex`: on this worker's socket there, or through
+    /// worker 0, which has one on every attached interface.
+    fn transmit(&mut self, mut f: Frame, ifindex: u32) {
+        if let Some(port) = self.io.port_of(ifindex) {
+            self.local.tx_packets += 1;
+            self.io.send(port, f);
+            return;
+        }
+        if self.id != 0 {
+            let h = Handoff {
+                frame: self.io.bytes(&mut f).to_vec(),
+                ifindex,
+                transmit: true,
+            };
+            if self.shared.inbox[0].push(h).is_ok() {
+                self.local.handoffs_out += 1;
+            } else {
+                self.local.handoff_full += 1;
+            }
+        } else {
+            self.local.no_route += 1;
+        }
+        self.io.recycle(f);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn handle(
         &mut self,
         mut f: Frame,
+        in_ifindex: u32,
         snap: &Snapshot,
         now: u64,
         workers: usize,
@@ -344,7 +424,8 @@ impl Worker {
             if owner != self.id {
                 let h = Handoff {
                     frame: frame.to_vec(),
-                    port: in_port,
+                    ifindex: in_ifindex,
+                    transmit: false,
                 };
                 if self.shared.inbox[owner].push(h).is_ok() {
                     self.local.handoffs_out += 1;
@@ -355,18 +436,21 @@ impl Worker {
                 return;
             }
         }
+        let attached = self.shared.attached.load();
+        let in_name = match self.port_names.get(in_port) {
+            Some(n) => Some(n.as_str()),
+            None => attached
+                .iter()
+                .find(|(i, _)| *i == in_ifindex)
+                .map(|(_, n)| n.as_str()),
+        };
         let frame = self.io.bytes(&mut f);
         let verdict = {
             let (_, l3) = frame.split_at_mut(ETH_HLEN);
-            self.engine.process(
-                snap,
-                l3,
-                now,
-                Some(&self.port_names[in_port]),
-                &FibSource(&self.fib),
-                answer,
-            )
+            self.engine
+                .process(snap, l3, now, in_name, &FibSource(&self.fib), answer)
         };
+        drop(attached);
         match verdict {
             Verdict::Forward { dst, .. } => self.route_out(f, dst),
             Verdict::Pass => {
@@ -408,8 +492,7 @@ impl Worker {
                     })
                     .to_be_bytes(),
                 );
-                self.local.tx_packets += 1;
-                self.io.send(in_port, f);
+                self.transmit(f, in_ifindex);
             }
             Verdict::Drop(_) => self.io.recycle(f),
         }
@@ -417,19 +500,12 @@ impl Worker {
 
     fn route_out(&mut self, mut f: Frame, dst: IpAddr) {
         match self.fib.route(dst) {
-            Route::Forward(nh) => match self.port_of(nh.ifindex) {
-                Some(port) => {
-                    let frame = self.io.bytes(&mut f);
-                    frame[..6].copy_from_slice(&nh.dst_mac);
-                    frame[6..12].copy_from_slice(&nh.src_mac);
-                    self.local.tx_packets += 1;
-                    self.io.send(port, f);
-                }
-                None => {
-                    self.local.no_route += 1;
-                    self.io.recycle(f);
-                }
-            },
+            Route::Forward(nh) => {
+                let frame = self.io.bytes(&mut f);
+                frame[..6].copy_from_slice(&nh.dst_mac);
+                frame[6..12].copy_from_slice(&nh.src_mac);
+                self.transmit(f, nh.ifindex);
+            }
             Route::Pending => {
                 self.local.neighbour_pending += 1;
                 self.io.recycle(f);

@@ -603,6 +603,12 @@ impl Drop for Steering {
     }
 }
 
+/// The index of interface `ifname` in the calling thread's network namespace, if it
+/// exists and the name is valid.
+pub fn ifindex_of(ifname: &str) -> Option<u32> {
+    resolve_ifindex(ifname).ok()
+}
+
 /// Checks a Linux interface name and resolves it in the calling thread's network namespace.
 fn resolve_ifindex(ifname: &str) -> Result<u32, XdpError> {
     let valid = !ifname.is_empty()

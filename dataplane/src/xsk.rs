@@ -41,7 +41,7 @@ pub struct XskConfig {
 impl Default for XskConfig {
     fn default() -> Self {
         XskConfig {
-            frames: 8192,
+            frames: 16_384,
             frame_size: 2048,
             ring_size: 2048,
             copy_mode: true,
@@ -83,6 +83,7 @@ pub enum XskError {
 
 struct Port {
     ifname: String,
+    ifindex: u32,
     tx: TxQueue,
     rx: RxQueue,
     fq: FillQueue,
@@ -106,10 +107,28 @@ pub struct PortStats {
 }
 
 /// One worker's sockets and frames.
+///
+/// The first port is the UMEM's own socket: libxdp binds it on the UMEM's file
+/// descriptor, which stays open (and bound) until the UMEM goes, and every later socket
+/// shares the UMEM through it (`XDP_SHARED_UMEM`). It must be on an interface that lives
+/// as long as the worker (kxp's own service device); the others come and go with
+/// [`WorkerIo::add_port`] and [`WorkerIo::remove_port`].
 pub struct WorkerIo {
     // Ports first: sockets must go before the UMEM they use.
     ports: Vec<Port>,
     umem: Umem,
+    /// Per frame (address / frame size): the ifindex of the port whose fill or TX ring
+    /// holds it, 0 while userspace owns it, so that a port that goes away gives back the
+    /// frames its rings held.
+    ring_of: Vec<u32>,
+    /// Every frame's descriptor as the UMEM handed it out, by frame number.
+    all_descs: Vec<FrameDesc>,
+    frame_size: usize,
+    sock_cfg: SocketConfig,
+    queue: u32,
+    busy_poll: Option<(u32, u32)>,
+    frames_total: usize,
+    ring_size: usize,
     free: Vec<FrameDesc>,
     scratch: Vec<FrameDesc>,
     /// Frames kept back from the fill rings for transmitting generated packets.
@@ -134,10 +153,13 @@ impl std::fmt::Debug for WorkerIo {
 
 /// Most frames moved per ring call.
 pub const BATCH: usize = 64;
+/// Receive frames kept on the first port's fill ring (kxp's service device).
+const FIRST_PORT_FILL: usize = 256;
 
 impl WorkerIo {
     /// Opens one socket per interface at `queue`, all on one new UMEM, and fills the fill
-    /// rings. The XDP program must redirect to these sockets (see [`WorkerIo::fd`]).
+    /// rings. The first interface holds the UMEM's own socket for the life of this
+    /// `WorkerIo` (see the type's docs). The XDP program must redirect to these sockets (see [`WorkerIo::fd`]).
     ///
     /// # Errors
     /// The UMEM or a socket cannot be created (the error says why and what to check).
@@ -170,63 +192,135 @@ impl WorkerIo {
             .bind_flags(bind)
             .build();
 
-        let mut ports = Vec::with_capacity(ifnames.len());
-        for ifname in ifnames {
-            let sock_err = |reason: String| XskError::Socket {
-                ifname: ifname.clone(),
-                queue,
-                reason,
-            };
-            let iface: Interface = ifname
-                .parse()
-                .map_err(|_| sock_err("not a valid interface name".into()))?;
-            // SAFETY: INHIBIT_PROG_LOAD is set (kxp loads its own XDP program), which is
-            // the condition xsk-rs states for sharing a UMEM; each (interface, queue) is
-            // bound once per UMEM here.
-            let (tx, rx, fq_cq) = unsafe { xsk_rs::Socket::new(sock_cfg, &umem, &iface, queue) }
-                .map_err(|e| sock_err(e.to_string()))?;
-            let Some((fq, cq)) = fq_cq else {
-                return Err(sock_err(
-                    "the (interface, queue) pair is already bound".into(),
-                ));
-            };
-            ports.push(Port {
-                ifname: ifname.clone(),
-                tx,
-                rx,
-                fq,
-                cq,
-                tx_pending: Vec::with_capacity(BATCH),
-                in_fill: 0,
-                tx_size: cfg.ring_size,
-            });
-        }
-
-        let fill_target = ((descs.len() - (descs.len() / 4).max(BATCH)) / ports.len().max(1))
-            .min(cfg.ring_size as usize);
+        let frames_total = descs.len();
+        let reserve = (frames_total / 4).max(BATCH);
         let mut io = WorkerIo {
-            ports,
+            ports: Vec::with_capacity(ifnames.len()),
             umem,
-            fill_target,
-            reserve: (descs.len() / 4).max(BATCH),
+            ring_of: vec![0; frames_total],
+            all_descs: descs.clone(),
+            frame_size: cfg.frame_size as usize,
+            sock_cfg,
+            queue,
+            busy_poll: cfg.busy_poll,
+            frames_total,
+            ring_size: cfg.ring_size as usize,
+            fill_target: 0,
+            reserve,
             free: descs,
             scratch: vec![FrameDesc::default(); BATCH],
             frame_capacity: (cfg.frame_size as usize).saturating_sub(256),
         };
-        if let Some((usecs, budget)) = cfg.busy_poll {
-            for p in &io.ports {
-                crate::sys::set_busy_poll(p.rx.fd().as_raw_fd(), usecs, budget).map_err(
-                    |source| XskError::BusyPoll {
-                        ifname: p.ifname.clone(),
-                        source,
-                    },
-                )?;
-            }
-        }
-        for i in 0..io.ports.len() {
-            io.refill(i);
+        for ifname in ifnames {
+            let ifindex = crate::xdp::ifindex_of(ifname).unwrap_or(0);
+            io.add_port(ifname, ifindex)?;
         }
         Ok(io)
+    }
+
+    /// Opens a socket on `ifname` (index `ifindex`) at this worker's queue, on the shared
+    /// UMEM, gives it its share of receive frames, and returns its descriptor for the XDP
+    /// program's XSKMAP. The fill rings of every port are re-shared evenly.
+    ///
+    /// # Errors
+    /// The socket cannot be created or bound (no such queue, already bound, …).
+    pub fn add_port(&mut self, ifname: &str, ifindex: u32) -> Result<RawFd, XskError> {
+        let queue = self.queue;
+        let sock_err = |reason: String| XskError::Socket {
+            ifname: ifname.to_string(),
+            queue,
+            reason,
+        };
+        let iface: Interface = ifname
+            .parse()
+            .map_err(|_| sock_err("not a valid interface name".into()))?;
+        // SAFETY: INHIBIT_PROG_LOAD is set (kxp loads its own XDP program), which is
+        // the condition xsk-rs states for sharing a UMEM; each (interface, queue) is
+        // bound once per UMEM here (a port is removed before its interface is added again).
+        let (tx, rx, fq_cq) =
+            unsafe { xsk_rs::Socket::new(self.sock_cfg, &self.umem, &iface, queue) }
+                .map_err(|e| sock_err(e.to_string()))?;
+        let Some((fq, cq)) = fq_cq else {
+            return Err(sock_err(
+                "the (interface, queue) pair is already bound".into(),
+            ));
+        };
+        if let Some((usecs, budget)) = self.busy_poll {
+            crate::sys::set_busy_poll(rx.fd().as_raw_fd(), usecs, budget).map_err(|source| {
+                XskError::BusyPoll {
+                    ifname: ifname.to_string(),
+                    source,
+                }
+            })?;
+        }
+        let fd = rx.fd().as_raw_fd();
+        self.ports.push(Port {
+            ifname: ifname.to_string(),
+            ifindex,
+            tx,
+            rx,
+            fq,
+            cq,
+            tx_pending: Vec::with_capacity(BATCH),
+            in_fill: 0,
+            tx_size: self.ring_size as u32,
+        });
+        self.reshare();
+        for i in 0..self.ports.len() {
+            self.refill(i);
+        }
+        Ok(fd)
+    }
+
+    /// Closes the socket of the port on `ifindex` (its interface went away or no longer
+    /// matches) and takes back every frame its rings held. Returns whether there was one.
+    ///
+    /// The first port (the UMEM's own socket) is never removed.
+    pub fn remove_port(&mut self, ifindex: u32) -> bool {
+        let Some(i) = self.ports.iter().position(|p| p.ifindex == ifindex) else {
+            return false;
+        };
+        if i == 0 {
+            return false;
+        }
+        let mut p = self.ports.remove(i);
+        self.free.append(&mut p.tx_pending);
+        // Closing the socket first: the kernel stops using its rings (copy mode has
+        // copied every frame it sent), then what they held is userspace's again.
+        drop(p);
+        for (n, owner) in self.ring_of.iter_mut().enumerate() {
+            if *owner == ifindex {
+                *owner = 0;
+                self.free.push(self.all_descs[n]);
+            }
+        }
+        self.reshare();
+        true
+    }
+
+    /// Shares the UMEM (less the reserve) evenly between the fill rings of the ports
+    /// after the first, which gets [`FIRST_PORT_FILL`] (kxp's own service device, with
+    /// little traffic: frames in an idle port's fill ring are out of use until it
+    /// receives). A port keeps what it was given when there were fewer ports until it
+    /// receives; new ports get the new, smaller share.
+    fn reshare(&mut self) {
+        let others = self.ports.len().saturating_sub(1).max(1);
+        self.fill_target = ((self.frames_total - self.reserve - FIRST_PORT_FILL) / others)
+            .clamp(BATCH, self.ring_size);
+    }
+
+    /// The ifindex of `port`.
+    pub fn ifindex(&self, port: usize) -> u32 {
+        self.ports[port].ifindex
+    }
+
+    /// The port on `ifindex`, if any.
+    pub fn port_of(&self, ifindex: u32) -> Option<usize> {
+        self.ports.iter().position(|p| p.ifindex == ifindex)
+    }
+
+    fn frame_no(frame_size: usize, d: &FrameDesc) -> usize {
+        d.addr() / frame_size
     }
 
     pub fn port_count(&self) -> usize {
@@ -249,6 +343,11 @@ impl WorkerIo {
         // are owned by userspace from here on, and each is wrapped in exactly one Frame.
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
+        for d in &self.scratch[..n] {
+            if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
+                *o = 0;
+            }
+        }
         out.extend(self.scratch[..n].iter().map(|&desc| Frame { desc, port }));
         n
     }
@@ -311,7 +410,11 @@ impl WorkerIo {
             // SAFETY: the descriptors in tx_pending are frames of this UMEM owned by
             // userspace (moved out of their Frame tokens) and on no ring.
             let done = unsafe { p.tx.produce(&p.tx_pending[..n]) };
-            p.tx_pending.drain(..done);
+            for d in p.tx_pending.drain(..done) {
+                if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
+                    *o = p.ifindex;
+                }
+            }
         }
         // Copy mode: each sendto() makes the kernel transmit at most 32 frames, so kick
         // until the ring is drained (bounded; transient errors such as EAGAIN or ENOBUFS
@@ -346,6 +449,11 @@ impl WorkerIo {
                 if n == 0 {
                     break;
                 }
+                for d in &self.scratch[..n] {
+                    if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
+                        *o = 0;
+                    }
+                }
                 self.free.extend_from_slice(&self.scratch[..n]);
             }
         }
@@ -353,8 +461,13 @@ impl WorkerIo {
 
     fn refill(&mut self, port: usize) {
         let share = self.free.len().saturating_sub(self.reserve);
+        let target = if port == 0 {
+            FIRST_PORT_FILL
+        } else {
+            self.fill_target
+        };
         let p = &mut self.ports[port];
-        let want = self.fill_target.saturating_sub(p.in_fill);
+        let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
             return;
         }
@@ -367,7 +480,12 @@ impl WorkerIo {
         // SAFETY: frames in `free` are owned by userspace and on no ring.
         let done = unsafe { p.fq.produce(&self.free[start..]) };
         if done > 0 {
-            self.free.truncate(self.free.len() - done);
+            // produce() takes the slice from its start.
+            for d in self.free.drain(start..start + done) {
+                if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
+                    *o = p.ifindex;
+                }
+            }
             p.in_fill += done;
         }
         if p.fq.needs_wakeup() {

@@ -60,6 +60,8 @@ type Events = UnboundedReceiver<(NetlinkMessage<RouteNetlinkMessage>, SocketAddr
 /// Stopping it (or dropping it) ends and joins its thread; views keep the last tables.
 pub struct FibMirror {
     table: Arc<ArcSwap<FibTable>>,
+    attached: Arc<Mutex<Arc<[u32]>>>,
+    published: crossbeam::channel::Receiver<()>,
     requests: crossbeam::channel::Sender<ResolveRequest>,
     wake: Arc<Notify>,
     ready: Arc<Ready>,
@@ -105,6 +107,8 @@ impl FibMirror {
     /// if the netlink socket cannot be opened, sized or subscribed.
     pub fn start(attached: &[u32]) -> Result<FibMirror, FibError> {
         let table = Arc::new(ArcSwap::from_pointee(FibTable::new_with_attached(attached)));
+        let attached = Arc::new(Mutex::new(Arc::<[u32]>::from(attached)));
+        let (published_tx, published) = crossbeam::channel::bounded(1);
         let (requests, requests_rx) = crossbeam::channel::bounded(REQUEST_QUEUE);
         let wake = Arc::new(Notify::new());
         let ready = Arc::new(Ready::default());
@@ -112,6 +116,8 @@ impl FibMirror {
         let (started_tx, started_rx) = mpsc::sync_channel(1);
         let ctx = Context {
             table: table.clone(),
+            attached: attached.clone(),
+            published: published_tx,
             requests: requests_rx,
             wake: wake.clone(),
             ready: ready.clone(),
@@ -125,6 +131,8 @@ impl FibMirror {
             })?;
         let mut mirror = FibMirror {
             table,
+            attached,
+            published,
             requests,
             wake,
             ready,
@@ -144,6 +152,25 @@ impl FibMirror {
                 })
             }
         }
+    }
+
+    /// Replaces the list of interfaces kxp transmits on (an interface was attached or
+    /// went away); views see it at once.
+    pub fn set_attached(&self, ifindexes: &[u32]) {
+        let mut attached = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        *attached = ifindexes.into();
+        let new = attached.clone();
+        self.table.rcu(|t| {
+            let mut t = FibTable::clone(t);
+            t.attached = new.clone();
+            t
+        });
+    }
+
+    /// A receiver told after each publication of new tables (at most one pending): for
+    /// whoever follows links coming and going.
+    pub fn published(&self) -> crossbeam::channel::Receiver<()> {
+        self.published.clone()
     }
 
     /// A new view for one worker.
@@ -215,6 +242,10 @@ impl fmt::Debug for FibMirror {
 
 struct Context {
     table: Arc<ArcSwap<FibTable>>,
+    /// The interfaces kxp transmits on, as of now (see [`FibMirror::set_attached`]).
+    attached: Arc<Mutex<Arc<[u32]>>>,
+    /// Told (without blocking) after every publication.
+    published: crossbeam::channel::Sender<()>,
     requests: crossbeam::channel::Receiver<ResolveRequest>,
     wake: Arc<Notify>,
     ready: Arc<Ready>,
@@ -294,7 +325,12 @@ impl Context {
 
     fn publish(&self, state: &mut FibTable) {
         state.generation += 1;
+        // Under the lock, so that a concurrent set_attached is never undone.
+        let attached = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        state.attached = attached.clone();
         self.table.store(Arc::new(state.clone()));
+        drop(attached);
+        let _ = self.published.try_send(());
     }
 }
 
