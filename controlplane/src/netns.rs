@@ -117,6 +117,14 @@ impl Topology {
         Ok(())
     }
 
+    /// Deletes one of this topology's namespaces now (a pod going away): its interfaces
+    /// and their peers go with it.
+    pub fn remove_ns(&mut self, name: &str) -> io::Result<()> {
+        ip(&["netns", "del", name])?;
+        self.namespaces.retain(|n| n != name);
+        Ok(())
+    }
+
     /// Enables IPv4 (and IPv6) forwarding in a namespace (it is a router).
     pub fn forwarding(&self, ns: &str) -> io::Result<()> {
         in_ns(

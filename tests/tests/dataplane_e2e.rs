@@ -64,6 +64,8 @@ struct Opts<'a> {
     api: bool,
     /// More lines for kxp's KubeProxyConfiguration.
     config_extra: &'a str,
+    /// `--interface` values instead of one per link (names or patterns).
+    interfaces: Option<&'a [&'a str]>,
 }
 
 impl Default for Opts<'_> {
@@ -78,6 +80,7 @@ impl Default for Opts<'_> {
             ipv6_state: None,
             api: false,
             config_extra: "",
+            interfaces: None,
         }
     }
 }
@@ -145,6 +148,12 @@ impl Lab {
             args.push("--interface".into());
             args.push(dev);
             backends.push(ns);
+        }
+        if let Some(list) = o.interfaces {
+            args = list
+                .iter()
+                .flat_map(|i| ["--interface".to_string(), i.to_string()])
+                .collect();
         }
         let stop = Arc::new(AtomicBool::new(false));
         let names = ["web-1", "web-2", "web-3"];
@@ -1053,4 +1062,120 @@ fn kubernetes_source_drives_the_dataplane() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(health_status(&lab, "/livez").contains("200"));
+}
+
+/// A pod as a routed CNI (Calico) plugs it in: a veth whose node side has no address, a
+/// /32 route to the pod through it, proxy ARP for the pod's gateway 169.254.1.1; the
+/// pod side has the pod's /32 and a default route via 169.254.1.1. Kernel defaults
+/// otherwise (checksum offload on, one queue). Proxy ARP answers only for addresses the
+/// node routes elsewhere, so the node gets the default route a real node has (towards
+/// the client's side, inside the lab).
+fn plug_routed_pod(topo: &mut Topology, node: &str, role: &str, dev: &str, ip: &str) -> String {
+    in_ns(node, &["ip", "route", "replace", "default", "via", "198.18.1.2"]).unwrap();
+    let ns = topo.add_ns(role).unwrap();
+    topo.link((node, dev, ""), (&ns, "eth0", &format!("{ip}/32")))
+        .unwrap();
+    in_ns(
+        node,
+        &["ip", "route", "add", &format!("{ip}/32"), "dev", dev],
+    )
+    .unwrap();
+    in_ns(
+        node,
+        &["sysctl", "-qw", &format!("net.ipv4.conf.{dev}.proxy_arp=1")],
+    )
+    .unwrap();
+    in_ns(
+        &ns,
+        &[
+            "ip",
+            "route",
+            "add",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ],
+    )
+    .unwrap();
+    in_ns(
+        &ns,
+        &["ip", "route", "add", "default", "via", "169.254.1.1"],
+    )
+    .unwrap();
+    ns
+}
+
+/// Waits until every one of `n` connections to the VIP is answered by `who`.
+fn until_served_by(lab: &Lab, who: &str, deadline: Duration) -> (usize, usize) {
+    let start = Instant::now();
+    loop {
+        let (spread, _, failed) = lab.http_spread(vip(80), 20);
+        let by_who = spread.get(who).copied().unwrap_or(0);
+        if by_who == 20 || start.elapsed() > deadline {
+            return (by_who, failed);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn pods_whose_veth_appears_later_are_attached_and_forgotten_when_they_go() {
+    // kxp is told about patterns, not names: the pods' veths (pod*) do not exist yet.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe13",
+        interfaces: Some(&["n-client", "n-web*", "pod*"]),
+        ..Default::default()
+    });
+    let node = lab.node.clone();
+    for round in 0..2 {
+        // A new pod appears (the second time with the same name, a new ifindex).
+        let ns = plug_routed_pod(
+            &mut lab.topo,
+            &node,
+            &format!("p{round}"),
+            "pod4",
+            "198.18.3.2",
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let server = Backend::start(&ns, "web-4", stop.clone()).unwrap();
+        lab.set_endpoints(&["198.18.3.2"], "");
+        let (served, failed) = until_served_by(&lab, "web-4", Duration::from_secs(10));
+        assert_eq!(
+            served,
+            20,
+            "round {round}: the late pod serves the VIP ({failed} failed)\n{}",
+            lab.log()
+        );
+        assert!(
+            lab.log().contains("attached interface=pod4"),
+            "{}",
+            lab.log()
+        );
+        // The pod goes: its veth disappears with its namespace; kxp forgets it and goes
+        // on serving the others.
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        server.join();
+        lab.topo.remove_ns(&ns).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let detached = || {
+            lab.log()
+                .matches("detached (gone or no longer matching) interface=pod4")
+                .count()
+        };
+        while detached() <= round && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(
+            detached(),
+            round + 1,
+            "kxp forgets the pod's veth:\n{}",
+            lab.log()
+        );
+        lab.set_endpoints(&WEB, "");
+        let (spread, _, failed) = lab.http_spread(vip(80), 60);
+        assert_eq!(failed, 0, "round {round}: {spread:?}\n{}", lab.log());
+        assert_eq!(spread.len(), 3, "{spread:?}");
+    }
 }
