@@ -1071,7 +1071,11 @@ fn kubernetes_source_drives_the_dataplane() {
 /// node routes elsewhere, so the node gets the default route a real node has (towards
 /// the client's side, inside the lab).
 fn plug_routed_pod(topo: &mut Topology, node: &str, role: &str, dev: &str, ip: &str) -> String {
-    in_ns(node, &["ip", "route", "replace", "default", "via", "198.18.1.2"]).unwrap();
+    in_ns(
+        node,
+        &["ip", "route", "replace", "default", "via", "198.18.1.2"],
+    )
+    .unwrap();
     let ns = topo.add_ns(role).unwrap();
     topo.link((node, dev, ""), (&ns, "eth0", &format!("{ip}/32")))
         .unwrap();
@@ -1178,4 +1182,84 @@ fn pods_whose_veth_appears_later_are_attached_and_forgotten_when_they_go() {
         assert_eq!(failed, 0, "round {round}: {spread:?}\n{}", lab.log());
         assert_eq!(spread.len(), 3, "{spread:?}");
     }
+}
+
+/// A pod as a bridged CNI (`bridge`, flannel) plugs it in: the node side of its veth is
+/// a port of the bridge `cni0` (hairpin mode on, as the CNI sets it), the pod side has
+/// `ip` (CIDR) and a default route via the bridge's address. Kernel defaults otherwise.
+fn plug_bridged_pod(topo: &mut Topology, node: &str, role: &str, dev: &str, ip: &str) -> String {
+    let ns = topo.add_ns(role).unwrap();
+    topo.link((node, dev, ""), (&ns, "eth0", ip)).unwrap();
+    in_ns(node, &["ip", "link", "set", dev, "master", "cni0"]).unwrap();
+    in_ns(
+        node,
+        &["bridge", "link", "set", "dev", dev, "hairpin", "on"],
+    )
+    .unwrap();
+    in_ns(&ns, &["ip", "route", "add", "default", "via", "198.18.4.1"]).unwrap();
+    ns
+}
+
+#[test]
+fn bridged_pods_reach_a_pod_on_the_same_bridge_and_themselves_through_the_vip() {
+    // The bridge exists before kxp; the pods' veths (ports of cni0) come afterwards.
+    // Pods are in the cluster CIDR (no masquerade between them); the client is not.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe14",
+        cluster_cidr: "198.18.4.0/24",
+        interfaces: Some(&["n-client", "n-web*", "veth*"]),
+        ..Default::default()
+    });
+    let node = lab.node.clone();
+    for cmd in [
+        &["ip", "link", "add", "cni0", "type", "bridge"][..],
+        &["ip", "addr", "add", "198.18.4.1/24", "dev", "cni0"],
+        &["ip", "link", "set", "cni0", "up"],
+    ] {
+        in_ns(&node, cmd).unwrap();
+    }
+    let pod_a = plug_bridged_pod(&mut lab.topo, &node, "pa", "veth-a", "198.18.4.2/24");
+    let pod_b = plug_bridged_pod(&mut lab.topo, &node, "pb", "veth-b", "198.18.4.3/24");
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = Backend::start(&pod_b, "web-b", stop.clone()).unwrap();
+    lab.set_endpoints(&["198.18.4.3"], "");
+
+    // From outside the cluster: masqueraded to the bridge's address, sent on pod B's port.
+    let (served, failed) = until_served_by(&lab, "web-b", Duration::from_secs(10));
+    assert_eq!(
+        served,
+        20,
+        "client -> VIP -> bridged pod ({failed} failed)\n{}",
+        lab.log()
+    );
+    let (_, peers, _) = lab.http_spread(vip(80), 5);
+    assert!(peers.iter().all(|p| p == "198.18.4.1"), "{peers:?}");
+
+    // Pod A to the VIP, endpoint pod B on the same bridge: not masqueraded, and B's
+    // answer (plain L2 to A inside the bridge) is un-DNATed on its way.
+    let body = lab.in_ns(&pod_a, || {
+        (0..20)
+            .map(|_| http_get(vip(80), Duration::from_secs(3)))
+            .collect::<Vec<_>>()
+    });
+    for b in &body {
+        assert_eq!(
+            b.as_deref().ok(),
+            Some("web-b 198.18.4.2"),
+            "{body:?}\n{}",
+            lab.log()
+        );
+    }
+
+    // Hairpin: pod B reaches itself through the VIP (masqueraded, as kube-proxy does).
+    let body = lab.in_ns(&pod_b, || http_get(vip(80), Duration::from_secs(3)));
+    assert_eq!(
+        body.ok().as_deref(),
+        Some("web-b 198.18.4.1"),
+        "{}",
+        lab.log()
+    );
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join();
 }

@@ -464,6 +464,18 @@ impl Session {
                 fresh.apply(&msg, 0);
             }
         }
+        // Bridges' forwarding databases (their own family: not in the dumps above).
+        let mut m = NeighbourMessage::default();
+        m.header.family = AddressFamily::Bridge;
+        for msg in dump(
+            &self.handle,
+            "bridge fdb",
+            RouteNetlinkMessage::GetNeighbour(m),
+        )
+        .await?
+        {
+            fresh.apply(&msg, 0);
+        }
         let routes = self.dump_routes(&fresh).await?;
         fresh.take_routes(routes);
         self.state = fresh;

@@ -103,10 +103,12 @@ impl FibTable {
             name: String::new(),
             mac: None,
             up: m.header.flags.contains(LinkFlags::Up),
+            master: None,
         };
         for attr in &m.attributes {
             match attr {
                 LinkAttribute::IfName(name) => link.name.clone_from(name),
+                LinkAttribute::Controller(i) => link.master = Some(*i).filter(|&i| i != 0),
                 LinkAttribute::Address(a) => link.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
                 _ => {}
             }
@@ -136,6 +138,13 @@ impl FibTable {
         }
         if self.neigh.keys().any(|(i, _)| *i == ifindex) {
             Arc::make_mut(&mut self.neigh).retain(|(i, _), _| *i != ifindex);
+        }
+        if self
+            .fdb
+            .iter()
+            .any(|(&(b, _), &p)| b == ifindex || p == ifindex)
+        {
+            Arc::make_mut(&mut self.fdb).retain(|&(b, _), &mut p| b != ifindex && p != ifindex);
         }
         Effect {
             changed: true,
@@ -199,8 +208,55 @@ impl FibTable {
         }
     }
 
+    /// A bridge forwarding-database entry (`bridge fdb`): a MAC learned on a port of a
+    /// bridge. Entries of the bridge's own or its ports' MACs (permanent), static ones
+    /// and those of a port device itself (no master) are not where pods are.
+    fn set_fdb(&mut self, m: &NeighbourMessage, present: bool) -> Effect {
+        let (mut mac, mut master) = (None, None);
+        for attr in &m.attributes {
+            match attr {
+                NeighbourAttribute::LinkLayerAddress(a) => {
+                    mac = <[u8; 6]>::try_from(a.as_slice()).ok()
+                }
+                NeighbourAttribute::Controller(b) => master = Some(*b),
+                _ => {}
+            }
+        }
+        let (Some(mac), Some(bridge)) = (mac, master) else {
+            return Effect::default();
+        };
+        let key = (bridge, mac);
+        let port = m.header.ifindex;
+        let learned = present
+            && !matches!(
+                m.header.state,
+                NeighbourState::Permanent | NeighbourState::Noarp
+            );
+        match (learned, self.fdb.get(&key)) {
+            (true, Some(&p)) if p == port => Effect::default(),
+            (true, _) => {
+                Arc::make_mut(&mut self.fdb).insert(key, port);
+                Effect {
+                    changed: true,
+                    resync_routes: false,
+                }
+            }
+            (false, Some(&p)) if p == port => {
+                Arc::make_mut(&mut self.fdb).remove(&key);
+                Effect {
+                    changed: true,
+                    resync_routes: false,
+                }
+            }
+            (false, _) => Effect::default(),
+        }
+    }
+
     fn set_neigh(&mut self, m: &NeighbourMessage, present: bool) -> Effect {
         let family = m.header.family;
+        if family == AddressFamily::Bridge {
+            return self.set_fdb(m, present);
+        }
         if !matches!(family, AddressFamily::Inet | AddressFamily::Inet6)
             || m.header.flags.contains(NeighbourFlags::Proxy)
         {

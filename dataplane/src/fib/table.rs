@@ -23,6 +23,9 @@ pub struct FibTable {
     pub(super) addrs: Arc<Vec<Addr>>,
     /// Only neighbours whose MAC may be used, keyed by (ifindex, address).
     pub(super) neigh: Arc<FastMap<(u32, IpAddr), [u8; 6]>>,
+    /// Linux bridges' forwarding databases, learned entries only: (bridge ifindex, MAC)
+    /// → the port the MAC was seen on.
+    pub(super) fdb: Arc<FastMap<(u32, [u8; 6]), u32>>,
     /// `routes[family][table]`, family 0 = IPv4, 1 = IPv6, table as in [`TABLES`].
     pub(super) routes: [[Arc<Lpm>; 3]; 2],
 }
@@ -32,6 +35,8 @@ pub(super) struct Link {
     pub name: String,
     pub mac: Option<[u8; 6]>,
     pub up: bool,
+    /// The bridge (or bond) this link is a port of (`IFLA_MASTER`).
+    pub master: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -240,6 +245,12 @@ impl FibTable {
             return reject;
         };
         if !self.attached.contains(&hop.ifindex) {
+            // A Linux bridge kxp is not attached to, whose pods' veths it is (a bridged
+            // CNI's cni0): the frame goes to the port the bridge learned the MAC on, as
+            // the bridge would forward it.
+            if let Some(r) = self.via_bridge(hop, dst) {
+                return r;
+            }
             return Resolved::Route(Route::NotAttached {
                 ifindex: hop.ifindex,
             });
@@ -263,6 +274,46 @@ impl FibTable {
                 ifindex: hop.ifindex,
                 next_hop,
             },
+        }
+    }
+
+    /// Routes through the bridge `hop.ifindex` when it has a port kxp is attached to:
+    /// the neighbour's MAC (on the bridge), then the port that MAC was learned on. `None`
+    /// when `hop` is not a bridge with an attached port.
+    fn via_bridge(&self, hop: Hop, dst: IpAddr) -> Option<Resolved> {
+        let bridge = hop.ifindex;
+        let has_port = self
+            .links
+            .iter()
+            .any(|(i, l)| l.master == Some(bridge) && self.attached.contains(i));
+        if !has_port {
+            return None;
+        }
+        let link = self.links.get(&bridge).filter(|l| l.up)?;
+        let src_mac = link.mac?;
+        let next_hop = hop.gateway.unwrap_or(dst);
+        let Some(&dst_mac) = self.neigh.get(&(bridge, next_hop)) else {
+            return Some(Resolved::Unresolved {
+                ifindex: bridge,
+                next_hop,
+            });
+        };
+        match self.fdb.get(&(bridge, dst_mac)) {
+            Some(&port) if self.attached.contains(&port) => {
+                Some(Resolved::Route(Route::Forward(NextHop {
+                    ifindex: port,
+                    src_mac,
+                    dst_mac,
+                })))
+            }
+            Some(&port) => Some(Resolved::Route(Route::NotAttached { ifindex: port })),
+            // Known neighbour, MAC not (or no longer) in the bridge's table: the bridge
+            // would flood; kxp asks the kernel to probe, which makes the pod answer
+            // and the bridge learn its port.
+            None => Some(Resolved::Unresolved {
+                ifindex: bridge,
+                next_hop,
+            }),
         }
     }
 
