@@ -60,6 +60,10 @@ struct steer_config {
 	__u32 flags;
 };
 #define CFG_STEER_VLAN (1u << 0) /* look inside one 802.1Q/802.1ad tag */
+/* kxp's service device: everything on it was routed there by the node for kxp; what
+ * kxp does not take (no rule matched, or no socket) is dropped, never handed back to
+ * the kernel, which would route it into the device again. */
+#define CFG_SERVICE_DEVICE (1u << 1)
 
 /* stats indices (PERCPU_ARRAY of u64); seen == redirected + passed */
 enum {
@@ -369,6 +373,8 @@ int kxp_steer(struct xdp_md *ctx)
 	}
 	count(ST_NO_SOCKET);
 pass:
+	if (cfg && (cfg->flags & CFG_SERVICE_DEVICE))
+		return XDP_DROP;
 	count(ST_PASSED);
 	return XDP_PASS;
 }

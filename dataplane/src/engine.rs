@@ -131,6 +131,10 @@ pub struct Engine {
     affinity: MapAffinity,
     cursors: HashMap<(u64, bool), RrCursor>,
     rng: u64,
+    /// The interface the node's own connections arrive on (kxp's service device): their
+    /// source is already a node address, and they are always given a SNAT port so that
+    /// the endpoints' answers, addressed to the node, come back to kxp.
+    pub host_interface: Option<String>,
 }
 
 const SEC: u64 = 1_000_000_000;
@@ -144,6 +148,7 @@ impl Engine {
             affinity: MapAffinity::default(),
             cursors: HashMap::new(),
             rng: seed | 1,
+            host_interface: None,
         }
     }
 
@@ -303,8 +308,16 @@ impl Engine {
                 .remember(sp.name_hash, t.src, ep.addr, now, timeout_secs as u64 * SEC);
         }
 
-        let reply_dst = if fwd.masquerade_for(t.src, ep) {
-            let Some(snat_ip) = masq.source_for(ep.addr.ip()) else {
+        let from_host = in_interface.is_some() && in_interface == self.host_interface.as_deref();
+        let reply_dst = if from_host || fwd.masquerade_for(t.src, ep) {
+            // The node's own connection keeps the address the node chose for it (its own);
+            // only its port comes from the SNAT range.
+            let source = if from_host {
+                Some(t.src)
+            } else {
+                masq.source_for(ep.addr.ip())
+            };
+            let Some(snat_ip) = source else {
                 return Verdict::Drop(DropCause::NoSnatSource);
             };
             let Some(port) = self

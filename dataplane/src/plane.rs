@@ -118,6 +118,10 @@ pub struct Dataplane {
 struct Programming {
     /// One program instance per attached interface.
     steering: Vec<Steering>,
+    /// The instance on kxp's service device (the node's own traffic).
+    service: Option<Steering>,
+    /// Routes of Service addresses into the service device.
+    routes: Option<crate::servicedev::Routes>,
     /// What the XDP maps must hold, counted per Service port (to apply updates by
     /// difference, and to fill the maps of an interface attached later).
     wanted: Wanted,
@@ -235,6 +239,9 @@ struct Wanted {
     frontends: Counted<SteerKey>,
     endpoints: Counted<SteerKey>,
     cluster_ips: Counted<IpAddr>,
+    /// Service addresses the node's own connections are routed to kxp for (ClusterIPs,
+    /// externalIPs, LoadBalancer IPs).
+    routed: Counted<IpAddr>,
     udp: Counted<SocketAddr>,
     /// The addresses NodePorts were expanded with (sorted).
     np_addrs: Vec<IpAddr>,
@@ -249,8 +256,10 @@ impl Wanted {
         let proto = sp.name.protocol;
         let key = |ip: IpAddr, port: u16| SteerKey::new(ip, port, proto);
         self.frontends.bump(key(sp.cluster_ip, sp.port), by);
+        self.routed.bump(sp.cluster_ip, by);
         for &ip in sp.external_ips.iter().chain(&sp.lb_vips) {
             self.frontends.bump(key(ip, sp.port), by);
+            self.routed.bump(ip, by);
         }
         if sp.node_port != 0 {
             for i in 0..self.np_addrs.len() {
@@ -276,6 +285,7 @@ impl Wanted {
         self.frontends.touched.clear();
         self.endpoints.touched.clear();
         self.cluster_ips.touched.clear();
+        self.routed.touched.clear();
         self.udp.touched.clear();
     }
 }
@@ -392,10 +402,18 @@ impl Dataplane {
             attached: ArcSwap::from_pointee(Vec::new()),
         });
 
+        // The node's own traffic: a program on the service device's kxp side, and
+        // routes of the Service addresses into its host side (see crate::servicedev).
+        let service_prog = Steering::load_and_attach(&service.dp, cfg.attach)?;
+        service_prog.set_snat_range(lo, hi)?;
+        service_prog.set_service_device()?;
+        let routes = crate::servicedev::Routes::new(&service.host, service.host_ifindex)?;
+
         let mut workers = Vec::new();
         for (id, (rx, snat)) in rxs.into_iter().zip(ranges).enumerate() {
             // The UMEM's own socket goes on the service device (see crate::servicedev).
             let io = WorkerIo::open(&cfg.xsk, std::slice::from_ref(&service.dp), id as u32)?;
+            service_prog.set_socket(id as u32, io.fd(0))?;
             let table = conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
                 .map_err(|e| DataplaneError::Conntrack(e.to_string()))?;
             let mut w = Worker::new(
@@ -408,11 +426,19 @@ impl Dataplane {
                 rx,
             );
             w.busy_poll = cfg.xsk.busy_poll.is_some();
+            w.engine.host_interface = Some(service.dp.clone());
+            w.local_delivery = Some(crate::worker::LocalDelivery {
+                ifindex: service.dp_ifindex,
+                src_mac: service.dp_mac,
+                dst_mac: service.host_mac,
+            });
             workers.push(w);
         }
         let links = Arc::new(LinkCtl {
             prog: Mutex::new(Programming {
                 needs_full: true,
+                service: Some(service_prog),
+                routes: Some(routes),
                 ..Programming::default()
             }),
             patterns: cfg.interfaces.clone(),
@@ -593,13 +619,17 @@ impl Dataplane {
         {
             let mut prog = self.links.lock();
             // Programs first: from here on the interfaces' traffic is the kernel's.
-            for s in prog.steering.drain(..) {
+            let service = prog.service.take();
+            for s in prog.steering.drain(..).chain(service) {
                 if let Err(e) = s.detach() {
                     tracing::warn!(error = %e, "detaching an XDP program");
                 }
             }
             for (path, value) in prog.restore.drain(..) {
                 let _ = std::fs::write(&path, value);
+            }
+            if let Some(mut routes) = prog.routes.take() {
+                let _ = routes.sync(&HashSet::new());
             }
         }
         self.shared.stop.store(true, Ordering::Relaxed);
@@ -807,7 +837,7 @@ impl Programming {
                 first_err.get_or_insert(e);
             }
         };
-        for s in &mut self.steering {
+        for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
             note(s.sync_local_addrs(&local));
             note(s.sync_service_cidrs(&service_cidrs));
         }
@@ -823,7 +853,7 @@ impl Programming {
             let frontends: HashSet<SteerKey> = self.wanted.frontends.keys().copied().collect();
             let endpoints: HashSet<SteerKey> = self.wanted.endpoints.keys().copied().collect();
             let cluster_ips: HashSet<IpAddr> = self.wanted.cluster_ips.keys().copied().collect();
-            for s in &mut self.steering {
+            for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
                 note(s.sync_frontends(&frontends));
                 note(s.sync_endpoints(&endpoints));
                 note(s.sync_cluster_ips(&cluster_ips));
@@ -849,16 +879,29 @@ impl Programming {
             let (fa, fr) = self.wanted.frontends.changes();
             let (ea, er) = self.wanted.endpoints.changes();
             let (ca, cr) = self.wanted.cluster_ips.changes();
-            for s in &mut self.steering {
+            let _ = self.wanted.routed.changes();
+            for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
                 note(s.change_frontends(&fa, &fr));
                 note(s.change_endpoints(&ea, &er));
                 note(s.change_cluster_ips(&ca, &cr));
             }
             self.wanted.udp.changes().1
         };
+        let mut route_err = None;
+        if let Some(routes) = &mut self.routes {
+            let want = crate::servicedev::wanted_routes(
+                &service_cidrs,
+                self.wanted.routed.keys().copied(),
+            );
+            if want != *routes.installed()
+                && let Err(e) = routes.sync(&want)
+            {
+                route_err = Some(DataplaneError::from(e));
+            }
+        }
         self.wanted.local = local;
         self.wanted.service_cidrs = service_cidrs;
-        (gone_udp, first_err.map(DataplaneError::from))
+        (gone_udp, first_err.map(DataplaneError::from).or(route_err))
     }
 }
 

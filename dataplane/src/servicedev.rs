@@ -7,16 +7,29 @@
 //! the UMEM through it. Interfaces kxp attaches to come and go with the pods, so the
 //! UMEM's socket must sit on a device that lives exactly as long as kxp: this one.
 //!
-//! The host side (`NAME`, default `kxp0`) is what the node's routing table can point at.
+//! The host side (`NAME`, default `kxp0`) is where the node's own connections to Service
+//! addresses go: kxp routes the Service CIDRs, ClusterIPs, externalIPs and LoadBalancer
+//! IPs to it ([`Routes`]), so a host process, a hostNetwork pod or the kubelet connecting
+//! to a ClusterIP sends its packets through the pair to kxp's sockets, where they are
+//! translated like any other (kube-proxy catches them in netfilter's OUTPUT hook). The
+//! host side is NOARP: the kernel sends to the device's own MAC without asking, and kxp's
+//! answers come back the same way, delivered to the host as received on `NAME`.
 //!
 //! A kxp killed with SIGKILL leaves the pair behind; the next start replaces it, and
 //! `kxp cleanup` removes it.
 
+use std::collections::HashSet;
 use std::io;
+use std::net::IpAddr;
 
 use futures::TryStreamExt;
-use rtnetlink::packet_route::link::LinkAttribute;
-use rtnetlink::{Handle, LinkUnspec, LinkVeth};
+use ipnet::IpNet;
+use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVeth, LinkAttribute};
+use rtnetlink::packet_route::route::{RouteProtocol, RouteScope};
+use rtnetlink::{Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+/// The routing protocol number on kxp's routes (`ip route show proto 201`).
+pub const ROUTE_PROTO: u8 = 201;
 
 /// The suffix of the dataplane side's name.
 pub const DP_SUFFIX: &str = "-dp";
@@ -47,6 +60,18 @@ pub struct ServiceDevice {
     pub dp: String,
     pub host_ifindex: u32,
     pub dp_ifindex: u32,
+    pub host_mac: [u8; 6],
+    pub dp_mac: [u8; 6],
+}
+
+fn mac_of(name: &str) -> [u8; 6] {
+    let text =
+        std::fs::read_to_string(format!("/sys/class/net/{name}/address")).unwrap_or_default();
+    let mut mac = [0u8; 6];
+    for (m, part) in mac.iter_mut().zip(text.trim().split(':')) {
+        *m = u8::from_str_radix(part, 16).unwrap_or(0);
+    }
+    mac
 }
 
 fn runtime() -> io::Result<tokio::runtime::Runtime> {
@@ -121,7 +146,16 @@ impl ServiceDevice {
                     .await
                     .map_err(netlink_err("remove the stale", host))?;
             }
-            let msg = LinkVeth::new(&dp, host)
+            // Both ends with `q` queues: native XDP on a veth wants at least as many
+            // receive queues as its peer has transmit queues.
+            let peer = LinkMessageBuilder::<LinkUnspec>::new()
+                .name(host.to_string())
+                .append_extra_attribute(LinkAttribute::NumRxQueues(q))
+                .append_extra_attribute(LinkAttribute::NumTxQueues(q))
+                .build();
+            let msg = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
+                .name(dp.clone())
+                .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
                 .append_extra_attribute(LinkAttribute::NumRxQueues(q))
                 .append_extra_attribute(LinkAttribute::NumTxQueues(q))
                 .up()
@@ -134,13 +168,20 @@ impl ServiceDevice {
             let host_ifindex = index_of(h, host).await.unwrap_or(0);
             let dp_ifindex = index_of(h, &dp).await.unwrap_or(0);
             h.link()
-                .set(LinkUnspec::new_with_index(host_ifindex).up().build())
+                .set(
+                    LinkUnspec::new_with_index(host_ifindex)
+                        .arp(false)
+                        .up()
+                        .build(),
+                )
                 .execute()
                 .await
                 .map_err(netlink_err("bring up", host))?;
             Ok((host_ifindex, dp_ifindex))
         })?;
         Ok(ServiceDevice {
+            host_mac: mac_of(host),
+            dp_mac: mac_of(&dp),
             host: host.to_string(),
             dp,
             host_ifindex,
@@ -177,4 +218,119 @@ impl Drop for ServiceDevice {
             tracing::warn!(error = %e, "kxp's service device was not removed");
         }
     }
+}
+
+/// The routes that send the node's own traffic for Service addresses into the service
+/// device, kept equal to a wanted set by difference. They go with the device.
+#[derive(Debug)]
+pub struct Routes {
+    rt: tokio::runtime::Runtime,
+    handle: Handle,
+    dev: String,
+    ifindex: u32,
+    have: HashSet<IpNet>,
+}
+
+impl Routes {
+    /// Routes through `dev` (the host side, index `ifindex`).
+    ///
+    /// # Errors
+    /// Netlink cannot be opened.
+    pub fn new(dev: &str, ifindex: u32) -> Result<Routes, ServiceDeviceError> {
+        let io_err = |op: &'static str| {
+            let name = dev.to_string();
+            move |source: io::Error| ServiceDeviceError::Netlink { op, name, source }
+        };
+        let rt = runtime().map_err(io_err("start a runtime for the routes of"))?;
+        let handle = rt.block_on(async {
+            let (conn, handle, _) =
+                rtnetlink::new_connection().map_err(io_err("open netlink for the routes of"))?;
+            tokio::spawn(conn);
+            Ok::<_, ServiceDeviceError>(handle)
+        })?;
+        Ok(Routes {
+            rt,
+            handle,
+            dev: dev.to_string(),
+            ifindex,
+            have: HashSet::new(),
+        })
+    }
+
+    fn message(&self, net: IpNet) -> rtnetlink::packet_route::route::RouteMessage {
+        let b = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(net.network(), net.prefix_len())
+            .unwrap_or_else(|_| RouteMessageBuilder::<IpAddr>::new());
+        b.output_interface(self.ifindex)
+            .protocol(RouteProtocol::Other(ROUTE_PROTO))
+            .scope(RouteScope::Link)
+            .build()
+    }
+
+    /// Adds the routes `want` lacks and removes those it no longer has. Returns the first
+    /// failure (the others are still tried; the next sync retries what failed).
+    ///
+    /// # Errors
+    /// What netlink answered for a route.
+    pub fn sync(&mut self, want: &HashSet<IpNet>) -> Result<(), ServiceDeviceError> {
+        let add: Vec<IpNet> = want.difference(&self.have).copied().collect();
+        let del: Vec<IpNet> = self.have.difference(want).copied().collect();
+        let mut first = None;
+        for net in del {
+            let msg = self.message(net);
+            let r = self.rt.block_on(self.handle.route().del(msg).execute());
+            match r {
+                Ok(()) => {
+                    self.have.remove(&net);
+                }
+                Err(e) => {
+                    // Gone already (e.g. with its device): not wanted either way.
+                    self.have.remove(&net);
+                    tracing::debug!(route = %net, error = %e, "removing a service route");
+                }
+            }
+        }
+        for net in add {
+            let msg = self.message(net);
+            match self
+                .rt
+                .block_on(self.handle.route().add(msg).replace().execute())
+            {
+                Ok(()) => {
+                    self.have.insert(net);
+                }
+                Err(e) => {
+                    first.get_or_insert(ServiceDeviceError::Netlink {
+                        op: "route a Service address through",
+                        name: self.dev.clone(),
+                        source: io::Error::other(format!("{net}: {e}")),
+                    });
+                }
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The routes in place.
+    pub fn installed(&self) -> &HashSet<IpNet> {
+        &self.have
+    }
+}
+
+/// The prefixes to route into the service device: the Service CIDRs, and the addresses
+/// none of them covers.
+pub fn wanted_routes(
+    cidrs: &HashSet<IpNet>,
+    addrs: impl Iterator<Item = IpAddr>,
+) -> HashSet<IpNet> {
+    let mut out: HashSet<IpNet> = cidrs.iter().map(IpNet::trunc).collect();
+    for a in addrs {
+        if !cidrs.iter().any(|c| c.contains(&a)) {
+            out.insert(IpNet::from(a));
+        }
+    }
+    out
 }

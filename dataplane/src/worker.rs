@@ -140,9 +140,21 @@ pub struct Worker {
     pub port_names: Vec<String>,
     /// The ports changed: poll on the new set of sockets.
     ports_changed: bool,
+    /// How to hand a packet to the node's own stack (kxp's service device).
+    pub local_delivery: Option<LocalDelivery>,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
     pub busy_poll: bool,
     local: Local,
+}
+
+/// The dataplane side of kxp's service device: a packet for a node address (the answer
+/// to one of the node's own connections, or a connection to a hostNetwork endpoint) is
+/// sent there, to the host side's MAC, and the node receives it on the host side.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalDelivery {
+    pub ifindex: u32,
+    pub src_mac: [u8; 6],
+    pub dst_mac: [u8; 6],
 }
 
 /// Counters the worker keeps as plain integers and publishes once per few batches.
@@ -195,6 +207,7 @@ impl Worker {
             commands,
             port_names,
             ports_changed: false,
+            local_delivery: None,
             busy_poll: false,
             local: Local::default(),
         }
@@ -505,6 +518,13 @@ impl Worker {
                 frame[..6].copy_from_slice(&nh.dst_mac);
                 frame[6..12].copy_from_slice(&nh.src_mac);
                 self.transmit(f, nh.ifindex);
+            }
+            Route::Local if self.local_delivery.is_some() => {
+                let Some(d) = self.local_delivery else { return };
+                let frame = self.io.bytes(&mut f);
+                frame[..6].copy_from_slice(&d.dst_mac);
+                frame[6..12].copy_from_slice(&d.src_mac);
+                self.transmit(f, d.ifindex);
             }
             Route::Pending => {
                 self.local.neighbour_pending += 1;

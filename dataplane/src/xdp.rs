@@ -83,6 +83,8 @@ pub const XDP_REDIRECT: u32 = 4;
 /// `config.flags` bit: look inside one 802.1Q / 802.1ad tag (off by default: the
 /// workers must then handle tagged frames).
 const CFG_STEER_VLAN: u32 = 1;
+/// `config.flags` bit: this is kxp's service device; drop instead of passing.
+const CFG_SERVICE_DEVICE: u32 = 2;
 
 // include_bytes! is 1-aligned; libelf wants the ELF image 8-aligned.
 #[repr(C, align(8))]
@@ -406,6 +408,19 @@ impl Steering {
             } else {
                 flags &= !CFG_STEER_VLAN;
             }
+            c[4..8].copy_from_slice(&flags.to_ne_bytes());
+        })
+    }
+
+    /// Marks this instance as the one on kxp's service device: frames no rule takes (or
+    /// with no socket to take them) are dropped instead of passed to the kernel, which
+    /// would route them back into the device.
+    ///
+    /// # Errors
+    /// [`XdpError::Map`].
+    pub fn set_service_device(&self) -> Result<(), XdpError> {
+        self.update_config(|c| {
+            let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) | CFG_SERVICE_DEVICE;
             c[4..8].copy_from_slice(&flags.to_ne_bytes());
         })
     }

@@ -1263,3 +1263,59 @@ fn bridged_pods_reach_a_pod_on_the_same_bridge_and_themselves_through_the_vip() 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     server.join();
 }
+
+#[test]
+fn the_nodes_own_connections_to_a_cluster_ip_are_translated() {
+    // A host process (as the kubelet or a hostNetwork pod) connects to the ClusterIP: no
+    // XDP hook sees its packets; kxp's service device does.
+    let lab = Lab::new(Opts {
+        prefix: "kxe15",
+        ..Default::default()
+    });
+    let node = lab.node.clone();
+    let route = in_ns(&node, &["ip", "route", "get", VIP]).unwrap();
+    let route = String::from_utf8_lossy(&route.stdout).into_owned();
+    assert!(
+        route.contains("dev kxp0"),
+        "the ClusterIP is routed to kxp0: {route}"
+    );
+    let (spread, bad) = lab.in_ns(&node, || {
+        let mut spread = BTreeMap::<String, usize>::new();
+        let mut bad = Vec::new();
+        for _ in 0..60 {
+            match http_get(vip(80), Duration::from_secs(3)) {
+                Ok(body) => {
+                    let who = body.split_whitespace().next().unwrap_or("").to_string();
+                    *spread.entry(who).or_insert(0) += 1;
+                }
+                Err(e) => bad.push(e.to_string()),
+            }
+        }
+        // UDP too: the answer comes back from the VIP.
+        for _ in 0..30 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s.send_to(b"?", vip(9)).unwrap();
+            let mut buf = [0u8; 64];
+            match s.recv_from(&mut buf) {
+                Ok((_, from)) if from == vip(9) => {}
+                other => bad.push(format!("{other:?}")),
+            }
+        }
+        (spread, bad)
+    });
+    assert!(bad.is_empty(), "{bad:?}\n{}", lab.log());
+    assert_eq!(spread.len(), 3, "every endpoint is used: {spread:?}");
+    // A port no Service has on the ClusterIP is refused, as kube-proxy's REJECT.
+    let refused = lab.in_ns(&node, || {
+        TcpStream::connect_timeout(&vip(81), Duration::from_secs(2))
+            .err()
+            .map(|e| e.kind())
+    });
+    assert_eq!(
+        refused,
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "{}",
+        lab.log()
+    );
+}
