@@ -66,6 +66,8 @@ struct Opts<'a> {
     config_extra: &'a str,
     /// `--interface` values instead of one per link (names or patterns).
     interfaces: Option<&'a [&'a str]>,
+    /// This state instead of the default one (IPv4).
+    state: Option<String>,
 }
 
 impl Default for Opts<'_> {
@@ -81,6 +83,7 @@ impl Default for Opts<'_> {
             api: false,
             config_extra: "",
             interfaces: None,
+            state: None,
         }
     }
 }
@@ -166,9 +169,9 @@ impl Lab {
         let dir = std::env::temp_dir().join(format!("{}-{}", o.prefix, std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let state = dir.join("state.yaml");
-        let text = match &o.ipv6_state {
-            Some(t) => t.clone(),
-            None => state_yaml_with(&WEB[..o.endpoints], o.extra_spec),
+        let text = match (&o.ipv6_state, &o.state) {
+            (Some(t), _) | (None, Some(t)) => t.clone(),
+            (None, None) => state_yaml_with(&WEB[..o.endpoints], o.extra_spec),
         };
         std::fs::write(&state, text).unwrap();
         let config = dir.join("kube-proxy.yaml");
@@ -1318,4 +1321,35 @@ fn the_nodes_own_connections_to_a_cluster_ip_are_translated() {
         "{}",
         lab.log()
     );
+}
+
+#[test]
+fn service_proxy_name_serves_the_services_labelled_with_it() {
+    // kube-proxy with serviceProxyName serves exactly the Services labelled with it; the
+    // watcher lists only those, and the dataplane must program them.
+    let labelled = state_yaml_with(&WEB, "").replacen(
+        "metadata: {name: web, namespace: demo}",
+        "metadata: {name: web, namespace: demo, labels: {service.kubernetes.io/service-proxy-name: kxp}}",
+        1,
+    );
+    let other = "apiVersion: v1\nkind: Service\nmetadata: {name: other, namespace: demo}\nspec:\n  clusterIP: 198.19.0.11\n  clusterIPs: [198.19.0.11]\n  ports:\n  - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: other-1\n  namespace: demo\n  labels: {kubernetes.io/service-name: other}\naddressType: IPv4\nports:\n- {name: http, port: 8080, protocol: TCP}\nendpoints:\n- addresses: [198.18.2.2]\n  conditions: {ready: true}\n";
+    let lab = Lab::new(Opts {
+        prefix: "kxe16",
+        api: true,
+        config_extra: "serviceProxyName: kxp\n",
+        state: Some(format!("{labelled}\n---\n{other}")),
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!(
+        failed,
+        0,
+        "the labelled Service is served: {spread:?}\n{}",
+        lab.log()
+    );
+    assert_eq!(spread.len(), 3, "{spread:?}");
+    // The unlabelled one belongs to the default proxy, not to this kxp.
+    let other: SocketAddr = "198.19.0.11:80".parse().unwrap();
+    let r = lab.in_client(move || http_get(other, Duration::from_secs(1)));
+    assert!(r.is_err(), "an unlabelled Service is not kxp's: {r:?}");
 }

@@ -139,3 +139,40 @@ fn systemd_unit_runs_a_command_kxp_accepts() {
     );
     assert!(unit.contains("ExecStopPost=-/usr/local/bin/kxp cleanup"));
 }
+
+#[test]
+fn daemonset_reaches_the_api_server_without_a_cluster_ip_and_attaches_by_pattern() {
+    let docs = docs();
+    let ds = kind(&docs, "DaemonSet");
+    let env = &ds["spec"]["template"]["spec"]["containers"][0]["env"];
+    let value = |name: &str| {
+        env.as_sequence()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"].as_str() == Some(name))
+            .and_then(|e| e["value"].as_str())
+            .map(str::to_string)
+    };
+    // Set explicitly: the kubelet's own values point at the `kubernetes` ClusterIP.
+    assert!(value("KUBERNETES_SERVICE_HOST").is_some());
+    assert!(value("KUBERNETES_SERVICE_PORT").is_some());
+
+    let cm = kind(&docs, "ConfigMap");
+    let config: serde_yaml::Value =
+        serde_yaml::from_str(cm["data"]["config.yaml"].as_str().unwrap()).unwrap();
+    let ifs: Vec<&str> = config["kxp"]["interfaces"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    for want in ["veth*", "cali*", "lxc*"] {
+        assert!(ifs.contains(&want), "{want} missing from {ifs:?}");
+    }
+    // Patterns only: a DaemonSet runs on nodes whose uplinks are named differently, and a
+    // name without a wildcard that a node lacks would stop kxp there.
+    for i in &ifs {
+        assert!(dataplane::ifmatch::is_pattern(i), "{i} is not a pattern");
+        dataplane::ifmatch::check(i).unwrap();
+    }
+}
