@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 mod entry;
+mod frag;
 mod index;
 mod reclaim;
 mod snat;
@@ -47,6 +48,7 @@ mod timeouts;
 mod track;
 
 pub use entry::{Direction, Entry, FlowState, State};
+pub use frag::{FragStats, FragTable, FragVerdict};
 pub use nat::{Protocol, Tuple};
 pub use snat::{SnatPorts, SnatRangeError};
 pub use table::{CapacityError, ConnTable, Hit, InsertError, Stats};

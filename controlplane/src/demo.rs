@@ -171,12 +171,17 @@ impl Backend {
                 }
             };
             let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
-            let mut buf = [0u8; 2048];
+            let mut buf = vec![0u8; 65_536];
             while !stop_u.load(Ordering::Relaxed) {
                 if let Ok((n, peer)) = s.recv_from(&mut buf) {
                     count.fetch_add(1, Ordering::Relaxed);
                     if n > 0 && buf[0] == b'?' {
                         let _ = s.send_to(name.as_bytes(), peer);
+                    } else if n > 0 && buf[0] == b'!' {
+                        // Echo, behind the backend's name: large datagrams come back large.
+                        let mut reply = format!("{name}:").into_bytes();
+                        reply.extend_from_slice(&buf[..n]);
+                        let _ = s.send_to(&reply, peer);
                     }
                 }
             }

@@ -179,15 +179,20 @@ static __always_inline void set_proto(struct tuple *t, __u8 proto)
 	t->dst.proto = proto;
 }
 
-/* Returns the L4 header, or NULL: truncated, not IPv4, non-first fragment. */
-static __always_inline void *parse_ipv4(void *l3, void *end, struct tuple *t)
+/* Returns the L4 header, or NULL: truncated, not IPv4, or a non-first fragment
+ * when `later` is NULL. With `later`, a non-first fragment fills the addresses and
+ * protocol of `t`, sets *later and returns where its payload starts. */
+static __always_inline void *parse_ipv4(void *l3, void *end, struct tuple *t, int *later)
 {
 	struct iphdr *ip = l3;
 
 	if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
 		return NULL;
-	if (ip->frag_off & bpf_htons(0x1fff))
-		return NULL;
+	if (ip->frag_off & bpf_htons(0x1fff)) {
+		if (!later)
+			return NULL;
+		*later = 1;
+	}
 	t->src.addr[10] = 0xff;
 	t->src.addr[11] = 0xff;
 	__builtin_memcpy(&t->src.addr[12], &ip->saddr, 4);
@@ -201,7 +206,7 @@ static __always_inline void *parse_ipv4(void *l3, void *end, struct tuple *t)
 /* Returns the upper-layer header after skipping hop-by-hop, routing and
  * destination options headers and a first-fragment header, or NULL:
  * truncated, not IPv6, non-first fragment, too many extension headers. */
-static __always_inline void *parse_ipv6(void *l3, void *end, struct tuple *t)
+static __always_inline void *parse_ipv6(void *l3, void *end, struct tuple *t, int *later)
 {
 	struct ipv6hdr *ip6 = l3;
 	void *cur = ip6 + 1;
@@ -223,8 +228,15 @@ static __always_inline void *parse_ipv6(void *l3, void *end, struct tuple *t)
 		} else if (nh == NEXTHDR_FRAGMENT) {
 			struct frag_hdr *f = cur;
 
-			if ((void *)(f + 1) > end || (f->frag_off & bpf_htons(0xfff8)))
+			if ((void *)(f + 1) > end)
 				return NULL;
+			if (f->frag_off & bpf_htons(0xfff8)) {
+				if (!later)
+					return NULL;
+				*later = 1;
+				set_proto(t, f->nexthdr);
+				return f + 1;
+			}
 			nh = f->nexthdr;
 			cur = f + 1;
 		} else {
@@ -276,6 +288,21 @@ static __always_inline __u32 match_flow(struct tuple *t, const struct steer_conf
 	return 0;
 }
 
+/* Rule (f): a fragment after the first of a datagram to a Service address or from an
+ * endpoint (any destination: a masqueraded reply goes to the node). */
+static __always_inline __u32 match_fragment(struct tuple *t)
+{
+	t->src.port = 0;
+	t->dst.port = 0;
+	if (bpf_map_lookup_elem(&frontends, &t->dst))
+		return ST_FRONTEND;
+	if (bpf_map_lookup_elem(&endpoints, &t->src))
+		return ST_DNAT_REPLY;
+	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
+		return ST_CLUSTER_IP;
+	return 0;
+}
+
 /* Rule (d): an ICMP error whose quoted packet (IP header + 8 bytes) is of a
  * masqueraded flow, a DNAT-only flow, or a reply kxp sent from a frontend. */
 static __always_inline __u32 match_icmp(void *l4, void *end, int v6,
@@ -292,11 +319,11 @@ static __always_inline __u32 match_icmp(void *l4, void *end, int v6,
 	if (v6) {
 		if (type < 1 || type > 4)
 			return 0;
-		inner_l4 = parse_ipv6(icmp + 8, end, &in);
+		inner_l4 = parse_ipv6(icmp + 8, end, &in, NULL);
 	} else {
 		if (type != 3 && type != 11 && type != 12)
 			return 0;
-		inner_l4 = parse_ipv4(icmp + 8, end, &in);
+		inner_l4 = parse_ipv4(icmp + 8, end, &in, NULL);
 	}
 	if (!inner_l4 || !is_translated_proto(in.src.proto) ||
 	    parse_ports(inner_l4, end, &in))
@@ -322,7 +349,7 @@ int kxp_steer(struct xdp_md *ctx)
 	__u32 zero = 0, reason;
 	__be16 h_proto;
 	void *l3, *l4;
-	int v6;
+	int v6, later = 0;
 	long act;
 
 	count(ST_SEEN);
@@ -342,17 +369,23 @@ int kxp_steer(struct xdp_md *ctx)
 
 	if (h_proto == bpf_htons(ETH_P_IP)) {
 		v6 = 0;
-		l4 = parse_ipv4(l3, end, &t);
+		l4 = parse_ipv4(l3, end, &t, &later);
 	} else if (h_proto == bpf_htons(ETH_P_IPV6)) {
 		v6 = 1;
-		l4 = parse_ipv6(l3, end, &t);
+		l4 = parse_ipv6(l3, end, &t, &later);
 	} else {
 		goto pass; /* ARP, LLDP, ... */
 	}
 	if (!l4)
 		goto pass;
 
-	if (is_translated_proto(t.src.proto)) {
+	if (later) {
+		/* A fragment after the first: no ports. Ports 0 stand for "any" in the
+		 * frontends and endpoints maps (kxp puts the Service's addresses there). */
+		if (t.src.proto != IPPROTO_TCP && t.src.proto != IPPROTO_UDP)
+			goto pass;
+		reason = match_fragment(&t);
+	} else if (is_translated_proto(t.src.proto)) {
 		if (parse_ports(l4, end, &t))
 			goto pass;
 		reason = match_flow(&t, cfg);

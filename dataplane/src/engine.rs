@@ -202,6 +202,8 @@ impl Engine {
         };
         match parsed {
             Parsed::NotTranslatable(_) => Verdict::Pass,
+            // Later fragments are the worker's (they follow their first fragment).
+            Parsed::Fragment(_) => Verdict::Drop(DropCause::Malformed("fragment")),
             Parsed::IcmpError(e) => self.icmp_error(pkt, &e, now),
             Parsed::Flow(f) => {
                 let t = f.tuple();

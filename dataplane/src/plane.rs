@@ -133,6 +133,12 @@ struct Programming {
     failed: HashMap<u32, Instant>,
 }
 
+/// Fragmented datagrams tracked at once, bytes of early fragments parked, and how long
+/// a datagram's fragments are waited for (Linux's `ipfrag_time`).
+const FRAG_DATAGRAMS: usize = 16_384;
+const FRAG_PARKED_BYTES: usize = 4 << 20;
+const FRAG_TIMEOUT_NS: u64 = 30_000_000_000;
+
 /// How long a failed attach waits before it is tried again.
 const ATTACH_RETRY: Duration = Duration::from_secs(10);
 /// How long a worker may take to open or close a socket.
@@ -257,8 +263,13 @@ impl Wanted {
         let key = |ip: IpAddr, port: u16| SteerKey::new(ip, port, proto);
         self.frontends.bump(key(sp.cluster_ip, sp.port), by);
         self.routed.bump(sp.cluster_ip, by);
+        // Port 0: the XDP program's key for fragments after the first (no ports), to and
+        // from the Service's addresses (NodePorts' node addresses excepted: the node's
+        // own fragmented traffic is not kxp's).
+        self.frontends.bump(key(sp.cluster_ip, 0), by);
         for &ip in sp.external_ips.iter().chain(&sp.lb_vips) {
             self.frontends.bump(key(ip, sp.port), by);
+            self.frontends.bump(key(ip, 0), by);
             self.routed.bump(ip, by);
         }
         if sp.node_port != 0 {
@@ -272,6 +283,7 @@ impl Wanted {
         self.cluster_ips.bump(sp.cluster_ip, by);
         for ep in &sp.endpoints {
             self.endpoints.bump(key(ep.addr.ip(), ep.addr.port()), by);
+            self.endpoints.bump(key(ep.addr.ip(), 0), by);
             if proto == Protocol::Udp {
                 self.udp.bump(ep.addr, by);
             }
@@ -320,6 +332,8 @@ pub struct Totals {
     pub handoffs: u64,
     pub conntrack_entries: u64,
     pub neighbour_pending: u64,
+    /// Fragments after the first given their datagram's translation.
+    pub fragments_translated: u64,
 }
 
 fn rx_queues(ifname: &str) -> Option<usize> {
@@ -400,6 +414,11 @@ impl Dataplane {
             snat_lo: lo,
             snat_hi: hi,
             attached: ArcSwap::from_pointee(Vec::new()),
+            frags: std::sync::Mutex::new(conntrack::FragTable::new(
+                FRAG_DATAGRAMS,
+                FRAG_PARKED_BYTES,
+                FRAG_TIMEOUT_NS,
+            )),
         });
 
         // The node's own traffic: a program on the service device's kxp side, and
@@ -569,6 +588,12 @@ impl Dataplane {
     /// Sums of the workers' counters.
     pub fn totals(&self) -> Totals {
         let mut t = Totals::default();
+        if let Ok(f) = self.shared.frags.lock() {
+            let st = f.stats();
+            t.fragments_translated = st.translated;
+            t.drops.insert("fragment_unmatched", st.dropped);
+            t.drops.insert("fragment_table_full", st.full);
+        }
         for s in &self.shared.stats {
             let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
             t.rx_packets += g(&s.rx_packets);

@@ -117,6 +117,10 @@ pub struct Shared {
     /// Names of the attached interfaces by ifindex (for a packet handed over from an
     /// interface this worker has no socket on).
     pub attached: ArcSwap<Vec<(u32, String)>>,
+    /// Translations of fragmented datagrams, shared: a datagram's first fragment goes to
+    /// the worker that owns its flow, its other fragments (no ports) to whichever worker
+    /// received them. Only fragments take this lock.
+    pub frags: std::sync::Mutex<conntrack::FragTable>,
 }
 
 impl Shared {
@@ -432,6 +436,19 @@ impl Worker {
             self.io.recycle(f);
             return;
         }
+        // Fragments: a later one follows its first fragment's translation; a first one
+        // goes through the engine like any packet and teaches the others.
+        let mut first_fragment = None;
+        if rewrite::may_be_fragment(&frame[ETH_HLEN..]) {
+            match rewrite::parse(&frame[ETH_HLEN..]) {
+                Ok(Parsed::Fragment(fp)) => {
+                    self.later_fragment(f, &fp, now);
+                    return;
+                }
+                Ok(Parsed::Flow(fl)) => first_fragment = fl.fragment(),
+                _ => {}
+            }
+        }
         if workers > 1 && !handed {
             let owner = owner(snap, &frame[ETH_HLEN..], &self.shared, workers);
             if owner != self.id {
@@ -465,7 +482,12 @@ impl Worker {
         };
         drop(attached);
         match verdict {
-            Verdict::Forward { dst, .. } => self.route_out(f, dst),
+            Verdict::Forward { dst, .. } => {
+                if let Some(key) = first_fragment {
+                    self.learn_fragments(&mut f, key, now);
+                }
+                self.route_out(f, dst)
+            }
             Verdict::Pass => {
                 // Redirected by the XDP program but not part of a translated flow (an
                 // endpoint answering a direct connection): forward it as the kernel would.
@@ -508,6 +530,71 @@ impl Worker {
                 self.transmit(f, in_ifindex);
             }
             Verdict::Drop(_) => self.io.recycle(f),
+        }
+    }
+
+    /// A fragment after the first: given its datagram's translation, or parked until the
+    /// first fragment comes (or dropped and counted when there is no room or it never
+    /// does).
+    fn later_fragment(&mut self, mut f: Frame, fp: &rewrite::FragmentPacket, now: u64) {
+        let verdict = {
+            let mut t = self.shared.frags.lock().unwrap_or_else(|e| e.into_inner());
+            match t.lookup(&fp.key(), now) {
+                conntrack::FragVerdict::Unknown => {
+                    let frame = self.io.bytes(&mut f);
+                    t.park(fp.key(), frame, now);
+                    None
+                }
+                conntrack::FragVerdict::Translate(src, dst) => Some((src, dst)),
+            }
+        };
+        match verdict {
+            Some((src, dst)) => self.send_fragment(f, fp, src, dst),
+            None => self.io.recycle(f),
+        }
+    }
+
+    fn send_fragment(
+        &mut self,
+        mut f: Frame,
+        fp: &rewrite::FragmentPacket,
+        src: IpAddr,
+        dst: IpAddr,
+    ) {
+        let frame = self.io.bytes(&mut f);
+        let l3 = &mut frame[ETH_HLEN..];
+        if rewrite::rewrite_fragment(l3, fp, src, dst).is_err()
+            || !matches!(rewrite::decrement_ttl(l3), Ok(true))
+        {
+            self.io.recycle(f);
+            return;
+        }
+        self.route_out(f, dst);
+    }
+
+    /// After the first fragment of `key` was translated (in `f`): records its addresses
+    /// for the datagram's other fragments and sends those that came before it.
+    fn learn_fragments(&mut self, f: &mut Frame, key: rewrite::FragKey, now: u64) {
+        let frame = self.io.bytes(f);
+        let Ok(p) = rewrite::parse(&frame[ETH_HLEN..]) else {
+            return;
+        };
+        let (src, dst) = (p.src(), p.dst());
+        let (parked, _) = self
+            .shared
+            .frags
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .learn(key, src, dst, now);
+        for bytes in parked {
+            let Some(mut g) = self.io.alloc() else { break };
+            let n = bytes.len().min(self.io.frame_capacity());
+            self.io.set_len(&mut g, n);
+            self.io.bytes(&mut g).copy_from_slice(&bytes[..n]);
+            match rewrite::parse(&self.io.bytes(&mut g)[ETH_HLEN..]) {
+                Ok(Parsed::Fragment(fp)) => self.send_fragment(g, &fp, src, dst),
+                _ => self.io.recycle(g),
+            }
         }
     }
 

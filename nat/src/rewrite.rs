@@ -36,6 +36,9 @@ pub mod testutil;
 
 pub use icmp::rewrite_icmp_error;
 pub use l4::tcp_flags;
-pub use parse::{FlowPacket, IcmpErrorPacket, ParseError, Parsed, Untranslatable, parse};
+pub use parse::{
+    FlowPacket, FragInfo, FragKey, FragmentPacket, IcmpErrorPacket, ParseError, Parsed,
+    Untranslatable, may_be_fragment, parse,
+};
 pub use reply::{BuildError, build_icmp_port_unreachable, build_tcp_rst};
-pub use translate::{RewriteError, decrement_ttl, rewrite};
+pub use translate::{RewriteError, decrement_ttl, rewrite, rewrite_fragment};

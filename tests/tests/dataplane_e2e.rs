@@ -1353,3 +1353,51 @@ fn service_proxy_name_serves_the_services_labelled_with_it() {
     let r = lab.in_client(move || http_get(other, Duration::from_secs(1)));
     assert!(r.is_err(), "an unlabelled Service is not kxp's: {r:?}");
 }
+
+#[test]
+fn udp_datagrams_larger_than_the_mtu_go_through_in_fragments_both_ways() {
+    // 3,000-byte datagrams from a 1,500-MTU client: its stack fragments them, kxp
+    // translates every fragment, the backend's 3,000-byte answers come back in fragments
+    // too. With one worker, and with two on two-queue veths (a datagram's first fragment
+    // and the others may be handled by different workers).
+    for (prefix, queues, workers) in [("kxe17", 1, 1), ("kxe18", 2, 2)] {
+        let lab = Lab::new(Opts {
+            prefix,
+            queues,
+            workers,
+            ..Default::default()
+        });
+        let (answers, bad) = lab.in_client(|| {
+            let mut answers = BTreeMap::<String, usize>::new();
+            let mut bad = Vec::new();
+            for i in 0..30u32 {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                let mut msg = vec![b'!'];
+                msg.extend((0..3000u32).map(|j| (i + j) as u8));
+                s.send_to(&msg, vip(9)).unwrap();
+                let mut buf = vec![0u8; 8192];
+                match s.recv_from(&mut buf) {
+                    Ok((n, from)) if from == vip(9) => {
+                        let text = &buf[..n];
+                        let colon = text.iter().position(|&b| b == b':').unwrap_or(0);
+                        if text[colon + 1..] == msg[..] {
+                            let who = String::from_utf8_lossy(&text[..colon]).into_owned();
+                            *answers.entry(who).or_insert(0) += 1;
+                        } else {
+                            bad.push(format!("{n} bytes, not the echo"));
+                        }
+                    }
+                    other => bad.push(format!("{other:?}")),
+                }
+            }
+            (answers, bad)
+        });
+        assert!(
+            bad.is_empty(),
+            "{workers} worker(s): {bad:?} {answers:?}\n{}",
+            lab.log()
+        );
+        assert_eq!(answers.values().sum::<usize>(), 30, "{answers:?}");
+    }
+}

@@ -9,6 +9,7 @@ use super::checksum::{Delta, finish, get16, sum};
 mod field {
     pub const VER_IHL: usize = 0;
     pub const TOTAL_LEN: usize = 2;
+    pub const ID: usize = 4;
     pub const FLAGS_FRAG: usize = 6;
     pub const TTL: usize = 8;
     pub const PROTO: usize = 9;
@@ -32,6 +33,8 @@ pub(super) struct Header {
     pub dst: Ipv4Addr,
     /// More-fragments set or a nonzero fragment offset.
     pub fragment: bool,
+    /// Identification, fragment offset (8-byte units) and more-fragments, when `fragment`.
+    pub frag: Option<super::parse::FragInfo>,
 }
 
 /// Checks and reads the IPv4 header at the start of `buf`.
@@ -72,6 +75,14 @@ pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
         src: addr(buf, field::SRC),
         dst: addr(buf, field::DST),
         fragment: get16(buf, field::FLAGS_FRAG) & MF_OR_OFFSET != 0,
+        frag: (get16(buf, field::FLAGS_FRAG) & MF_OR_OFFSET != 0).then(|| {
+            let w = get16(buf, field::FLAGS_FRAG);
+            super::parse::FragInfo {
+                id: u32::from(get16(buf, field::ID)),
+                offset: w & 0x1FFF,
+                more: w & 0x2000 != 0,
+            }
+        }),
     })
 }
 

@@ -36,8 +36,11 @@ pub(super) struct Header {
     pub proto: u8,
     pub src: Ipv6Addr,
     pub dst: Ipv6Addr,
-    /// A fragment header was found (walking stops there).
+    /// A fragment header was found.
     pub fragment: bool,
+    /// The fragment header's identification, offset (8-byte units) and M flag. For a
+    /// packet (not a quote) `header_len` and `proto` are then those after it.
+    pub frag: Option<super::parse::FragInfo>,
 }
 
 /// Checks and reads the IPv6 header at the start of `buf`, stepping over hop-by-hop,
@@ -90,13 +93,35 @@ pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
         off += len;
         seen += 1;
     }
+    let fragment = next == FRAGMENT;
+    let mut frag = None;
+    if fragment && !quoted {
+        // The fragment header (RFC 8200 section 4.5): next header, reserved, offset and
+        // M flag, identification. What follows it is the fragment's payload.
+        if limit < off + 8 {
+            return Err(ParseError::BadExtensionHeader);
+        }
+        let w = get16(buf, off + 2);
+        frag = Some(super::parse::FragInfo {
+            id: u32::from_be_bytes([buf[off + 4], buf[off + 5], buf[off + 6], buf[off + 7]]),
+            offset: w >> 3,
+            more: w & 1 != 0,
+        });
+        next = buf[off];
+        off += 8;
+        if matches!(next, HOP_BY_HOP | ROUTING | DEST_OPTIONS | FRAGMENT) {
+            // Headers after the fragment header: not what a Service client sends.
+            return Err(ParseError::BadExtensionHeader);
+        }
+    }
     Ok(Header {
         header_len: off,
         total_len,
         proto: next,
         src: addr(buf, field::SRC),
         dst: addr(buf, field::DST),
-        fragment: next == FRAGMENT,
+        fragment,
+        frag,
     })
 }
 

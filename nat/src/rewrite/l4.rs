@@ -91,6 +91,40 @@ pub(super) fn parse(seg: &[u8], proto: Protocol) -> Result<Segment, ParseError> 
     })
 }
 
+/// Reads the transport header at the start of the first fragment of a datagram: the
+/// fragment holds the header (ports, and the checksum that covers the whole datagram)
+/// but not all of the payload, so lengths are not checked against it.
+///
+/// # Errors
+/// `Fragment` when the fragment is too short to hold the header up to its checksum.
+pub(super) fn parse_first_fragment(seg: &[u8], proto: Protocol) -> Result<Segment, ParseError> {
+    let min = match proto {
+        Protocol::Tcp => TCP_HEADER_LEN,
+        Protocol::Udp => UDP_HEADER_LEN,
+        Protocol::Sctp => return Err(ParseError::Fragment),
+    };
+    if seg.len() < min {
+        return Err(ParseError::Fragment);
+    }
+    let (tcp_flags, header_len) = match proto {
+        Protocol::Tcp => {
+            let header_len = usize::from(seg[field::TCP_DATA_OFFSET] >> 4) * 4;
+            if header_len < TCP_HEADER_LEN || seg.len() < header_len {
+                return Err(ParseError::Fragment);
+            }
+            (seg[field::TCP_FLAGS], header_len)
+        }
+        _ => (0, UDP_HEADER_LEN),
+    };
+    Ok(Segment {
+        sport: get16(seg, field::SPORT),
+        dport: get16(seg, field::DPORT),
+        tcp_flags,
+        header_len,
+        payload_len: seg.len() - header_len,
+    })
+}
+
 /// The ports of a quoted transport header; the caller has checked it holds 8 bytes.
 pub(super) fn quoted_ports(quote: &[u8]) -> (u16, u16) {
     (get16(quote, field::SPORT), get16(quote, field::DPORT))

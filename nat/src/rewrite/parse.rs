@@ -26,9 +26,11 @@ pub enum ParseError {
     /// IPv6 jumbogram's zero payload length).
     #[error("IP length field is impossible (shorter than the header, or a jumbogram)")]
     BadLength,
-    /// An IPv4 fragment (more-fragments set or nonzero offset) or an IPv6 fragment header.
-    /// Fragments carry no ports after the first: kxp does not translate them.
-    #[error("fragmented packet: kxp does not translate fragments")]
+    /// A fragment kxp does not translate: of ICMP or SCTP, or a first fragment too
+    /// short to hold its transport header's ports and checksum.
+    #[error(
+        "fragment of a protocol kxp does not translate in fragments, or too short a first fragment"
+    )]
     Fragment,
     /// The transport protocol is not TCP, UDP, SCTP or the family's ICMP.
     #[error("IP protocol {0} is not TCP, UDP, SCTP or ICMP")]
@@ -74,6 +76,51 @@ pub enum Parsed {
     /// Well-formed but outside what Services carry (ICMP echo and other informational
     /// ICMP, or an ICMP error quoting such a packet or a fragment): not translated.
     NotTranslatable(Untranslatable),
+    /// A TCP or UDP fragment other than the first: no ports, only addresses to rewrite,
+    /// as the first fragment of its datagram ([`FlowPacket::fragment`]) was.
+    Fragment(FragmentPacket),
+}
+
+/// Identification, offset and more-fragments flag of an IPv4 fragment or of an IPv6
+/// fragment header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FragInfo {
+    /// IPv4's 16-bit identification or IPv6's 32-bit one.
+    pub id: u32,
+    /// In units of 8 bytes.
+    pub offset: u16,
+    pub more: bool,
+}
+
+/// What identifies the fragments of one datagram (RFC 791: source, destination,
+/// protocol, identification; RFC 8200 the same with its 32-bit identification).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub proto: u8,
+    pub id: u32,
+}
+
+/// A fragment after the first of a TCP or UDP datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FragmentPacket {
+    pub(super) key: FragKey,
+    pub(super) frag: FragInfo,
+    pub(super) ip_len: usize,
+}
+
+impl FragmentPacket {
+    /// The datagram it belongs to.
+    pub fn key(&self) -> FragKey {
+        self.key
+    }
+    pub fn info(&self) -> FragInfo {
+        self.frag
+    }
+    pub fn ip_len(&self) -> usize {
+        self.ip_len
+    }
 }
 
 impl Parsed {
@@ -83,6 +130,7 @@ impl Parsed {
             Parsed::Flow(f) => f.tuple.src,
             Parsed::IcmpError(e) => e.src,
             Parsed::NotTranslatable(u) => u.src,
+            Parsed::Fragment(f) => f.key.src,
         }
     }
 
@@ -92,6 +140,7 @@ impl Parsed {
             Parsed::Flow(f) => f.tuple.dst,
             Parsed::IcmpError(e) => e.dst,
             Parsed::NotTranslatable(u) => u.dst,
+            Parsed::Fragment(f) => f.key.dst,
         }
     }
 }
@@ -105,9 +154,21 @@ pub struct FlowPacket {
     pub(super) payload_offset: usize,
     pub(super) payload_len: usize,
     pub(super) ip_len: usize,
+    /// The first fragment of a datagram: its fragment identification.
+    pub(super) frag: Option<FragInfo>,
 }
 
 impl FlowPacket {
+    /// For the first fragment of a fragmented datagram, what identifies the datagram's
+    /// other fragments (which carry no ports and follow this one's translation).
+    pub fn fragment(&self) -> Option<FragKey> {
+        self.frag.map(|f| FragKey {
+            src: self.tuple.src,
+            dst: self.tuple.dst,
+            proto: self.tuple.proto.number(),
+            id: f.id,
+        })
+    }
     /// The packet's tuple, as it arrived.
     pub fn tuple(&self) -> Tuple {
         self.tuple
@@ -238,6 +299,17 @@ impl Untranslatable {
     }
 }
 
+/// A cheap first look: whether the IP packet in `buf` may be a fragment (IPv4 with
+/// more-fragments or an offset; IPv6 with a fragment header or extension headers before
+/// the upper layer), so that only those need [`parse`] to tell.
+pub fn may_be_fragment(buf: &[u8]) -> bool {
+    match buf.first().map(|b| b >> 4) {
+        Some(4) => buf.len() >= 8 && u16::from_be_bytes([buf[6], buf[7]]) & 0x3FFF != 0,
+        Some(6) => buf.len() >= 40 && matches!(buf[6], 0 | 43 | 44 | 60),
+        _ => false,
+    }
+}
+
 /// Parses the packet at the start of `buf` (no link header).
 ///
 /// Bytes past the IP length (link padding) are ignored.
@@ -246,15 +318,54 @@ impl Untranslatable {
 /// One [`ParseError`] per reason a packet is dropped; never panics, whatever `buf` holds.
 pub fn parse(buf: &[u8]) -> Result<Parsed, ParseError> {
     let ip = ip_header(buf, false)?;
-    if ip.fragment {
-        return Err(ParseError::Fragment);
-    }
     let (l4_offset, ip_len) = (ip.header_len, ip.total_len);
     let icmp_number = if ip.src.is_ipv6() {
         icmp::ICMPV6
     } else {
         icmp::ICMPV4
     };
+    if let Some(frag) = ip.frag {
+        let proto = match Protocol::from_number(ip.proto) {
+            Some(p @ (Protocol::Tcp | Protocol::Udp)) => p,
+            // SCTP's CRC covers the whole datagram and cannot be patched from one
+            // fragment; ICMP is never a Service's.
+            Some(Protocol::Sctp) => return Err(ParseError::Fragment),
+            None if ip.proto == icmp_number => return Err(ParseError::Fragment),
+            None => return Err(ParseError::UnsupportedProtocol(ip.proto)),
+        };
+        if frag.offset != 0 {
+            return Ok(Parsed::Fragment(FragmentPacket {
+                key: FragKey {
+                    src: ip.src,
+                    dst: ip.dst,
+                    proto: ip.proto,
+                    id: frag.id,
+                },
+                frag,
+                ip_len,
+            }));
+        }
+        if !frag.more {
+            // Offset 0 and no more fragments: a whole datagram (an IPv6 atomic fragment).
+        } else {
+            let seg = l4::parse_first_fragment(&buf[l4_offset..ip_len], proto)?;
+            return Ok(Parsed::Flow(FlowPacket {
+                tuple: Tuple {
+                    src: ip.src,
+                    dst: ip.dst,
+                    sport: seg.sport,
+                    dport: seg.dport,
+                    proto,
+                },
+                tcp_flags: seg.tcp_flags,
+                l4_offset,
+                payload_offset: l4_offset + seg.header_len,
+                payload_len: seg.payload_len,
+                ip_len,
+                frag: Some(frag),
+            }));
+        }
+    }
     if ip.proto == icmp_number {
         return icmp::parse(&buf[..ip_len], &ip);
     }
@@ -273,6 +384,7 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, ParseError> {
         payload_offset: l4_offset + seg.header_len,
         payload_len: seg.payload_len,
         ip_len,
+        frag: None,
     }))
 }
 
@@ -286,6 +398,7 @@ pub(super) struct IpHeader {
     pub header_len: usize,
     pub total_len: usize,
     pub fragment: bool,
+    pub frag: Option<FragInfo>,
 }
 
 /// Parses the IPv4 or IPv6 header at the start of `buf` (see `ipv4::parse` for `quoted`).
@@ -299,6 +412,7 @@ pub(super) fn ip_header(buf: &[u8], quoted: bool) -> Result<IpHeader, ParseError
             header_len: h.header_len,
             total_len: h.total_len,
             fragment: h.fragment,
+            frag: h.frag,
         }),
         Some(6) => ipv6::parse(buf, quoted).map(|h| IpHeader {
             src: h.src.into(),
@@ -307,6 +421,7 @@ pub(super) fn ip_header(buf: &[u8], quoted: bool) -> Result<IpHeader, ParseError
             header_len: h.header_len,
             total_len: h.total_len,
             fragment: h.fragment,
+            frag: h.frag,
         }),
         Some(v) => Err(ParseError::BadVersion(v)),
     }
@@ -371,23 +486,39 @@ mod tests {
     }
 
     #[test]
-    fn fragments_are_refused() {
+    fn fragments_are_first_fragments_or_address_only_fragments() {
         let pkt = build(&Endpoints::v4(), Protocol::Udp, b"x");
-        for (b6, b7) in [(0x20, 0), (0, 0x10)] {
-            let mut p = pkt.clone();
-            p[6] = b6;
-            p[7] = b7;
-            assert_eq!(parse(&p), Err(ParseError::Fragment));
+        // More-fragments at offset 0: the first fragment, ports and all.
+        let mut p = pkt.clone();
+        p[4..6].copy_from_slice(&0x0102u16.to_be_bytes());
+        p[6] = 0x20;
+        let f = flow(&p);
+        assert_eq!(f.tuple(), Endpoints::v4().original(Protocol::Udp));
+        let key = f.fragment().unwrap();
+        assert_eq!((key.id, key.proto), (0x0102, 17));
+        // A later fragment: only addresses, protocol and identification.
+        let mut p = pkt.clone();
+        p[4..6].copy_from_slice(&0x0102u16.to_be_bytes());
+        p[7] = 0x10;
+        match parse(&p) {
+            Ok(Parsed::Fragment(g)) => {
+                assert_eq!(g.key(), key);
+                assert_eq!(g.info().offset, 0x10);
+            }
+            other => panic!("{other:?}"),
         }
+        // An unfragmented packet is no fragment.
+        assert_eq!(flow(&pkt).fragment(), None);
+        // IPv6: a fragment header at offset 0 with M set is a first fragment.
         let pkt = build(&Endpoints::v6(), Protocol::Udp, b"x");
-        assert_eq!(
-            parse(&insert_v6_ext(&pkt, &[44])),
-            Err(ParseError::Fragment)
-        );
-        assert_eq!(
-            parse(&insert_v6_ext(&pkt, &[0, 44])),
-            Err(ParseError::Fragment)
-        );
+        let mut p = insert_v6_ext(&pkt, &[44]);
+        p[42..44].copy_from_slice(&1u16.to_be_bytes()); // offset 0, M
+        assert!(flow(&p).fragment().is_some());
+        p[42..44].copy_from_slice(&(3u16 << 3).to_be_bytes()); // offset 3, last
+        assert!(matches!(parse(&p), Ok(Parsed::Fragment(_))));
+        // Offset 0 without M (an atomic fragment) is a whole datagram.
+        p[42..44].fill(0);
+        assert!(flow(&p).fragment().is_none());
     }
 
     #[test]

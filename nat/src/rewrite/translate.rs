@@ -63,13 +63,43 @@ pub fn rewrite(buf: &mut [u8], pkt: &FlowPacket, to: &Tuple) -> Result<(), Rewri
             have,
         })?;
     let (ip, seg) = buf.split_at_mut(pkt.l4_offset);
-    let partial = l4::checksum_is_partial(seg, from.proto, from.src, from.dst);
+    // A fragment's checksum is never partial (the sender's stack completes it before it
+    // fragments), and covers bytes other fragments carry: patch it only.
+    let partial =
+        pkt.frag.is_none() && l4::checksum_is_partial(seg, from.proto, from.src, from.dst);
     let change = set_addrs(ip, Some(to.src), Some(to.dst), v6);
     if partial {
         l4::rewrite_complete(seg, to.proto, to.sport, to.dport, to.src, to.dst);
     } else {
         l4::rewrite(seg, to.proto, to.sport, to.dport, change.pseudo);
     }
+    Ok(())
+}
+
+/// Translates a fragment after the first (`pkt`, as parsed from `buf`) the way the first
+/// fragment of its datagram was: its addresses become `src` and `dst` (the IPv4 header
+/// checksum patched). Nothing else changes: the ports and the transport checksum are in
+/// the first fragment.
+///
+/// # Errors
+/// [`RewriteError::FamilyMismatch`], [`RewriteError::BufferTooShort`]; the buffer is
+/// then unchanged.
+pub fn rewrite_fragment(
+    buf: &mut [u8],
+    pkt: &super::FragmentPacket,
+    src: IpAddr,
+    dst: IpAddr,
+) -> Result<(), RewriteError> {
+    let v6 = pkt.key.src.is_ipv6();
+    check_family(v6, [Some(src), Some(dst), None, None])?;
+    let have = buf.len();
+    let buf = buf
+        .get_mut(..pkt.ip_len)
+        .ok_or(RewriteError::BufferTooShort {
+            need: pkt.ip_len,
+            have,
+        })?;
+    set_addrs(buf, Some(src), Some(dst), v6);
     Ok(())
 }
 

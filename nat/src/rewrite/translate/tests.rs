@@ -7,7 +7,8 @@ use crate::rewrite::testutil::{
     verify_checksums,
 };
 use crate::rewrite::{
-    FlowPacket, Parsed, build_icmp_port_unreachable, build_tcp_rst, parse, rewrite_icmp_error,
+    FlowPacket, Parsed, build_icmp_port_unreachable, build_tcp_rst, parse, rewrite_fragment,
+    rewrite_icmp_error,
 };
 
 const PROTOS: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
@@ -281,6 +282,10 @@ fn every_truncation_is_an_error() {
                     let r = rewrite_icmp_error(&mut cut, &i, &to, None, e.client.ip());
                     assert!(matches!(r, Err(RewriteError::BufferTooShort { .. })));
                 }
+                Parsed::Fragment(fp) => {
+                    let r = rewrite_fragment(&mut cut, &fp, e.backend.ip(), e.client.ip());
+                    assert!(matches!(r, Err(RewriteError::BufferTooShort { .. })));
+                }
                 Parsed::NotTranslatable(_) => {}
             }
         }
@@ -361,6 +366,19 @@ fn random_mutations_never_panic_and_keep_the_invariants() {
                     other => panic!("{other:?}"),
                 }
             }
+            Ok(Parsed::Fragment(fp)) => {
+                let mut buf = pkt.clone();
+                let k = fp.key();
+                rewrite_fragment(&mut buf, &fp, e.backend.ip(), e.client.ip()).unwrap();
+                match parse(&buf) {
+                    Ok(Parsed::Fragment(g)) => {
+                        assert_eq!((g.key().src, g.key().dst), (e.backend.ip(), e.client.ip()));
+                        rewrite_fragment(&mut buf, &g, k.src, k.dst).unwrap();
+                        assert_eq!(buf, pkt);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
             Ok(Parsed::NotTranslatable(_)) | Err(_) => {}
         }
         let _ = decrement_ttl(&mut pkt.clone());
@@ -378,4 +396,122 @@ fn random_mutations_never_panic_and_keep_the_invariants() {
         flows > 1000 && errors > 300 && replies > 1000,
         "{flows} {errors} {replies}"
     );
+}
+
+/// Splits an IP packet (no options, no extension headers) into fragments whose payloads
+/// hold at most `chunk` bytes (a multiple of 8), as a sender's stack does: IPv4 with MF
+/// and offsets (header checksums filled in), IPv6 with a fragment header.
+fn fragments(pkt: &[u8], chunk: usize, id: u32) -> Vec<Vec<u8>> {
+    let v4 = pkt[0] >> 4 == 4;
+    let hl = if v4 { 20 } else { 40 };
+    let payload = &pkt[hl..];
+    let mut out = Vec::new();
+    for (i, part) in payload.chunks(chunk).enumerate() {
+        let off = i * chunk;
+        let more = off + part.len() < payload.len();
+        let mut f = pkt[..hl].to_vec();
+        if v4 {
+            let w = ((off / 8) as u16) | if more { 0x2000 } else { 0 };
+            f[4..6].copy_from_slice(&(id as u16).to_be_bytes());
+            f[6..8].copy_from_slice(&w.to_be_bytes());
+            f.extend_from_slice(part);
+            let len = f.len() as u16;
+            f[2..4].copy_from_slice(&len.to_be_bytes());
+            f[10..12].fill(0);
+            let c = etherparse::checksum::Sum16BitWords::new()
+                .add_slice(&f[..20])
+                .ones_complement();
+            f[10..12].copy_from_slice(&c.to_ne_bytes());
+        } else {
+            let next = f[6];
+            f[6] = 44;
+            let w = ((off / 8) as u16) << 3 | u16::from(more);
+            f.extend_from_slice(&[next, 0]);
+            f.extend_from_slice(&w.to_be_bytes());
+            f.extend_from_slice(&id.to_be_bytes());
+            f.extend_from_slice(part);
+            let plen = (f.len() - 40) as u16;
+            f[4..6].copy_from_slice(&plen.to_be_bytes());
+        }
+        out.push(f);
+    }
+    out
+}
+
+/// The payload of a datagram from its fragments (in any order).
+fn reassemble(frags: &[Vec<u8>]) -> Vec<u8> {
+    let mut parts: Vec<(usize, &[u8])> = frags
+        .iter()
+        .map(|f| {
+            if f[0] >> 4 == 4 {
+                let off = usize::from(u16::from_be_bytes([f[6], f[7]]) & 0x1FFF) * 8;
+                (off, &f[20..])
+            } else {
+                let off = usize::from(u16::from_be_bytes([f[42], f[43]]) >> 3) * 8;
+                (off, &f[48..])
+            }
+        })
+        .collect();
+    parts.sort_by_key(|p| p.0);
+    parts
+        .into_iter()
+        .flat_map(|p| p.1.iter().copied())
+        .collect()
+}
+
+#[test]
+fn fragments_follow_the_translation_of_the_first_in_both_families() {
+    let big: Vec<u8> = (0..3000u32).map(|i| (i * 7) as u8).collect();
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        for proto in [Protocol::Udp, Protocol::Tcp] {
+            let from = e.original(proto);
+            let to = e.masquerade(proto);
+            let whole = build_tuple(&from, &big);
+            let frags = fragments(&whole, 1448, 0x1234_5678);
+            assert!(frags.len() >= 3);
+            let mut out = Vec::new();
+            // Out of order: the last fragment first, as a real network may deliver them.
+            for f in frags.iter().rev() {
+                let mut buf = f.clone();
+                match parse(&buf).unwrap() {
+                    Parsed::Flow(first) => {
+                        let key = first.fragment().expect("the first fragment says so");
+                        assert_eq!((key.src, key.dst), (from.src, from.dst));
+                        rewrite(&mut buf, &first, &to).unwrap();
+                    }
+                    Parsed::Fragment(later) => {
+                        assert_eq!(later.key().src, from.src);
+                        rewrite_fragment(&mut buf, &later, to.src, to.dst).unwrap();
+                    }
+                    other => panic!("{other:?}"),
+                }
+                out.push(buf);
+            }
+            // Reassembled, the datagram is exactly the one built for the translated tuple.
+            let expected = build_tuple(&to, &big);
+            let hl = if e.client.is_ipv4() { 20 } else { 40 };
+            assert_eq!(reassemble(&out), expected[hl..], "{from} => {to}");
+            for f in &out {
+                if f[0] >> 4 == 4 {
+                    let c = etherparse::checksum::Sum16BitWords::new()
+                        .add_slice(&f[..20])
+                        .ones_complement();
+                    assert_eq!(c, 0, "IPv4 header checksum of a fragment");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fragments_kxp_does_not_translate_are_refused() {
+    let e = Endpoints::v4();
+    // SCTP: its CRC covers the whole datagram.
+    let whole = build_tuple(&e.original(Protocol::Sctp), &[1u8; 3000]);
+    let frags = fragments(&whole, 1448, 7);
+    assert_eq!(parse(&frags[0]), Err(ParseError::Fragment));
+    // A first fragment too short for the TCP header.
+    let whole = build_tuple(&e.original(Protocol::Tcp), &[1u8; 100]);
+    let frags = fragments(&whole, 8, 9);
+    assert_eq!(parse(&frags[0]), Err(ParseError::Fragment));
 }
