@@ -93,6 +93,9 @@ pub enum Verdict {
     Forward {
         new_flow: bool,
         dst: IpAddr,
+        /// The packet's tuple as it arrived (to quote it in an ICMP error, e.g. when it
+        /// is too big for the next link); `None` for a translated ICMP error.
+        from: Option<Tuple>,
     },
     /// REJECT: an answer (TCP RST / ICMP port unreachable) was written to `out[..len]`;
     /// send it back towards `dst` (the client). The packet itself is dropped.
@@ -371,6 +374,7 @@ impl Engine {
         Verdict::Forward {
             new_flow: false,
             dst: outer_dst,
+            from: None,
         }
     }
 }
@@ -384,6 +388,7 @@ fn forward(pkt: &mut [u8], f: &rewrite::FlowPacket, to: &Tuple, new_flow: bool) 
         Ok(true) => Verdict::Forward {
             new_flow,
             dst: to.dst,
+            from: Some(f.tuple()),
         },
         Ok(false) => Verdict::Drop(DropCause::TtlExceeded),
         Err(e) => Verdict::Drop(DropCause::Malformed(ParseError::reason(&e))),

@@ -166,6 +166,16 @@ impl FibView {
         self.table.load().local_addrs()
     }
 
+    /// The MTU of link `ifindex`, if known.
+    pub fn mtu(&self, ifindex: u32) -> Option<u32> {
+        self.table
+            .load()
+            .links
+            .get(&ifindex)
+            .map(|l| l.mtu)
+            .filter(|&m| m > 0)
+    }
+
     /// Every link of the host (this network namespace), as netlink last said.
     pub fn links(&self) -> Vec<LinkInfo> {
         let t = self.table.load();

@@ -334,6 +334,10 @@ pub struct Totals {
     pub neighbour_pending: u64,
     /// Fragments after the first given their datagram's translation.
     pub fragments_translated: u64,
+    /// Packets split into fragments for a smaller next link (IPv4 without DF).
+    pub fragmented_out: u64,
+    /// "Fragmentation needed" / "packet too big" answers sent.
+    pub too_big_icmp: u64,
 }
 
 fn rx_queues(ifname: &str) -> Option<usize> {
@@ -606,6 +610,9 @@ impl Dataplane {
             t.conntrack_entries += g(&s.conntrack_entries);
             t.neighbour_pending += g(&s.neighbour_pending);
             t.no_route += g(&s.no_route);
+            t.fragmented_out += g(&s.fragmented_out);
+            t.too_big_icmp += g(&s.too_big_icmp);
+            *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
             t.passed += g(&s.passed);
             t.forwarded_bytes += g(&s.rx_bytes);
             t.conntrack_inserts += g(&s.conntrack_inserts);

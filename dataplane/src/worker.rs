@@ -93,6 +93,11 @@ pub struct WorkerStats {
     pub handoffs_out: AtomicU64,
     pub handoffs_in: AtomicU64,
     pub handoff_full: AtomicU64,
+    /// Packets too big for the next link: split into fragments, answered with an ICMP
+    /// "too big", or dropped (no tuple to quote, no source address).
+    pub fragmented_out: AtomicU64,
+    pub too_big_icmp: AtomicU64,
+    pub too_big_dropped: AtomicU64,
     pub conntrack_entries: AtomicU64,
     pub conntrack_evictions: AtomicU64,
     pub conntrack_inserts: AtomicU64,
@@ -172,6 +177,9 @@ struct Local {
     handoff_full: u64,
     neighbour_pending: u64,
     no_route: u64,
+    fragmented_out: u64,
+    too_big_icmp: u64,
+    too_big_dropped: u64,
 }
 
 struct FibSource<'a>(&'a FibView);
@@ -321,6 +329,9 @@ impl Worker {
             (&s.handoff_full, l.handoff_full),
             (&s.neighbour_pending, l.neighbour_pending),
             (&s.no_route, l.no_route),
+            (&s.fragmented_out, l.fragmented_out),
+            (&s.too_big_icmp, l.too_big_icmp),
+            (&s.too_big_dropped, l.too_big_dropped),
         ] {
             a.store(v, Ordering::Relaxed);
         }
@@ -482,11 +493,11 @@ impl Worker {
         };
         drop(attached);
         match verdict {
-            Verdict::Forward { dst, .. } => {
+            Verdict::Forward { dst, from, .. } => {
                 if let Some(key) = first_fragment {
                     self.learn_fragments(&mut f, key, now);
                 }
-                self.route_out(f, dst)
+                self.route_out_checked(f, dst, from, answer)
             }
             Verdict::Pass => {
                 // Redirected by the XDP program but not part of a translated flow (an
@@ -596,6 +607,97 @@ impl Worker {
                 _ => self.io.recycle(g),
             }
         }
+    }
+
+    /// Like [`Worker::route_out`], doing what a router does with a packet larger than
+    /// the next link's MTU: fragments it (IPv4 without DF), or sends "fragmentation
+    /// needed" / "packet too big" with that MTU to its sender, quoting the packet as it
+    /// arrived (`from`: its tuple before translation), so path-MTU discovery works
+    /// through a Service address.
+    fn route_out_checked(
+        &mut self,
+        mut f: Frame,
+        dst: IpAddr,
+        from: Option<Tuple>,
+        scratch: &mut [u8],
+    ) {
+        let len = self.io.bytes(&mut f).len() - ETH_HLEN;
+        // Below IPv4's minimum MTU no link is too small.
+        if len > 576
+            && let Route::Forward(nh) = self.fib.route(dst)
+            && let Some(mtu) = self.fib.mtu(nh.ifindex)
+            && len > mtu as usize
+        {
+            self.too_big(f, mtu, from, scratch);
+            return;
+        }
+        self.route_out(f, dst);
+    }
+
+    fn too_big(&mut self, mut f: Frame, mtu: u32, from: Option<Tuple>, scratch: &mut [u8]) {
+        let frame = self.io.bytes(&mut f);
+        let l3 = &frame[ETH_HLEN..];
+        if let Ok(n) = rewrite::ipv4_fragment_count(l3, mtu as usize) {
+            let Ok(dst) = rewrite::parse(l3).map(|p| p.dst()) else {
+                self.io.recycle(f);
+                return;
+            };
+            let whole = frame.to_vec();
+            self.io.recycle(f);
+            let cap = self.io.frame_capacity();
+            let mut out = Vec::with_capacity(n);
+            for i in 0..n {
+                let Some(mut g) = self.io.alloc() else { break };
+                self.io.set_len(&mut g, cap);
+                let buf = self.io.bytes(&mut g);
+                buf[..ETH_HLEN].copy_from_slice(&whole[..ETH_HLEN]);
+                let written = rewrite::write_ipv4_fragment(
+                    &whole[ETH_HLEN..],
+                    mtu as usize,
+                    i,
+                    &mut buf[ETH_HLEN..],
+                );
+                match written {
+                    Ok(len) => {
+                        self.io.set_len(&mut g, ETH_HLEN + len);
+                        out.push(g);
+                    }
+                    Err(_) => self.io.recycle(g),
+                }
+            }
+            self.local.fragmented_out += 1;
+            for g in out {
+                self.route_out(g, dst);
+            }
+            return;
+        }
+        // Don't-fragment (or IPv6): tell the sender, about the packet it sent.
+        let Some(from) = from else {
+            self.local.too_big_dropped += 1;
+            self.io.recycle(f);
+            return;
+        };
+        let frame = self.io.bytes(&mut f);
+        let l3 = &mut frame[ETH_HLEN..];
+        let restored = match rewrite::parse(l3) {
+            Ok(Parsed::Flow(p)) => rewrite::rewrite(l3, &p, &from).is_ok(),
+            _ => false,
+        };
+        let router = self.fib.source_for(from.src);
+        let built = match (restored, router) {
+            (true, Some(router)) => rewrite::build_icmp_too_big(l3, mtu, router, scratch).ok(),
+            _ => None,
+        };
+        let Some(n) = built else {
+            self.local.too_big_dropped += 1;
+            self.io.recycle(f);
+            return;
+        };
+        self.io.set_len(&mut f, ETH_HLEN + n);
+        let frame = self.io.bytes(&mut f);
+        frame[ETH_HLEN..ETH_HLEN + n].copy_from_slice(&scratch[..n]);
+        self.local.too_big_icmp += 1;
+        self.route_out(f, from.src);
     }
 
     fn route_out(&mut self, mut f: Frame, dst: IpAddr) {

@@ -21,6 +21,7 @@
 //! Nothing here allocates, does I/O or reads a clock.
 
 mod checksum;
+mod fragment;
 mod icmp;
 mod ipv4;
 mod ipv6;
@@ -34,11 +35,12 @@ mod translate;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testutil;
 
+pub use fragment::{FragmentError, ipv4_fragment_count, write_ipv4_fragment};
 pub use icmp::rewrite_icmp_error;
 pub use l4::tcp_flags;
 pub use parse::{
     FlowPacket, FragInfo, FragKey, FragmentPacket, IcmpErrorPacket, ParseError, Parsed,
     Untranslatable, may_be_fragment, parse,
 };
-pub use reply::{BuildError, build_icmp_port_unreachable, build_tcp_rst};
+pub use reply::{BuildError, build_icmp_port_unreachable, build_icmp_too_big, build_tcp_rst};
 pub use translate::{RewriteError, decrement_ttl, rewrite, rewrite_fragment};

@@ -1401,3 +1401,77 @@ fn udp_datagrams_larger_than_the_mtu_go_through_in_fragments_both_ways() {
         assert_eq!(answers.values().sum::<usize>(), 30, "{answers:?}");
     }
 }
+
+#[test]
+fn a_packet_too_big_for_the_egress_link_is_fragmented_or_answered_with_its_mtu() {
+    // The backends' links have an MTU of 1,280 (what this test is about); the client's
+    // stays at 1,500. A 1,400-byte datagram to the VIP does not fit the egress link.
+    let lab = Lab::new(Opts {
+        prefix: "kxe19",
+        ..Default::default()
+    });
+    for (i, ns) in lab.backends.iter().enumerate() {
+        in_ns(
+            &lab.node,
+            &[
+                "ip",
+                "link",
+                "set",
+                &format!("n-web{}", i + 1),
+                "mtu",
+                "1280",
+            ],
+        )
+        .unwrap();
+        in_ns(ns, &["ip", "link", "set", "eth0", "mtu", "1280"]).unwrap();
+    }
+    let client = lab.client.clone();
+    let set_pmtu_disc = |on: bool| {
+        let v = if on { "0" } else { "1" };
+        in_ns(
+            &client,
+            &["sysctl", "-qw", &format!("net.ipv4.ip_no_pmtu_disc={v}")],
+        )
+        .unwrap();
+    };
+    let echo = |tries: usize| {
+        lab.in_client(move || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let mut msg = vec![b'!'];
+            msg.extend(std::iter::repeat_n(0x5A, 1400));
+            for attempt in 1..=tries {
+                let _ = s.send_to(&msg, vip(9));
+                let mut buf = vec![0u8; 4096];
+                if let Ok((n, from)) = s.recv_from(&mut buf)
+                    && from == vip(9)
+                    && buf[..n].ends_with(&msg)
+                {
+                    return Some(attempt);
+                }
+            }
+            None
+        })
+    };
+    // Without DF (the client's stack does not do path-MTU discovery): kxp fragments the
+    // datagram for the 1,280 link, the first one goes through.
+    set_pmtu_disc(false);
+    assert_eq!(echo(1), Some(1), "fragmented by kxp\n{}", lab.log());
+    // With DF (Linux's default): kxp answers "fragmentation needed, MTU 1280" as a
+    // router does; the client's stack learns the path MTU to the VIP and fragments
+    // itself from then on.
+    set_pmtu_disc(true);
+    let got = echo(5);
+    assert!(
+        got.is_some(),
+        "path-MTU discovery through the VIP\n{}",
+        lab.log()
+    );
+    let route = in_ns(&client, &["ip", "route", "get", VIP]).unwrap();
+    let route = String::from_utf8_lossy(&route.stdout).into_owned();
+    assert!(
+        route.contains("mtu 1280"),
+        "the client learned the path MTU: {route}"
+    );
+}

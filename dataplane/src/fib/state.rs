@@ -104,11 +104,13 @@ impl FibTable {
             mac: None,
             up: m.header.flags.contains(LinkFlags::Up),
             master: None,
+            mtu: 0,
         };
         for attr in &m.attributes {
             match attr {
                 LinkAttribute::IfName(name) => link.name.clone_from(name),
                 LinkAttribute::Controller(i) => link.master = Some(*i).filter(|&i| i != 0),
+                LinkAttribute::Mtu(m) => link.mtu = *m,
                 LinkAttribute::Address(a) => link.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
                 _ => {}
             }

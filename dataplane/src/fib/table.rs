@@ -37,6 +37,8 @@ pub(super) struct Link {
     pub up: bool,
     /// The bridge (or bond) this link is a port of (`IFLA_MASTER`).
     pub master: Option<u32>,
+    /// `IFLA_MTU`.
+    pub mtu: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -111,14 +111,54 @@ pub fn build_tcp_rst(orig: &[u8], out: &mut [u8]) -> Result<usize, BuildError> {
 /// [`BuildError`]: `orig` malformed, not a flow, not unicast, or `out` too small for the
 /// minimal quote. Nothing is written on error.
 pub fn build_icmp_port_unreachable(orig: &[u8], out: &mut [u8]) -> Result<usize, BuildError> {
+    build_icmp_error(orig, None, [3, 3], [1, 4], [0; 4], out)
+}
+
+/// Builds into `out` what a router answers a packet too big for the next link when it
+/// must not fragment it (IPv4 with DF; every IPv6 packet): ICMPv4 "fragmentation needed"
+/// (type 3 code 4, the next-hop MTU in the header, RFC 1191) or ICMPv6 "packet too big"
+/// (type 2, RFC 4443), from `router` (an address of this node) back to the source of
+/// `orig`, quoting `orig` as it arrived. Returns its length.
+///
+/// # Errors
+/// As [`build_icmp_port_unreachable`].
+pub fn build_icmp_too_big(
+    orig: &[u8],
+    mtu: u32,
+    router: IpAddr,
+    out: &mut [u8],
+) -> Result<usize, BuildError> {
+    let rest = match router {
+        IpAddr::V4(_) => {
+            let m = (mtu.min(u32::from(u16::MAX)) as u16).to_be_bytes();
+            [0, 0, m[0], m[1]]
+        }
+        IpAddr::V6(_) => mtu.to_be_bytes(),
+    };
+    build_icmp_error(orig, Some(router), [3, 4], [2, 0], rest, out)
+}
+
+/// An ICMP error about `orig` (type/code for each family, the 4 bytes after the
+/// checksum), from `from` or else `orig`'s destination, to `orig`'s source.
+fn build_icmp_error(
+    orig: &[u8],
+    from: Option<IpAddr>,
+    v4: [u8; 2],
+    v6: [u8; 2],
+    rest: [u8; 4],
+    out: &mut [u8],
+) -> Result<usize, BuildError> {
     let Parsed::Flow(flow) = parse(orig)? else {
         return Err(BuildError::NotAFlow);
     };
-    let t = flow.tuple();
+    let mut t = flow.tuple();
+    if let Some(f) = from.filter(|f| f.is_ipv4() == t.src.is_ipv4()) {
+        t.dst = f;
+    }
     check_unicast(t.src, t.dst)?;
-    let (max, icmp_type, code, proto) = match t.src {
-        IpAddr::V4(_) => (ICMPV4_MAX, 3, 3, ICMPV4),
-        IpAddr::V6(_) => (ICMPV6_MAX, 1, 4, ICMPV6),
+    let (max, [icmp_type, code], proto) = match t.src {
+        IpAddr::V4(_) => (ICMPV4_MAX, v4, ICMPV4),
+        IpAddr::V6(_) => (ICMPV6_MAX, v6, ICMPV6),
     };
     let ip_len = ip_header_len(t.src);
     let headers = ip_len + icmp::HEADER_LEN;
@@ -131,7 +171,8 @@ pub fn build_icmp_port_unreachable(orig: &[u8], out: &mut [u8]) -> Result<usize,
     let msg_len = icmp::HEADER_LEN + quote_len;
 
     let msg = &mut out[ip_len..ip_len + msg_len];
-    msg[..icmp::HEADER_LEN].copy_from_slice(&[icmp_type, code, 0, 0, 0, 0, 0, 0]);
+    msg[..icmp::HEADER_LEN]
+        .copy_from_slice(&[icmp_type, code, 0, 0, rest[0], rest[1], rest[2], rest[3]]);
     msg[icmp::HEADER_LEN..].copy_from_slice(&orig[..quote_len]);
     let pseudo = match t.src {
         IpAddr::V4(_) => 0, // ICMPv4's checksum covers the message only
