@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod fib;
 pub mod ifmatch;
+pub mod lab;
 pub mod plane;
 pub mod servicedev;
 pub mod sys;

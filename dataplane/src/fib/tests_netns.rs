@@ -3,18 +3,15 @@
 //! fails with a message saying so. Only 198.18.0.0/15 and 2001:db8::/32 are used, and
 //! the namespaces are deleted by a drop guard (stale ones of dead runs are swept).
 
-use std::fs::File;
 use std::net::IpAddr;
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
-
-use nix::sched::{CloneFlags, setns};
 
 use super::table::Resolved;
 use super::{FibMirror, FibView, NextHop, Route};
+use crate::lab::{self, Topology};
 
-const PREFIX: &str = "kxpf-";
+/// Prefix of this file's namespaces (`kxpf-{tag}{a|b}{n}-{pid}`).
+const LAB: &str = "kxpf";
 const WAIT: Duration = Duration::from_secs(5);
 
 fn require_root() {
@@ -24,120 +21,13 @@ fn require_root() {
     );
 }
 
-/// A network namespace that is deleted on drop.
-struct Netns {
-    name: String,
-}
-
-impl Netns {
-    fn new(tag: &str) -> Netns {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        require_root();
-        sweep_stale();
-        let name = format!(
-            "{PREFIX}{tag}{}-{}",
-            SEQ.fetch_add(1, Ordering::Relaxed),
-            std::process::id()
-        );
-        run("ip", &["netns", "add", &name]);
-        let ns = Netns { name };
-        ns.ip("link set lo up");
-        ns
-    }
-
-    /// `ip -n NAME ARGS`, panicking with ip's message on failure.
-    fn ip(&self, args: &str) -> String {
-        let mut full = vec!["-n", &self.name];
-        full.extend(args.split_whitespace());
-        run("ip", &full)
-    }
-
-    /// Reads /sys/class/net/DEV/FILE inside the namespace (`ip netns exec` mounts its sysfs).
-    fn sys(&self, dev: &str, file: &str) -> String {
-        run(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                &self.name,
-                "cat",
-                &format!("/sys/class/net/{dev}/{file}"),
-            ],
-        )
-        .trim()
-        .to_owned()
-    }
-
-    fn ifindex(&self, dev: &str) -> u32 {
-        self.sys(dev, "ifindex").parse().expect("ifindex")
-    }
-
-    fn mac(&self, dev: &str) -> [u8; 6] {
-        parse_mac(&self.sys(dev, "address"))
-    }
-
-    /// Starts a mirror from a thread that entered this namespace (the mirror's own thread
-    /// inherits it).
-    fn start_mirror(&self, attached: &[u32]) -> FibMirror {
-        let path = format!("/var/run/netns/{}", self.name);
-        let attached = attached.to_vec();
-        let mirror = std::thread::spawn(move || {
-            let ns = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-            setns(&ns, CloneFlags::CLONE_NEWNET).expect("setns into the test namespace");
-            FibMirror::start(&attached)
-        })
-        .join()
-        .expect("mirror start thread")
-        .expect("FibMirror::start");
-        mirror.wait_ready(WAIT).expect("first dump");
-        mirror
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
-}
-
-/// Deletes namespaces left by runs whose process is gone.
-fn sweep_stale() {
-    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
-        return;
-    };
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let name = line.split_whitespace().next().unwrap_or("");
-        let Some(pid) = name.strip_prefix(PREFIX).and_then(|r| r.rsplit('-').next()) else {
-            continue;
-        };
-        if pid.parse::<u32>().is_ok() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = Command::new("ip").args(["netns", "del", name]).status();
-        }
-    }
-}
-
-fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    assert!(
-        out.status.success(),
-        "`{cmd} {}` failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
+/// `ip -n NS ARGS` (ARGS split at whitespace): its stdout, panicking with ip's message on
+/// failure.
+fn ipn(ns: &str, args: &str) -> String {
+    let mut full = vec!["-n", ns];
+    full.extend(args.split_whitespace());
+    let out = lab::ip(&full).unwrap_or_else(|e| panic!("{e}"));
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn parse_mac(s: &str) -> [u8; 6] {
-    let bytes: Vec<u8> = s
-        .split(':')
-        .map(|b| u8::from_str_radix(b, 16).expect("mac byte"))
-        .collect();
-    bytes.try_into().expect("6-byte mac")
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -168,8 +58,9 @@ const N7_MAC: [u8; 6] = [2, 0, 0, 0, 0, 7];
 /// In A: permanent neighbours .7 and .254 (and 2001:db8::7), 198.19.0.0/16 via .254,
 /// veth d0 (peer d1 in B) with 198.19.5.1/24, not attached.
 struct Topo {
-    a: Netns,
-    b: Netns,
+    lab: Topology,
+    a: String,
+    b: String,
     a0: u32,
     d0: u32,
     a0_mac: [u8; 6],
@@ -178,34 +69,37 @@ struct Topo {
 
 impl Topo {
     fn new(tag: &str) -> Topo {
-        let a = Netns::new(&format!("{tag}a"));
-        let b = Netns::new(&format!("{tag}b"));
-        a.ip(&format!(
-            "link add a0 type veth peer name b0 netns {}",
-            b.name
-        ));
-        for (ns, dev, v4, v6) in [
-            (&a, "a0", "198.18.0.1/24", "2001:db8::1/64"),
-            (&b, "b0", "198.18.0.2/24", "2001:db8::2/64"),
-        ] {
-            ns.ip(&format!("addr add {v4} dev {dev}"));
-            ns.ip(&format!("addr add {v6} dev {dev} nodad"));
-            ns.ip(&format!("link set {dev} up"));
+        require_root();
+        let mut lab = Topology::new(LAB);
+        let a = lab.add_ns_unique(&format!("{tag}a")).unwrap();
+        let b = lab.add_ns_unique(&format!("{tag}b")).unwrap();
+        lab.link((&a, "a0", "198.18.0.1/24"), (&b, "b0", "198.18.0.2/24"))
+            .unwrap();
+        for (ns, dev, v6) in [(&a, "a0", "2001:db8::1/64"), (&b, "b0", "2001:db8::2/64")] {
+            ipn(ns, &format!("addr add {v6} dev {dev} nodad"));
         }
         // A second interface kxp does not drive (the dummy module is not available here).
-        a.ip(&format!(
-            "link add d0 type veth peer name d1 netns {}",
-            b.name
-        ));
-        b.ip("link set d1 up");
-        a.ip("addr add 198.19.5.1/24 dev d0");
-        a.ip("link set d0 up");
-        a.ip("neigh add 198.18.0.7 lladdr 02:00:00:00:00:07 dev a0 nud permanent");
-        a.ip("neigh add 198.18.0.254 lladdr 02:00:00:00:00:fe dev a0 nud permanent");
-        a.ip("neigh add 2001:db8::7 lladdr 02:00:00:00:00:07 dev a0 nud permanent");
-        a.ip("route add 198.19.0.0/16 via 198.18.0.254 dev a0");
-        let (a0, d0, a0_mac, b0_mac) = (a.ifindex("a0"), a.ifindex("d0"), a.mac("a0"), b.mac("b0"));
+        lab.link((&a, "d0", "198.19.5.1/24"), (&b, "d1", ""))
+            .unwrap();
+        ipn(
+            &a,
+            "neigh add 198.18.0.7 lladdr 02:00:00:00:00:07 dev a0 nud permanent",
+        );
+        ipn(
+            &a,
+            "neigh add 198.18.0.254 lladdr 02:00:00:00:00:fe dev a0 nud permanent",
+        );
+        ipn(
+            &a,
+            "neigh add 2001:db8::7 lladdr 02:00:00:00:00:07 dev a0 nud permanent",
+        );
+        ipn(&a, "route add 198.19.0.0/16 via 198.18.0.254 dev a0");
+        let a0 = lab.ifindex(&a, "a0").expect("ifindex of a0");
+        let d0 = lab.ifindex(&a, "d0").expect("ifindex of d0");
+        let a0_mac = lab.mac(&a, "a0").expect("MAC of a0");
+        let b0_mac = lab.mac(&b, "b0").expect("MAC of b0");
         Topo {
+            lab,
             a,
             b,
             a0,
@@ -215,8 +109,16 @@ impl Topo {
         }
     }
 
+    /// Starts a mirror from a thread that entered A (the mirror's own thread inherits
+    /// it), attached to a0, and waits for its first dump.
     fn start(&self) -> (FibMirror, FibView) {
-        let mirror = self.a.start_mirror(&[self.a0]);
+        let attached = [self.a0];
+        let mirror = self
+            .lab
+            .run_in(&self.a, || FibMirror::start(&attached))
+            .expect("entering A")
+            .expect("FibMirror::start");
+        mirror.wait_ready(WAIT).expect("first dump");
         let view = mirror.view();
         (mirror, view)
     }
@@ -242,7 +144,7 @@ fn onlink_permanent_neighbour_forwards() {
 #[test]
 fn gateway_route_uses_the_gateway_mac() {
     let t = Topo::new("gw");
-    t.a.ip("-6 route add 2001:db8:1::/48 via 2001:db8::7 dev a0");
+    ipn(&t.a, "-6 route add 2001:db8:1::/48 via 2001:db8::7 dev a0");
     let (_m, view) = t.start();
     assert_eq!(view.route(ip("198.19.1.1")), t.fwd(GW_MAC));
     assert_eq!(view.route(ip("2001:db8:1::42")), t.fwd(N7_MAC));
@@ -253,14 +155,14 @@ fn gateway_route_uses_the_gateway_mac() {
 fn resolves_after_one_lookup(t: &Topo, view: &FibView, dst: &str, ip_flag: &str) {
     let show = format!("{ip_flag} neigh show {dst} dev a0");
     assert_eq!(
-        t.a.ip(&show).trim(),
+        ipn(&t.a, &show).trim(),
         "",
         "no kernel entry before the lookup"
     );
     assert_eq!(view.route(ip(dst)), Route::Pending);
-    let b0 = t.b.sys("b0", "address");
+    let b0 = t.lab.sys(&t.b, "b0", "address").expect("b0's address");
     wait_for("kernel entry with B's MAC", true, || {
-        t.a.ip(&show).contains(&b0)
+        ipn(&t.a, &show).contains(&b0)
     });
     // Without looking up again (no further requests).
     let want = Resolved::Route(t.fwd(t.b0_mac));
@@ -291,30 +193,39 @@ fn route_and_neighbour_changes_are_picked_up() {
     assert_eq!(view.route(dst), t.fwd(GW_MAC));
     let g0 = view.generation();
 
-    t.a.ip("route add 198.19.200.0/24 via 198.18.0.7 dev a0");
+    ipn(&t.a, "route add 198.19.200.0/24 via 198.18.0.7 dev a0");
     wait_for("more specific route", t.fwd(N7_MAC), || view.route(dst));
     assert!(view.generation() > g0);
 
     let new_mac = [2, 0, 0, 0, 0, 0x77];
-    t.a.ip("neigh replace 198.18.0.7 lladdr 02:00:00:00:00:77 dev a0 nud permanent");
+    ipn(
+        &t.a,
+        "neigh replace 198.18.0.7 lladdr 02:00:00:00:00:77 dev a0 nud permanent",
+    );
     wait_for("changed lladdr", t.fwd(new_mac), || view.route(dst));
 
-    t.a.ip("route replace 198.19.200.0/24 via 198.18.0.254 dev a0");
+    ipn(
+        &t.a,
+        "route replace 198.19.200.0/24 via 198.18.0.254 dev a0",
+    );
     wait_for("replaced route", t.fwd(GW_MAC), || view.route(dst));
 
-    t.a.ip("route del 198.19.200.0/24");
-    t.a.ip("neigh del 198.18.0.254 dev a0");
+    ipn(&t.a, "route del 198.19.200.0/24");
+    ipn(&t.a, "neigh del 198.18.0.254 dev a0");
     wait_for("deleted neighbour", Route::Pending, || view.route(dst));
 
     // IPv4 routes flushed by a link going down come without RTM_DELROUTE: the mirror
     // re-dumps. 198.19.5.0/24 (d0) disappears and 198.19.0.0/16 via .254 matches again.
     // (`replace`: the Pending lookup above made the kernel create an INCOMPLETE entry.)
-    t.a.ip("neigh replace 198.18.0.254 lladdr 02:00:00:00:00:fe dev a0 nud permanent");
+    ipn(
+        &t.a,
+        "neigh replace 198.18.0.254 lladdr 02:00:00:00:00:fe dev a0 nud permanent",
+    );
     assert_eq!(
         view.route(ip("198.19.5.9")),
         Route::NotAttached { ifindex: t.d0 }
     );
-    t.a.ip("link set d0 down");
+    ipn(&t.a, "link set d0 down");
     wait_for("route flushed with d0", t.fwd(GW_MAC), || {
         view.route(ip("198.19.5.9"))
     });
@@ -323,7 +234,7 @@ fn route_and_neighbour_changes_are_picked_up() {
 #[test]
 fn local_unreachable_and_not_attached() {
     let t = Topo::new("kind");
-    t.a.ip("route add blackhole 198.18.100.0/24");
+    ipn(&t.a, "route add blackhole 198.18.100.0/24");
     let (_m, view) = t.start();
     for local in [
         "198.18.0.1",
@@ -377,8 +288,11 @@ fn local_unreachable_and_not_attached() {
 #[test]
 fn source_for_uses_prefsrc_or_the_egress_address() {
     let t = Topo::new("src");
-    t.a.ip("addr add 198.18.0.9/24 dev a0");
-    t.a.ip("route add 198.19.77.0/24 via 198.18.0.254 dev a0 src 198.18.0.9");
+    ipn(&t.a, "addr add 198.18.0.9/24 dev a0");
+    ipn(
+        &t.a,
+        "route add 198.19.77.0/24 via 198.18.0.254 dev a0 src 198.18.0.9",
+    );
     let (_m, view) = t.start();
     assert_eq!(
         view.source_for(ip("198.19.1.1")),
@@ -412,7 +326,7 @@ fn source_for_uses_prefsrc_or_the_egress_address() {
     );
     assert_eq!(view.source_for(ip("198.18.200.1")), None, "no route");
     // An address added later shows up (route src picks it once the route exists).
-    t.a.ip("addr add 198.18.6.1/24 dev a0");
+    ipn(&t.a, "addr add 198.18.6.1/24 dev a0");
     wait_for("new address", Some(ip("198.18.6.1")), || {
         view.source_for(ip("198.18.6.20"))
     });

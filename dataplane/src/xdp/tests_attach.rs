@@ -13,8 +13,12 @@ use nat::tuple::Protocol;
 use xsk_rs::config::{BindFlags, LibxdpFlags, SocketConfig, UmemConfig};
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 
-use super::testutil::{Netns, ip, require_root};
+use super::testutil::require_root;
 use super::*;
+use crate::lab::{Topology, ip};
+
+/// Prefix of this module's namespaces (`kxpx-{role}{n}-{pid}`).
+const LAB: &str = "kxpx";
 
 const IF: &str = "kxv0";
 const PEER: &str = "kxv1";
@@ -24,13 +28,20 @@ const NONE: sys::XdpQuery = sys::XdpQuery {
     hw_prog_id: 0,
 };
 
-/// One namespace holding both ends of a veth pair, up, without addresses.
-fn veth_pair() -> Netns {
-    let ns = Netns::new();
-    ns.ip(&["link", "add", IF, "type", "veth", "peer", "name", PEER]);
-    ns.ip(&["link", "set", IF, "up"]);
-    ns.ip(&["link", "set", PEER, "up"]);
-    ns
+/// One namespace holding both ends of a veth pair, up, without addresses; the namespace
+/// goes when the topology is dropped.
+fn veth_pair() -> (Topology, String) {
+    require_root();
+    let mut lab = Topology::new(LAB);
+    let ns = lab.add_ns_unique("veth").unwrap();
+    lab.link((&ns, IF, ""), (&ns, PEER, "")).unwrap();
+    (lab, ns)
+}
+
+/// `ip ARGS`'s output, panicking with ip's message on failure.
+fn ip_stdout(args: &[&str]) -> String {
+    let out = ip(args).unwrap_or_else(|e| panic!("{e}"));
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Call from inside the namespace.
@@ -40,8 +51,8 @@ fn query(ifname: &str) -> sys::XdpQuery {
 
 #[test]
 fn attach_in_each_mode_never_replacing_another_program() {
-    let ns = veth_pair();
-    ns.run(|| {
+    let (lab, ns) = veth_pair();
+    lab.run_in(&ns, || {
         for (mode, runs_as, ip_shows) in [
             (AttachMode::Link, AttachedAs::Native, "xdp"),
             (AttachMode::Native, AttachedAs::Native, "xdp"),
@@ -51,7 +62,7 @@ fn attach_in_each_mode_never_replacing_another_program() {
             assert_eq!(s.ifindex(), resolve_ifindex(IF).unwrap());
             assert_eq!(s.ifname(), Some(IF));
             assert_eq!(s.attached_as().unwrap(), Some(runs_as), "{mode}");
-            let shown = ip(&["link", "show", IF]).unwrap();
+            let shown = ip_stdout(&["link", "show", IF]);
             assert!(shown.contains(&format!(" {ip_shows} ")), "{mode}: {shown}");
 
             for other in [AttachMode::Link, AttachMode::Native, AttachMode::Generic] {
@@ -88,13 +99,14 @@ fn attach_in_each_mode_never_replacing_another_program() {
             drop(peer);
             assert_eq!(query(PEER), NONE, "{mode}: detached on drop");
         }
-    });
+    })
+    .unwrap();
 }
 
 #[test]
 fn cleanup_removes_leftovers_but_not_a_live_link() {
-    let ns = veth_pair();
-    ns.run(|| {
+    let (lab, ns) = veth_pair();
+    lab.run_in(&ns, || {
         assert!(!cleanup_interface(IF).unwrap(), "nothing attached");
         let ifindex = resolve_ifindex(IF).unwrap();
         for flags in [sys::XDP_FLAGS_DRV_MODE, sys::XDP_FLAGS_SKB_MODE] {
@@ -114,7 +126,8 @@ fn cleanup_removes_leftovers_but_not_a_live_link() {
         assert_eq!(s.attached_as().unwrap(), Some(AttachedAs::Native));
         drop(s);
         assert_eq!(query(IF), NONE, "closing the link detaches");
-    });
+    })
+    .unwrap();
 }
 
 /// An AF_XDP socket on queue 0 of `ifname` (copy mode) with a small UMEM of its own,
@@ -184,30 +197,28 @@ fn udp_dport(frame: &[u8]) -> Option<u16> {
 #[test]
 fn steered_packets_reach_the_socket_and_the_rest_the_kernel() {
     require_root();
-    let (a, b) = (Netns::new(), Netns::new());
-    ip(&[
-        "link", "add", "kxa", "netns", &a.name, "type", "veth", "peer", "name", "kxb", "netns",
-        &b.name,
-    ])
-    .unwrap();
-    a.ip(&["addr", "add", "198.18.0.1/24", "dev", "kxa"]);
-    b.ip(&["addr", "add", "198.18.0.2/24", "dev", "kxb"]);
-    a.ip(&["link", "set", "kxa", "up"]);
-    b.ip(&["link", "set", "kxb", "up"]);
+    let mut lab = Topology::new(LAB);
+    let (a, b) = (
+        lab.add_ns_unique("a").unwrap(),
+        lab.add_ns_unique("b").unwrap(),
+    );
+    lab.link((&a, "kxa", "198.18.0.1/24"), (&b, "kxb", "198.18.0.2/24"))
+        .unwrap();
     let send = |port: u16, n: usize| {
-        a.run(|| {
+        lab.run_in(&a, || {
             let sock = UdpSocket::bind("198.18.0.1:0").unwrap();
             for _ in 0..n {
                 sock.send_to(b"kxp", ("198.18.0.2", port)).unwrap();
             }
         })
+        .unwrap()
     };
 
     for mode in [AttachMode::Link, AttachMode::Generic] {
         // forget the neighbours, so that ARP has to pass through the program again
-        a.ip(&["neigh", "flush", "dev", "kxa"]);
-        b.ip(&["neigh", "flush", "dev", "kxb"]);
-        b.run(|| {
+        ip_stdout(&["-n", &a, "neigh", "flush", "dev", "kxa"]);
+        ip_stdout(&["-n", &b, "neigh", "flush", "dev", "kxb"]);
+        lab.run_in(&b, || {
             let mut s = Steering::load_and_attach("kxb", mode).unwrap();
             let vip = SteerKey::new("198.18.0.2".parse().unwrap(), 9000, Protocol::Udp);
             s.sync_frontends(&HashSet::from([vip])).unwrap();
@@ -257,6 +268,7 @@ fn steered_packets_reach_the_socket_and_the_rest_the_kernel() {
             );
             assert!(xsk.recv(1, Duration::from_millis(200)).is_empty());
             s.detach().unwrap();
-        });
+        })
+        .unwrap();
     }
 }

@@ -1,12 +1,6 @@
 //! Test support: the root check, Ethernet framing of the IP packets `nat`'s test helpers
-//! build, classification of a frame by the program's counters, and throw-away network
-//! namespaces (`kxpx-PID-N`) deleted by a guard even when a test fails.
-
-use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
+//! build, and classification of a frame by the program's counters. Network namespaces
+//! come from the crate's lab ([`crate::lab`]).
 
 use super::{SteerStats, Steering, XDP_PASS, sys};
 
@@ -99,95 +93,4 @@ pub fn classify(s: &Steering, frame: &[u8]) -> Option<Rule> {
         "a match without a socket is counted: {d:?}"
     );
     hits.first().copied()
-}
-
-/// Runs `ip` with `args`; its stdout, or an error with its stderr.
-pub fn ip(args: &[&str]) -> io::Result<String> {
-    let out = Command::new("ip").args(args).output()?;
-    if !out.status.success() {
-        return Err(io::Error::other(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-const NETNS_PREFIX: &str = "kxpx-";
-
-/// A network namespace named `kxpx-PID-N`, deleted on drop (which also removes its
-/// interfaces and any XDP program on them). Ones left by a killed test run (their PID
-/// gone) are swept when the next one is created.
-#[derive(Debug)]
-pub struct Netns {
-    pub name: String,
-}
-
-impl Netns {
-    pub fn new() -> Netns {
-        require_root();
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        sweep_stale();
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{NETNS_PREFIX}{}-{n}", std::process::id());
-        ip(&["netns", "add", &name]).unwrap_or_else(|e| panic!("creating netns: {e}"));
-        let ns = Netns { name };
-        ns.ip(&["link", "set", "lo", "up"]);
-        ns
-    }
-
-    /// `ip -n NAME args...`, panicking on failure.
-    pub fn ip(&self, args: &[&str]) -> String {
-        let mut all = vec!["-n", self.name.as_str()];
-        all.extend_from_slice(args);
-        ip(&all).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Runs `f` on a thread inside this namespace (setns(2) affects only the calling
-    /// thread; sockets and netlink requests made there stay in the namespace).
-    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        std::thread::scope(|scope| {
-            let h = scope.spawn(|| {
-                enter(&self.name).unwrap_or_else(|e| panic!("entering netns {}: {e}", self.name));
-                f()
-            });
-            h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.name]);
-    }
-}
-
-fn enter(name: &str) -> io::Result<()> {
-    let f = File::open(format!("/var/run/netns/{name}"))?;
-    // SAFETY: `f` is an open network namespace fd for the duration of the call; setns
-    // changes only the calling thread's namespace.
-    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn sweep_stale() {
-    let Ok(list) = ip(&["netns", "list"]) else {
-        return;
-    };
-    for line in list.lines() {
-        let name = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = name.strip_prefix(NETNS_PREFIX) else {
-            continue;
-        };
-        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid
-            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
-        {
-            let _ = ip(&["netns", "del", name]);
-        }
-    }
 }
