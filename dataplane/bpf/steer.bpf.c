@@ -338,7 +338,10 @@ static __always_inline __u32 match_icmp(void *l4, void *end, int v6,
 	return 0;
 }
 
-SEC("xdp")
+/* xdp.frags: the program accepts multi-buffer frames (jumbo MTUs; a veth refuses a
+ * program without it when its peer's MTU passes a page). It reads only the headers,
+ * which are in the first buffer. */
+SEC("xdp.frags")
 int kxp_steer(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;

@@ -261,10 +261,9 @@ impl Worker {
                 };
                 work += 1;
                 self.local.handoffs_in += 1;
-                let Some(mut f) = self.io.alloc() else { break };
-                let n = h.frame.len().min(self.io.frame_capacity());
-                self.io.set_len(&mut f, n);
-                self.io.bytes(&mut f).copy_from_slice(&h.frame[..n]);
+                let Some(mut f) = self.io.frame_from(&h.frame) else {
+                    break;
+                };
                 if h.transmit {
                     match self.io.port_of(h.ifindex) {
                         Some(port) => {
@@ -598,10 +597,9 @@ impl Worker {
             .unwrap_or_else(|e| e.into_inner())
             .learn(key, src, dst, now);
         for bytes in parked {
-            let Some(mut g) = self.io.alloc() else { break };
-            let n = bytes.len().min(self.io.frame_capacity());
-            self.io.set_len(&mut g, n);
-            self.io.bytes(&mut g).copy_from_slice(&bytes[..n]);
+            let Some(mut g) = self.io.frame_from(&bytes) else {
+                break;
+            };
             match rewrite::parse(&self.io.bytes(&mut g)[ETH_HLEN..]) {
                 Ok(Parsed::Fragment(fp)) => self.send_fragment(g, &fp, src, dst),
                 _ => self.io.recycle(g),
@@ -644,11 +642,11 @@ impl Worker {
             };
             let whole = frame.to_vec();
             self.io.recycle(f);
-            let cap = self.io.frame_capacity();
             let mut out = Vec::with_capacity(n);
             for i in 0..n {
-                let Some(mut g) = self.io.alloc() else { break };
-                self.io.set_len(&mut g, cap);
+                let Some(mut g) = self.io.alloc_len(ETH_HLEN + mtu as usize) else {
+                    break;
+                };
                 let buf = self.io.bytes(&mut g);
                 buf[..ETH_HLEN].copy_from_slice(&whole[..ETH_HLEN]);
                 let written = rewrite::write_ipv4_fragment(

@@ -16,14 +16,28 @@ use xsk_rs::config::{
 };
 use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, TxQueue, Umem};
 
-/// A UMEM frame owned by userspace. Dropping it without giving it back
-/// ([`WorkerIo::recycle`], [`WorkerIo::send`]) leaks the frame, never corrupts it.
+/// A packet owned by userspace: a UMEM frame, or (for a packet larger than one frame,
+/// received as several with `XDP_USE_SG`, or built for a large MTU) a heap buffer that
+/// is cut into a chain of frames again when sent. Dropping it without giving it back
+/// ([`WorkerIo::recycle`], [`WorkerIo::send`]) leaks a UMEM frame, never corrupts it.
 #[derive(Debug)]
 pub struct Frame {
-    desc: FrameDesc,
+    buf: Buf,
     /// Port the frame was received on (for generated frames: 0).
     pub port: usize,
 }
+
+#[derive(Debug)]
+enum Buf {
+    Umem(FrameDesc),
+    Heap(Vec<u8>),
+}
+
+/// `xdp_desc.options` bit: the packet goes on in the next descriptor (AF_XDP
+/// multi-buffer, `XDP_PKT_CONTD`).
+const XDP_PKT_CONTD: u32 = 1;
+/// The largest packet kept (an IPv4 datagram plus its Ethernet header).
+const MAX_PACKET: usize = 65_535 + 14;
 
 /// Sizes and modes of a worker's sockets.
 #[derive(Debug, Clone)]
@@ -90,6 +104,9 @@ struct Port {
     cq: CompQueue,
     /// Frames waiting for room on the TX ring.
     tx_pending: Vec<FrameDesc>,
+    /// A multi-buffer packet being received (its first descriptors came in an earlier
+    /// batch).
+    partial: Option<Vec<u8>>,
     /// Frames this port's fill ring holds (given, not yet received back).
     in_fill: usize,
     /// TX ring size (all free = nothing left for the kernel to send).
@@ -179,7 +196,10 @@ impl WorkerIo {
             frame_size: cfg.frame_size,
             reason: e.to_string(),
         })?;
-        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
+        // Multi-buffer (XDP_USE_SG): packets larger than a frame (jumbo MTUs) arrive and
+        // leave as chains of frames. Set on the UMEM's own socket, every socket sharing
+        // the UMEM has it.
+        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP | BindFlags::XDP_USE_SG;
         bind |= if cfg.copy_mode {
             BindFlags::XDP_COPY
         } else {
@@ -262,6 +282,7 @@ impl WorkerIo {
             fq,
             cq,
             tx_pending: Vec::with_capacity(BATCH),
+            partial: None,
             in_fill: 0,
             tx_size: self.ring_size as u32,
         });
@@ -343,20 +364,52 @@ impl WorkerIo {
         // are owned by userspace from here on, and each is wrapped in exactly one Frame.
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
-        for d in &self.scratch[..n] {
-            if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
+        let mut packets = 0;
+        for i in 0..n {
+            let d = self.scratch[i];
+            if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
                 *o = 0;
             }
+            let more = d.options() & XDP_PKT_CONTD != 0;
+            let p = &mut self.ports[port];
+            if p.partial.is_none() && !more {
+                out.push(Frame {
+                    buf: Buf::Umem(d),
+                    port,
+                });
+                packets += 1;
+                continue;
+            }
+            // A piece of a multi-buffer packet: gathered into one buffer, the frame given
+            // back at once.
+            // SAFETY: the RX ring handed this frame to userspace; no Frame wraps it, so
+            // nothing else refers to its bytes while they are copied.
+            let piece = unsafe { self.umem.data(&d) };
+            let buf = p.partial.get_or_insert_with(|| Vec::with_capacity(16_384));
+            if buf.len() + piece.contents().len() <= MAX_PACKET {
+                buf.extend_from_slice(piece.contents());
+            }
+            self.free.push(d);
+            if !more && let Some(whole) = p.partial.take() {
+                out.push(Frame {
+                    buf: Buf::Heap(whole),
+                    port,
+                });
+                packets += 1;
+            }
         }
-        out.extend(self.scratch[..n].iter().map(|&desc| Frame { desc, port }));
-        n
+        packets
     }
 
     /// The packet bytes of a frame (its current length).
     pub fn bytes<'a>(&'a self, f: &'a mut Frame) -> &'a mut [u8] {
+        let desc = match &mut f.buf {
+            Buf::Umem(d) => d,
+            Buf::Heap(v) => return v.as_mut_slice(),
+        };
         // SAFETY: `f` is the only handle to this frame (Frame is neither Clone nor Copy
         // and frames on a ring have no Frame), so this is the only reference to its bytes.
-        let mut d = unsafe { self.umem.data_mut(&mut f.desc) };
+        let mut d = unsafe { self.umem.data_mut(desc) };
         let len = d.contents().len();
         // Re-borrow for 'a: `d` borrows from self.umem and f.desc for 'a.
         let ptr = d.contents_mut().as_mut_ptr();
@@ -367,10 +420,45 @@ impl WorkerIo {
 
     /// Sets a frame's packet length (up to the frame's data room).
     pub fn set_len(&self, f: &mut Frame, len: usize) {
+        let desc = match &mut f.buf {
+            Buf::Umem(d) => d,
+            Buf::Heap(v) => {
+                v.resize(len.min(MAX_PACKET), 0);
+                return;
+            }
+        };
         let len = len.min(self.frame_capacity);
         // SAFETY: as in `bytes`: `f` is the frame's only handle.
-        let mut d = unsafe { self.umem.data_mut(&mut f.desc) };
+        let mut d = unsafe { self.umem.data_mut(desc) };
         d.cursor().set_pos(len);
+    }
+
+    /// A frame holding a copy of `bytes`: a UMEM frame when they fit in one, else a
+    /// heap buffer (sent as a chain). `None` when no UMEM frame is free.
+    pub fn frame_from(&mut self, bytes: &[u8]) -> Option<Frame> {
+        if bytes.len() > self.frame_capacity {
+            return Some(Frame {
+                buf: Buf::Heap(bytes[..bytes.len().min(MAX_PACKET)].to_vec()),
+                port: 0,
+            });
+        }
+        let mut f = self.alloc()?;
+        self.set_len(&mut f, bytes.len());
+        self.bytes(&mut f).copy_from_slice(bytes);
+        Some(f)
+    }
+
+    /// A zeroed frame of `len` bytes to build a packet in (UMEM when it fits).
+    pub fn alloc_len(&mut self, len: usize) -> Option<Frame> {
+        if len > self.frame_capacity {
+            return Some(Frame {
+                buf: Buf::Heap(vec![0; len.min(MAX_PACKET)]),
+                port: 0,
+            });
+        }
+        let mut f = self.alloc()?;
+        self.set_len(&mut f, len);
+        Some(f)
     }
 
     /// Room for packet data in a frame.
@@ -383,20 +471,54 @@ impl WorkerIo {
         if self.free.is_empty() {
             self.reap();
         }
-        self.free.pop().map(|desc| Frame { desc, port: 0 })
+        self.free.pop().map(|desc| Frame {
+            buf: Buf::Umem(desc),
+            port: 0,
+        })
     }
 
     /// Gives a frame back (its packet is dropped).
     pub fn recycle(&mut self, f: Frame) {
-        self.free.push(f.desc);
+        if let Buf::Umem(d) = f.buf {
+            self.free.push(d);
+        }
     }
 
-    /// Queues a frame for transmission on `port` (sent by [`WorkerIo::flush`]).
-    pub fn send(&mut self, port: usize, f: Frame) {
-        self.ports[port].tx_pending.push(f.desc);
+    /// Queues a frame for transmission on `port` (sent by [`WorkerIo::flush`]). A packet
+    /// larger than a frame leaves as a chain of frames (`XDP_PKT_CONTD`); returns `false`
+    /// when there were not enough free frames for it (it is dropped).
+    pub fn send(&mut self, port: usize, f: Frame) -> bool {
+        match f.buf {
+            Buf::Umem(mut d) => {
+                // A frame that was a piece of a received chain may still say "more".
+                d.set_options(0);
+                self.ports[port].tx_pending.push(d)
+            }
+            Buf::Heap(v) => {
+                let cap = self.frame_capacity.max(1);
+                let pieces = v.len().div_ceil(cap).max(1);
+                if self.free.len() < pieces {
+                    self.reap();
+                }
+                if self.free.len() < pieces {
+                    return false;
+                }
+                for (i, chunk) in v.chunks(cap).enumerate() {
+                    let Some(mut g) = self.alloc() else {
+                        return false;
+                    };
+                    self.set_len(&mut g, chunk.len());
+                    self.bytes(&mut g).copy_from_slice(chunk);
+                    let Buf::Umem(mut d) = g.buf else { continue };
+                    d.set_options(if i + 1 < pieces { XDP_PKT_CONTD } else { 0 });
+                    self.ports[port].tx_pending.push(d);
+                }
+            }
+        }
         if self.ports[port].tx_pending.len() >= BATCH {
             self.flush_port(port);
         }
+        true
     }
 
     fn flush_port(&mut self, port: usize) {

@@ -68,6 +68,8 @@ struct Opts<'a> {
     interfaces: Option<&'a [&'a str]>,
     /// This state instead of the default one (IPv4).
     state: Option<String>,
+    /// MTU of every link (both ends), set before kxp starts.
+    mtu: Option<u32>,
 }
 
 impl Default for Opts<'_> {
@@ -84,6 +86,7 @@ impl Default for Opts<'_> {
             config_extra: "",
             interfaces: None,
             state: None,
+            mtu: None,
         }
     }
 }
@@ -100,6 +103,11 @@ impl Lab {
                 topo.link_multiqueue(a, b, o.queues).unwrap()
             } else {
                 topo.link(a, b).unwrap()
+            }
+            if let Some(mtu) = o.mtu {
+                for (ns, dev, _) in [a, b] {
+                    in_ns(ns, &["ip", "link", "set", dev, "mtu", &mtu.to_string()]).unwrap();
+                }
             }
         };
         link(
@@ -1474,4 +1482,64 @@ fn a_packet_too_big_for_the_egress_link_is_fragmented_or_answered_with_its_mtu()
         route.contains("mtu 1280"),
         "the client learned the path MTU: {route}"
     );
+}
+
+#[test]
+fn jumbo_frames_on_9000_mtu_links_both_ways() {
+    // Every link at MTU 9,000 (what this test is about): TCP messages of 8,000 bytes
+    // leave the client as single segments, UDP datagrams fill the MTU; both arrive at
+    // kxp as multi-buffer frames and leave as chains of frames, both ways.
+    let lab = Lab::new(Opts {
+        prefix: "kxe20",
+        mtu: Some(9000),
+        ..Default::default()
+    });
+    let (tcp_ok, udp_ok, bad) = lab.in_client(|| {
+        let mut bad = Vec::new();
+        // Upper-case letters: the echo's "web-N:" prefixes have none.
+        let payload: Vec<u8> = (0..8000u32).map(|i| b'A' + (i % 26) as u8).collect();
+        let mut tcp_ok = 0;
+        for _ in 0..10 {
+            let mut s = match TcpStream::connect_timeout(&vip(7), Duration::from_secs(3)) {
+                Ok(s) => s,
+                Err(e) => {
+                    bad.push(format!("connect: {e}"));
+                    continue;
+                }
+            };
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            s.write_all(&payload).unwrap();
+            // The echo answers every read with "NAME:" and the bytes read.
+            let mut got: Vec<u8> = Vec::new();
+            let mut buf = vec![0u8; 65_536];
+            while got.iter().filter(|b| b.is_ascii_uppercase()).count() < payload.len() {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let data: Vec<u8> = got.iter().copied().filter(u8::is_ascii_uppercase).collect();
+            if data == payload {
+                tcp_ok += 1;
+            } else {
+                bad.push(format!("TCP: {} of {} bytes", data.len(), payload.len()));
+            }
+        }
+        let mut udp_ok = 0;
+        for i in 0..10u32 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut msg = vec![b'!'];
+            msg.extend((0..8900u32).map(|j| (i + j) as u8));
+            s.send_to(&msg, vip(9)).unwrap();
+            let mut buf = vec![0u8; 16_384];
+            match s.recv_from(&mut buf) {
+                Ok((n, from)) if from == vip(9) && buf[..n].ends_with(&msg) => udp_ok += 1,
+                other => bad.push(format!("UDP: {other:?}")),
+            }
+        }
+        (tcp_ok, udp_ok, bad)
+    });
+    assert!(bad.is_empty(), "{bad:?}\n{}", lab.log());
+    assert_eq!((tcp_ok, udp_ok), (10, 10));
 }
