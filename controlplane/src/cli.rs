@@ -436,5 +436,11 @@ fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
             println!("removed kxp's service device {dev} ({dev}-dp)");
         }
     }
+    let rules = dataplane::servicedev::cleanup_rules()?;
+    if rules > 0 {
+        println!(
+            "restored the local policy rule and removed kxp's NodePort rules ({rules} changed)"
+        );
+    }
     Ok(())
 }

@@ -62,7 +62,8 @@ struct steer_config {
 #define CFG_STEER_VLAN (1u << 0) /* look inside one 802.1Q/802.1ad tag */
 /* kxp's service device: everything on it was routed there by the node for kxp; what
  * kxp does not take (no rule matched, or no socket) is dropped, never handed back to
- * the kernel, which would route it into the device again. */
+ * the kernel, which would route it into the device again -- unless it is for a node
+ * address, which the kernel delivers. */
 #define CFG_SERVICE_DEVICE (1u << 1)
 
 /* stats indices (PERCPU_ARRAY of u64); seen == redirected + passed */
@@ -409,7 +410,11 @@ int kxp_steer(struct xdp_md *ctx)
 	}
 	count(ST_NO_SOCKET);
 pass:
-	if (cfg && (cfg->flags & CFG_SERVICE_DEVICE))
+	/* On the service device only a packet for a node address goes to the kernel (the
+	 * node's own connection to a port of its own that is no NodePort: delivered
+	 * locally); the rest would be routed back into the device. */
+	if (cfg && (cfg->flags & CFG_SERVICE_DEVICE) &&
+	    !bpf_map_lookup_elem(&local_addrs, t.dst.addr))
 		return XDP_DROP;
 	count(ST_PASSED);
 	return XDP_PASS;

@@ -122,6 +122,8 @@ struct Programming {
     service: Option<Steering>,
     /// Routes of Service addresses into the service device.
     routes: Option<crate::servicedev::Routes>,
+    /// Policy rules for the node's own connections to its NodePorts.
+    nodeport_rules: Option<crate::servicedev::NodePortRules>,
     /// What the XDP maps must hold, counted per Service port (to apply updates by
     /// difference, and to fill the maps of an interface attached later).
     wanted: Wanted,
@@ -248,6 +250,8 @@ struct Wanted {
     /// Service addresses the node's own connections are routed to kxp for (ClusterIPs,
     /// externalIPs, LoadBalancer IPs).
     routed: Counted<IpAddr>,
+    /// (IP protocol number, NodePort) of every NodePort.
+    node_ports: Counted<(u8, u16)>,
     udp: Counted<SocketAddr>,
     /// The addresses NodePorts were expanded with (sorted).
     np_addrs: Vec<IpAddr>,
@@ -273,6 +277,7 @@ impl Wanted {
             self.routed.bump(ip, by);
         }
         if sp.node_port != 0 {
+            self.node_ports.bump((proto.number(), sp.node_port), by);
             for i in 0..self.np_addrs.len() {
                 let ip = self.np_addrs[i];
                 if ip.is_ipv4() == sp.cluster_ip.is_ipv4() {
@@ -298,6 +303,7 @@ impl Wanted {
         self.endpoints.touched.clear();
         self.cluster_ips.touched.clear();
         self.routed.touched.clear();
+        self.node_ports.touched.clear();
         self.udp.touched.clear();
     }
 }
@@ -431,6 +437,8 @@ impl Dataplane {
         service_prog.set_snat_range(lo, hi)?;
         service_prog.set_service_device()?;
         let routes = crate::servicedev::Routes::new(&service.host, service.host_ifindex)?;
+        let nodeport_rules =
+            crate::servicedev::NodePortRules::new(&service.host, service.host_ifindex)?;
 
         let mut workers = Vec::new();
         for (id, (rx, snat)) in rxs.into_iter().zip(ranges).enumerate() {
@@ -462,6 +470,7 @@ impl Dataplane {
                 needs_full: true,
                 service: Some(service_prog),
                 routes: Some(routes),
+                nodeport_rules: Some(nodeport_rules),
                 ..Programming::default()
             }),
             patterns: cfg.interfaces.clone(),
@@ -662,6 +671,9 @@ impl Dataplane {
             }
             if let Some(mut routes) = prog.routes.take() {
                 let _ = routes.sync(&HashSet::new());
+            }
+            if let Some(mut rules) = prog.nodeport_rules.take() {
+                rules.clear();
             }
         }
         self.shared.stop.store(true, Ordering::Relaxed);
@@ -912,6 +924,7 @@ impl Programming {
             let (ea, er) = self.wanted.endpoints.changes();
             let (ca, cr) = self.wanted.cluster_ips.changes();
             let _ = self.wanted.routed.changes();
+            let _ = self.wanted.node_ports.changes();
             for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
                 note(s.change_frontends(&fa, &fr));
                 note(s.change_endpoints(&ea, &er));
@@ -929,6 +942,17 @@ impl Programming {
                 && let Err(e) = routes.sync(&want)
             {
                 route_err = Some(DataplaneError::from(e));
+            }
+        }
+        if let Some(rules) = &mut self.nodeport_rules {
+            let ports: Vec<(u8, u16)> = self.wanted.node_ports.keys().copied().collect();
+            let addrs: Vec<IpAddr> = if ports.is_empty() {
+                Vec::new()
+            } else {
+                self.wanted.np_addrs.clone()
+            };
+            if let Err(e) = rules.sync(&addrs, &ports) {
+                route_err.get_or_insert(DataplaneError::from(e));
             }
         }
         self.wanted.local = local;

@@ -179,6 +179,15 @@ impl ServiceDevice {
                 .map_err(netlink_err("bring up", host))?;
             Ok((host_ifindex, dp_ifindex))
         })?;
+        // The node's own connections to its NodePorts come back to it through the pair
+        // with a node address as source: accept them (`accept_local`) on both ends,
+        // kxp's own devices.
+        for dev in [host, dp.as_str()] {
+            let path = format!("/proc/sys/net/ipv4/conf/{dev}/accept_local");
+            if let Err(e) = std::fs::write(&path, "1") {
+                tracing::warn!(%path, error = %e, "cannot set; the node's own connections to its NodePorts will fail");
+            }
+        }
         Ok(ServiceDevice {
             host_mac: mac_of(host),
             dp_mac: mac_of(&dp),
@@ -333,4 +342,317 @@ pub fn wanted_routes(
         }
     }
     out
+}
+
+/// The routing table kxp's NodePort rules look up (`ip route show table 201`).
+pub const NODEPORT_TABLE: u32 = 201;
+
+/// The node's own connections to a NodePort on one of its addresses. Those are local
+/// destinations, which the kernel's first policy rule (`0: from all lookup local`)
+/// delivers before any route is looked at. So kxp moves that rule to priority 1 (adding
+/// the copy before removing the original, so local delivery never stops) and puts
+/// before it, for locally generated TCP/UDP/SCTP to the NodePorts' port span, a lookup
+/// in table 201, which routes only the NodePort addresses, through the service device.
+/// Anything else falls through to the local table as before. When kxp stops, the
+/// original rule is put back and kxp's are removed; a killed kxp leaves them (local
+/// delivery keeps working through the copy at priority 1) and the next start or
+/// `kxp cleanup` puts things back.
+#[derive(Debug)]
+pub struct NodePortRules {
+    rt: tokio::runtime::Runtime,
+    handle: Handle,
+    dev: String,
+    ifindex: u32,
+    /// What is installed: the addresses routed in table 201 and the rules' port spans.
+    addrs: Vec<IpAddr>,
+    spans: Vec<(AddressFamilyKind, u8, u16, u16)>,
+    /// Families whose local rule kxp moved to priority 1.
+    moved: Vec<AddressFamilyKind>,
+}
+
+/// IPv4 or IPv6, for rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddressFamilyKind {
+    V4,
+    V6,
+}
+
+fn family_of(a: IpAddr) -> AddressFamilyKind {
+    if a.is_ipv4() {
+        AddressFamilyKind::V4
+    } else {
+        AddressFamilyKind::V6
+    }
+}
+
+fn rule_message(
+    family: AddressFamilyKind,
+    pref: u32,
+    table: u32,
+    span: Option<(u8, u16, u16)>,
+) -> rtnetlink::packet_route::rule::RuleMessage {
+    use rtnetlink::packet_route::AddressFamily;
+    use rtnetlink::packet_route::IpProtocol;
+    use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage, RulePortRange};
+    let mut m = RuleMessage::default();
+    m.header.family = match family {
+        AddressFamilyKind::V4 => AddressFamily::Inet,
+        AddressFamilyKind::V6 => AddressFamily::Inet6,
+    };
+    m.header.action = RuleAction::ToTable;
+    m.header.table = if table < 256 { table as u8 } else { 0 };
+    m.attributes.push(RuleAttribute::Priority(pref));
+    m.attributes.push(RuleAttribute::Table(table));
+    if let Some((proto, lo, hi)) = span {
+        m.attributes.push(RuleAttribute::Iifname("lo".into()));
+        m.attributes
+            .push(RuleAttribute::IpProtocol(IpProtocol::from(proto)));
+        m.attributes
+            .push(RuleAttribute::DestinationPortRange(RulePortRange {
+                start: lo,
+                end: hi,
+            }));
+        m.attributes
+            .push(RuleAttribute::Protocol(RouteProtocol::Other(ROUTE_PROTO)));
+    }
+    m
+}
+
+const LOCAL_TABLE: u32 = 255;
+
+impl NodePortRules {
+    /// Rules and routes through `dev` (the host side, index `ifindex`).
+    ///
+    /// # Errors
+    /// Netlink cannot be opened.
+    pub fn new(dev: &str, ifindex: u32) -> Result<NodePortRules, ServiceDeviceError> {
+        let io_err = |op: &'static str| {
+            let name = dev.to_string();
+            move |source: io::Error| ServiceDeviceError::Netlink { op, name, source }
+        };
+        let rt = runtime().map_err(io_err("start a runtime for the NodePort rules of"))?;
+        let handle = rt.block_on(async {
+            let (conn, handle, _) = rtnetlink::new_connection()
+                .map_err(io_err("open netlink for the NodePort rules of"))?;
+            tokio::spawn(conn);
+            Ok::<_, ServiceDeviceError>(handle)
+        })?;
+        Ok(NodePortRules {
+            rt,
+            handle,
+            dev: dev.to_string(),
+            ifindex,
+            addrs: Vec::new(),
+            spans: Vec::new(),
+            moved: Vec::new(),
+        })
+    }
+
+    fn err(&self, op: &'static str, e: impl std::fmt::Display) -> ServiceDeviceError {
+        ServiceDeviceError::Netlink {
+            op,
+            name: self.dev.clone(),
+            source: io::Error::other(e.to_string()),
+        }
+    }
+
+    fn add_rule(
+        &self,
+        m: rtnetlink::packet_route::rule::RuleMessage,
+    ) -> Result<(), rtnetlink::Error> {
+        let mut req = self.handle.rule().add();
+        *req.message_mut() = m;
+        self.rt.block_on(req.execute())
+    }
+
+    fn del_rule(
+        &self,
+        m: rtnetlink::packet_route::rule::RuleMessage,
+    ) -> Result<(), rtnetlink::Error> {
+        self.rt.block_on(self.handle.rule().del(m).execute())
+    }
+
+    fn route(&self, a: IpAddr) -> rtnetlink::packet_route::route::RouteMessage {
+        let b = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(a, if a.is_ipv4() { 32 } else { 128 })
+            .unwrap_or_else(|_| RouteMessageBuilder::<IpAddr>::new());
+        let b = b
+            .output_interface(self.ifindex)
+            .table_id(NODEPORT_TABLE)
+            .protocol(RouteProtocol::Other(ROUTE_PROTO))
+            .scope(RouteScope::Link);
+        b.pref_source(a)
+            .unwrap_or_else(|_| RouteMessageBuilder::<IpAddr>::new())
+            .build()
+    }
+
+    /// Routes `addrs` (the NodePort addresses) and captures the node's own connections
+    /// to the NodePorts `ports` (protocol number, port) on them. By difference.
+    ///
+    /// # Errors
+    /// What netlink answered; the previous state stays in force for what failed.
+    pub fn sync(
+        &mut self,
+        addrs: &[IpAddr],
+        ports: &[(u8, u16)],
+    ) -> Result<(), ServiceDeviceError> {
+        let mut spans: Vec<(AddressFamilyKind, u8, u16, u16)> = Vec::new();
+        for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
+            if !addrs.iter().any(|&a| family_of(a) == fam) {
+                continue;
+            }
+            for proto in [6u8, 17, 132] {
+                let ps = ports.iter().filter(|(p, _)| *p == proto).map(|(_, n)| *n);
+                if let (Some(lo), Some(hi)) = (ps.clone().min(), ps.max()) {
+                    spans.push((fam, proto, lo, hi));
+                }
+            }
+        }
+        let mut want_addrs = addrs.to_vec();
+        want_addrs.sort();
+        want_addrs.dedup();
+        if spans == self.spans && want_addrs == self.addrs {
+            return Ok(());
+        }
+        // Routes first, so that a rule never points at an empty table.
+        for &a in want_addrs.iter().filter(|a| !self.addrs.contains(a)) {
+            let r = self
+                .rt
+                .block_on(self.handle.route().add(self.route(a)).replace().execute());
+            r.map_err(|e| self.err("route a NodePort address through", format!("{a}: {e}")))?;
+        }
+        for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
+            let needed = spans.iter().any(|s| s.0 == fam);
+            if needed && !self.moved.contains(&fam) {
+                // The copy first: local delivery never stops.
+                match self.add_rule(rule_message(fam, 1, LOCAL_TABLE, None)) {
+                    Ok(()) => {}
+                    Err(e) if e.to_string().contains("File exists") => {}
+                    Err(e) => return Err(self.err("add the local rule at priority 1 for", e)),
+                }
+                self.moved.push(fam);
+            }
+        }
+        for s in spans.iter().filter(|s| !self.spans.contains(s)) {
+            if let Err(e) =
+                self.add_rule(rule_message(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3))))
+            {
+                if !e.to_string().contains("File exists") {
+                    return Err(self.err("add a NodePort rule for", e));
+                }
+            }
+        }
+        let old: Vec<_> = self
+            .spans
+            .iter()
+            .copied()
+            .filter(|s| !spans.contains(s))
+            .collect();
+        for s in old {
+            let _ = self.del_rule(rule_message(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3))));
+        }
+        // Now that kxp's rules come first, the original local rule goes.
+        for &fam in &self.moved {
+            let _ = self.del_rule(rule_message(fam, 0, LOCAL_TABLE, None));
+        }
+        for &a in self.addrs.iter().filter(|a| !want_addrs.contains(a)) {
+            let _ = self
+                .rt
+                .block_on(self.handle.route().del(self.route(a)).execute());
+        }
+        self.spans = spans;
+        self.addrs = want_addrs;
+        Ok(())
+    }
+
+    /// Puts the local rule back at priority 0 and removes kxp's rules and routes.
+    pub fn clear(&mut self) {
+        for &fam in &self.moved {
+            let _ = self.add_rule(rule_message(fam, 0, LOCAL_TABLE, None));
+        }
+        for s in std::mem::take(&mut self.spans) {
+            let _ = self.del_rule(rule_message(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3))));
+        }
+        for fam in std::mem::take(&mut self.moved) {
+            let _ = self.del_rule(rule_message(fam, 1, LOCAL_TABLE, None));
+        }
+        for a in std::mem::take(&mut self.addrs) {
+            let _ = self
+                .rt
+                .block_on(self.handle.route().del(self.route(a)).execute());
+        }
+    }
+}
+
+impl Drop for NodePortRules {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// What a killed kxp left in the policy rules: its NodePort rules (table 201) are
+/// removed and the local rule is put back at priority 0 (its copy at 1 removed).
+/// Returns how many rules were changed.
+///
+/// # Errors
+/// What netlink answered.
+pub fn cleanup_rules() -> Result<usize, ServiceDeviceError> {
+    use rtnetlink::IpVersion;
+    use rtnetlink::packet_route::rule::RuleAttribute;
+    with_handle("kxp0", async |h| {
+        let mut changed = 0;
+        for (ver, fam) in [
+            (IpVersion::V4, AddressFamilyKind::V4),
+            (IpVersion::V6, AddressFamilyKind::V6),
+        ] {
+            let rules: Vec<_> = h
+                .rule()
+                .get(ver)
+                .execute()
+                .try_collect()
+                .await
+                .map_err(netlink_err("list the policy rules of", "kxp0"))?;
+            let table = |m: &rtnetlink::packet_route::rule::RuleMessage| {
+                m.attributes
+                    .iter()
+                    .find_map(|a| match a {
+                        RuleAttribute::Table(t) => Some(*t),
+                        _ => None,
+                    })
+                    .unwrap_or(u32::from(m.header.table))
+            };
+            let pref = |m: &rtnetlink::packet_route::rule::RuleMessage| {
+                m.attributes
+                    .iter()
+                    .find_map(|a| match a {
+                        RuleAttribute::Priority(p) => Some(*p),
+                        _ => None,
+                    })
+                    .unwrap_or(0)
+            };
+            let mut local_at_0 = rules
+                .iter()
+                .any(|m| table(m) == LOCAL_TABLE && pref(m) == 0);
+            let local_at_1 = rules
+                .iter()
+                .any(|m| table(m) == LOCAL_TABLE && pref(m) == 1);
+            if !local_at_0 && local_at_1 {
+                let mut req = h.rule().add();
+                *req.message_mut() = rule_message(fam, 0, LOCAL_TABLE, None);
+                req.execute()
+                    .await
+                    .map_err(netlink_err("restore the local rule of", "kxp0"))?;
+                local_at_0 = true;
+                changed += 1;
+            }
+            for m in rules {
+                let ours = table(&m) == NODEPORT_TABLE;
+                let copy = local_at_0 && table(&m) == LOCAL_TABLE && pref(&m) == 1;
+                if (ours || copy) && h.rule().del(m).execute().await.is_ok() {
+                    changed += 1;
+                }
+            }
+        }
+        Ok(changed)
+    })
 }

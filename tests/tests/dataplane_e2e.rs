@@ -646,6 +646,15 @@ fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
     let links = in_ns(&lab.node, &["ip", "-d", "link", "show"]).unwrap();
     let text = String::from_utf8_lossy(&links.stdout);
     assert!(!text.contains("prog/xdp"), "{text}");
+    // Nor its service device, routes or policy rules: the local rule is back at 0.
+    assert!(!text.contains("kxp0"), "{text}");
+    let rules = in_ns(&lab.node, &["ip", "rule", "show"]).unwrap();
+    let rules = String::from_utf8_lossy(&rules.stdout).into_owned();
+    assert!(rules.starts_with("0:\tfrom all lookup local"), "{rules}");
+    assert!(!rules.contains("lookup 201"), "{rules}");
+    let routes = in_ns(&lab.node, &["ip", "route", "show", "table", "all"]).unwrap();
+    let routes = String::from_utf8_lossy(&routes.stdout).into_owned();
+    assert!(!routes.contains("proto 201"), "{routes}");
     lab.kxp = None;
 }
 
@@ -1329,6 +1338,52 @@ fn the_nodes_own_connections_to_a_cluster_ip_are_translated() {
         "{}",
         lab.log()
     );
+
+    // A NodePort on one of the node's own addresses: a local destination, delivered by
+    // the kernel's first policy rule unless kxp's rules catch it first.
+    let np: SocketAddr = "198.18.1.1:30080".parse().unwrap();
+    let answers = lab.in_ns(&node, move || {
+        (0..30)
+            .map(|_| http_get(np, Duration::from_secs(3)).map_err(|e| e.to_string()))
+            .collect::<Vec<_>>()
+    });
+    let served = answers
+        .iter()
+        .filter(|a| matches!(a, Ok(b) if b.starts_with("web-")))
+        .count();
+    assert_eq!(served, 30, "{answers:?}\n{}", lab.log());
+    // A port of the node's own that is no NodePort still reaches the node's listener.
+    let own = lab.in_ns(&node, || {
+        let l = std::net::TcpListener::bind("198.18.1.1:30999").unwrap();
+        let t = std::thread::spawn(move || l.accept().map(|_| ()));
+        let c = TcpStream::connect_timeout(
+            &"198.18.1.1:30999".parse().unwrap(),
+            Duration::from_secs(2),
+        );
+        (c.is_ok(), t.join().unwrap().is_ok())
+    });
+    assert_eq!(own, (true, true), "{}", lab.log());
+}
+
+#[test]
+fn the_nodes_own_connections_to_an_external_ip_are_translated() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe21",
+        extra_spec: "  externalIPs: [198.18.9.9]\n",
+        ..Default::default()
+    });
+    let node = lab.node.clone();
+    let ext: SocketAddr = "198.18.9.9:80".parse().unwrap();
+    let answers = lab.in_ns(&node, move || {
+        (0..20)
+            .map(|_| http_get(ext, Duration::from_secs(3)).map_err(|e| e.to_string()))
+            .collect::<Vec<_>>()
+    });
+    let served = answers
+        .iter()
+        .filter(|a| matches!(a, Ok(b) if b.starts_with("web-")))
+        .count();
+    assert_eq!(served, 20, "{answers:?}\n{}", lab.log());
 }
 
 #[test]
