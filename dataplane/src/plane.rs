@@ -122,8 +122,11 @@ struct Programming {
     service: Option<Steering>,
     /// Routes of Service addresses into the service device.
     routes: Option<crate::servicedev::Routes>,
-    /// Policy rules for the node's own connections to its NodePorts.
+    /// Policy rules for the node's own connections to its NodePorts and for masqueraded
+    /// answers arriving by interfaces kxp is not attached to.
     nodeport_rules: Option<crate::servicedev::NodePortRules>,
+    /// The SNAT port range.
+    snat: (u16, u16),
     /// What the XDP maps must hold, counted per Service port (to apply updates by
     /// difference, and to fill the maps of an interface attached later).
     wanted: Wanted,
@@ -344,6 +347,8 @@ pub struct Totals {
     pub fragmented_out: u64,
     /// "Fragmentation needed" / "packet too big" answers sent.
     pub too_big_icmp: u64,
+    /// Packets handed to the kernel to leave by an interface kxp does not drive.
+    pub to_kernel: u64,
 }
 
 fn rx_queues(ifname: &str) -> Option<usize> {
@@ -471,6 +476,7 @@ impl Dataplane {
                 service: Some(service_prog),
                 routes: Some(routes),
                 nodeport_rules: Some(nodeport_rules),
+                snat: cfg.snat_ports,
                 ..Programming::default()
             }),
             patterns: cfg.interfaces.clone(),
@@ -621,6 +627,7 @@ impl Dataplane {
             t.no_route += g(&s.no_route);
             t.fragmented_out += g(&s.fragmented_out);
             t.too_big_icmp += g(&s.too_big_icmp);
+            t.to_kernel += g(&s.to_kernel);
             *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
             t.passed += g(&s.passed);
             t.forwarded_bytes += g(&s.rx_bytes);
@@ -946,12 +953,10 @@ impl Programming {
         }
         if let Some(rules) = &mut self.nodeport_rules {
             let ports: Vec<(u8, u16)> = self.wanted.node_ports.keys().copied().collect();
-            let addrs: Vec<IpAddr> = if ports.is_empty() {
-                Vec::new()
-            } else {
-                self.wanted.np_addrs.clone()
-            };
-            if let Err(e) = rules.sync(&addrs, &ports) {
+            let mut addrs: Vec<IpAddr> = local.iter().copied().collect();
+            addrs.extend(self.wanted.np_addrs.iter().copied());
+            let snat = (!self.wanted.frontends.counts.is_empty()).then_some(self.snat);
+            if let Err(e) = rules.sync(&addrs, &ports, snat) {
                 route_err.get_or_insert(DataplaneError::from(e));
             }
         }

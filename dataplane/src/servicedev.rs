@@ -329,6 +329,13 @@ impl Routes {
     }
 }
 
+fn is_link_local(a: IpAddr) -> bool {
+    match a {
+        IpAddr::V4(v) => v.is_link_local(),
+        IpAddr::V6(v) => (v.segments()[0] & 0xffc0) == 0xfe80,
+    }
+}
+
 /// The prefixes to route into the service device: the Service CIDRs, and the addresses
 /// none of them covers.
 pub fn wanted_routes(
@@ -365,9 +372,17 @@ pub struct NodePortRules {
     ifindex: u32,
     /// What is installed: the addresses routed in table 201 and the rules' port spans.
     addrs: Vec<IpAddr>,
-    spans: Vec<(AddressFamilyKind, u8, u16, u16)>,
+    spans: Vec<Span>,
     /// Families whose local rule kxp moved to priority 1.
     moved: Vec<AddressFamilyKind>,
+}
+
+/// One rule: family, protocol, port span, and whether it is for the node's own
+/// (locally generated) packets only.
+type Span = (AddressFamilyKind, u8, u16, u16, bool);
+
+fn span_rule(s: &Span) -> rtnetlink::packet_route::rule::RuleMessage {
+    rule_message_iif(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3)), s.4)
 }
 
 /// IPv4 or IPv6, for rules.
@@ -385,11 +400,23 @@ fn family_of(a: IpAddr) -> AddressFamilyKind {
     }
 }
 
+/// A rule `pref: [iif lo] ipproto P dport LO-HI lookup TABLE proto 201`, or without a
+/// span `pref: lookup TABLE`.
 fn rule_message(
     family: AddressFamilyKind,
     pref: u32,
     table: u32,
     span: Option<(u8, u16, u16)>,
+) -> rtnetlink::packet_route::rule::RuleMessage {
+    rule_message_iif(family, pref, table, span, true)
+}
+
+fn rule_message_iif(
+    family: AddressFamilyKind,
+    pref: u32,
+    table: u32,
+    span: Option<(u8, u16, u16)>,
+    local_only: bool,
 ) -> rtnetlink::packet_route::rule::RuleMessage {
     use rtnetlink::packet_route::AddressFamily;
     use rtnetlink::packet_route::IpProtocol;
@@ -404,7 +431,9 @@ fn rule_message(
     m.attributes.push(RuleAttribute::Priority(pref));
     m.attributes.push(RuleAttribute::Table(table));
     if let Some((proto, lo, hi)) = span {
-        m.attributes.push(RuleAttribute::Iifname("lo".into()));
+        if local_only {
+            m.attributes.push(RuleAttribute::Iifname("lo".into()));
+        }
         m.attributes
             .push(RuleAttribute::IpProtocol(IpProtocol::from(proto)));
         m.attributes
@@ -486,8 +515,11 @@ impl NodePortRules {
             .build()
     }
 
-    /// Routes `addrs` (the NodePort addresses) and captures the node's own connections
-    /// to the NodePorts `ports` (protocol number, port) on them. By difference.
+    /// Routes `addrs` (the node's addresses) through the service device in table 201,
+    /// and looks that table up for the node's own connections to the NodePorts `ports`
+    /// (protocol number, port) and for any packet to the SNAT port range `snat` (answers
+    /// of masqueraded flows that reach the node by an interface kxp is not attached to,
+    /// such as an overlay device). By difference.
     ///
     /// # Errors
     /// What netlink answered; the previous state stays in force for what failed.
@@ -495,22 +527,34 @@ impl NodePortRules {
         &mut self,
         addrs: &[IpAddr],
         ports: &[(u8, u16)],
+        snat: Option<(u16, u16)>,
     ) -> Result<(), ServiceDeviceError> {
-        let mut spans: Vec<(AddressFamilyKind, u8, u16, u16)> = Vec::new();
+        let mut want_addrs: Vec<IpAddr> = addrs
+            .iter()
+            .copied()
+            .filter(|a| !a.is_loopback() && !is_link_local(*a))
+            .collect();
+        want_addrs.sort();
+        want_addrs.dedup();
+        let mut spans: Vec<Span> = Vec::new();
         for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
-            if !addrs.iter().any(|&a| family_of(a) == fam) {
+            if !want_addrs.iter().any(|&a| family_of(a) == fam) {
                 continue;
             }
             for proto in [6u8, 17, 132] {
                 let ps = ports.iter().filter(|(p, _)| *p == proto).map(|(_, n)| *n);
                 if let (Some(lo), Some(hi)) = (ps.clone().min(), ps.max()) {
-                    spans.push((fam, proto, lo, hi));
+                    spans.push((fam, proto, lo, hi, true));
+                }
+                // The kernel refuses a rule port range ending at 65535 (`end < 0xffff`):
+                // an answer to SNAT port 65535 by an unattached interface is not caught.
+                if let Some((lo, hi)) = snat
+                    && lo <= hi.min(65_534)
+                {
+                    spans.push((fam, proto, lo, hi.min(65_534), false));
                 }
             }
         }
-        let mut want_addrs = addrs.to_vec();
-        want_addrs.sort();
-        want_addrs.dedup();
         if spans == self.spans && want_addrs == self.addrs {
             return Ok(());
         }
@@ -519,7 +563,7 @@ impl NodePortRules {
             let r = self
                 .rt
                 .block_on(self.handle.route().add(self.route(a)).replace().execute());
-            r.map_err(|e| self.err("route a NodePort address through", format!("{a}: {e}")))?;
+            r.map_err(|e| self.err("route a node address through", format!("{a}: {e}")))?;
         }
         for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
             let needed = spans.iter().any(|s| s.0 == fam);
@@ -534,22 +578,20 @@ impl NodePortRules {
             }
         }
         for s in spans.iter().filter(|s| !self.spans.contains(s)) {
-            if let Err(e) =
-                self.add_rule(rule_message(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3))))
+            if let Err(e) = self.add_rule(span_rule(s))
+                && !e.to_string().contains("File exists")
             {
-                if !e.to_string().contains("File exists") {
-                    return Err(self.err("add a NodePort rule for", e));
-                }
+                return Err(self.err("add a policy rule for", e));
             }
         }
-        let old: Vec<_> = self
+        let old: Vec<Span> = self
             .spans
             .iter()
             .copied()
             .filter(|s| !spans.contains(s))
             .collect();
         for s in old {
-            let _ = self.del_rule(rule_message(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3))));
+            let _ = self.del_rule(span_rule(&s));
         }
         // Now that kxp's rules come first, the original local rule goes.
         for &fam in &self.moved {
@@ -571,7 +613,7 @@ impl NodePortRules {
             let _ = self.add_rule(rule_message(fam, 0, LOCAL_TABLE, None));
         }
         for s in std::mem::take(&mut self.spans) {
-            let _ = self.del_rule(rule_message(s.0, 0, NODEPORT_TABLE, Some((s.1, s.2, s.3))));
+            let _ = self.del_rule(span_rule(&s));
         }
         for fam in std::mem::take(&mut self.moved) {
             let _ = self.del_rule(rule_message(fam, 1, LOCAL_TABLE, None));

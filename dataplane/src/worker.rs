@@ -98,6 +98,9 @@ pub struct WorkerStats {
     pub fragmented_out: AtomicU64,
     pub too_big_icmp: AtomicU64,
     pub too_big_dropped: AtomicU64,
+    /// Packets handed to the kernel (through the service device) to leave by an
+    /// interface kxp does not drive.
+    pub to_kernel: AtomicU64,
     pub conntrack_entries: AtomicU64,
     pub conntrack_evictions: AtomicU64,
     pub conntrack_inserts: AtomicU64,
@@ -151,6 +154,10 @@ pub struct Worker {
     ports_changed: bool,
     /// How to hand a packet to the node's own stack (kxp's service device).
     pub local_delivery: Option<LocalDelivery>,
+    /// Packets waiting for their next hop's MAC (destination, since when).
+    waiting: std::collections::VecDeque<(Frame, IpAddr, u64)>,
+    /// The loop's clock, for `waiting`.
+    now: u64,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
     pub busy_poll: bool,
     local: Local,
@@ -180,6 +187,7 @@ struct Local {
     fragmented_out: u64,
     too_big_icmp: u64,
     too_big_dropped: u64,
+    to_kernel: u64,
 }
 
 struct FibSource<'a>(&'a FibView);
@@ -220,6 +228,8 @@ impl Worker {
             port_names,
             ports_changed: false,
             local_delivery: None,
+            waiting: std::collections::VecDeque::new(),
+            now: 0,
             busy_poll: false,
             local: Local::default(),
         }
@@ -243,6 +253,10 @@ impl Worker {
         while !self.shared.stop.load(Ordering::Relaxed) {
             let snap = self.shared.snapshot.load();
             let now = monotonic_ns(start);
+            self.now = now;
+            if !self.waiting.is_empty() {
+                self.retry_waiting();
+            }
             let mut work = 0usize;
 
             while let Ok(cmd) = self.commands.try_recv() {
@@ -303,7 +317,11 @@ impl Worker {
                 idle = idle.saturating_add(1);
                 if idle > 64 {
                     // Back off: 1 ms, doubling to 16 ms; an arriving packet wakes us.
-                    let ms = 1i32 << ((idle - 64) / 64).min(4);
+                    let ms = if self.waiting.is_empty() {
+                        1i32 << ((idle - 64) / 64).min(4)
+                    } else {
+                        1 // a neighbour being resolved: look again soon
+                    };
                     crate::sys::poll_readable(&fds, ms);
                 } else {
                     std::hint::spin_loop();
@@ -331,6 +349,7 @@ impl Worker {
             (&s.fragmented_out, l.fragmented_out),
             (&s.too_big_icmp, l.too_big_icmp),
             (&s.too_big_dropped, l.too_big_dropped),
+            (&s.to_kernel, l.to_kernel),
         ] {
             a.store(v, Ordering::Relaxed);
         }
@@ -713,9 +732,26 @@ impl Worker {
                 frame[6..12].copy_from_slice(&d.src_mac);
                 self.transmit(f, d.ifindex);
             }
+            // Out of an interface kxp does not drive (an overlay device, a link that did
+            // not match): the kernel sends it, handed over through the service device
+            // (it routes the packet again and decrements the TTL once more).
+            Route::NotAttached { .. } if self.local_delivery.is_some() => {
+                let Some(d) = self.local_delivery else { return };
+                let frame = self.io.bytes(&mut f);
+                frame[..6].copy_from_slice(&d.dst_mac);
+                frame[6..12].copy_from_slice(&d.src_mac);
+                self.local.to_kernel += 1;
+                self.transmit(f, d.ifindex);
+            }
             Route::Pending => {
-                self.local.neighbour_pending += 1;
-                self.io.recycle(f);
+                // As the kernel queues packets for a neighbour being resolved (unres_qlen),
+                // a few wait here, bounded in number and time; the rest are dropped.
+                if self.waiting.len() < WAITING_MAX {
+                    self.waiting.push_back((f, dst, self.now));
+                } else {
+                    self.local.neighbour_pending += 1;
+                    self.io.recycle(f);
+                }
             }
             _ => {
                 self.local.no_route += 1;
@@ -723,7 +759,40 @@ impl Worker {
             }
         }
     }
+
+    /// Sends the packets that waited for a neighbour whose MAC is now known; drops those
+    /// that waited longer than [`WAITING_NS`] (counted).
+    fn retry_waiting(&mut self) {
+        for _ in 0..self.waiting.len() {
+            let Some((mut f, dst, since)) = self.waiting.pop_front() else {
+                break;
+            };
+            match self.fib.route(dst) {
+                Route::Pending if self.now.saturating_sub(since) < WAITING_NS => {
+                    self.waiting.push_back((f, dst, since));
+                }
+                Route::Pending => {
+                    self.local.neighbour_pending += 1;
+                    self.io.recycle(f);
+                }
+                Route::Forward(nh) => {
+                    let frame = self.io.bytes(&mut f);
+                    frame[..6].copy_from_slice(&nh.dst_mac);
+                    frame[6..12].copy_from_slice(&nh.src_mac);
+                    self.transmit(f, nh.ifindex);
+                }
+                _ => {
+                    self.local.no_route += 1;
+                    self.io.recycle(f);
+                }
+            }
+        }
+    }
 }
+
+/// Packets a worker keeps while their next hop is resolved, and for how long.
+const WAITING_MAX: usize = 256;
+const WAITING_NS: u64 = 1_000_000_000;
 
 /// The worker that owns the flow of `l3` (an IP packet).
 ///

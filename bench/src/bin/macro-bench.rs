@@ -81,6 +81,10 @@ struct Args {
     /// The kxp binary [default: `kxp` next to this program, built with cargo if missing].
     #[arg(long)]
     kxp: Option<PathBuf>,
+    /// An earlier kxp binary, measured as case `kxp-base` in the same run: a change on
+    /// the packet path reports its ratios before and after side by side.
+    #[arg(long)]
+    kxp_baseline: Option<PathBuf>,
     /// Latency probes per second.
     #[arg(long, default_value_t = 1000)]
     probe_rate: u32,
@@ -126,6 +130,7 @@ enum Case {
     Plain,
     Nft,
     Kxp,
+    KxpBase,
     KxpThreaded,
     KxpBusyPoll,
 }
@@ -136,9 +141,12 @@ impl Case {
             "plain" => Case::Plain,
             "nft" => Case::Nft,
             "kxp" => Case::Kxp,
+            "kxp-base" => Case::KxpBase,
             "kxp-threaded" => Case::KxpThreaded,
             "kxp-busypoll" => Case::KxpBusyPoll,
-            o => bail!("unknown case {o:?} (plain, nft, kxp, kxp-threaded, kxp-busypoll)"),
+            o => {
+                bail!("unknown case {o:?} (plain, nft, kxp, kxp-base, kxp-threaded, kxp-busypoll)")
+            }
         })
     }
     fn name(self) -> &'static str {
@@ -146,6 +154,7 @@ impl Case {
             Case::Plain => "plain",
             Case::Nft => "nft",
             Case::Kxp => "kxp",
+            Case::KxpBase => "kxp-base",
             Case::KxpThreaded => "kxp-threaded",
             Case::KxpBusyPoll => "kxp-busypoll",
         }
@@ -155,12 +164,16 @@ impl Case {
             Case::Plain => "plain forwarding, no NAT (RPS: CPU1)",
             Case::Nft => "kube-proxy nftables DNAT, 1 Service, 3 endpoints (RPS: CPU1)",
             Case::Kxp => "kxp, 1 worker on CPU1; veth NAPI where the kernel puts it",
+            Case::KxpBase => "kxp --kxp-baseline binary (before), as kxp",
             Case::KxpThreaded => "kxp, 1 worker on CPU1; threaded veth NAPI pinned to CPU1",
             Case::KxpBusyPoll => "kxp --busy-poll, 1 worker on CPU1; napi_defer_hard_irqs=2",
         }
     }
     fn is_kxp(self) -> bool {
-        matches!(self, Case::Kxp | Case::KxpThreaded | Case::KxpBusyPoll)
+        matches!(
+            self,
+            Case::Kxp | Case::KxpBase | Case::KxpThreaded | Case::KxpBusyPoll
+        )
     }
 }
 
@@ -805,7 +818,7 @@ impl<'a> Router<'a> {
                 in_ns(&lab.router, &["nft", "-f", &f.display().to_string()])
                     .context("loading the kube-proxy ruleset")?;
             }
-            Case::Kxp | Case::KxpThreaded | Case::KxpBusyPoll => {
+            Case::Kxp | Case::KxpBase | Case::KxpThreaded | Case::KxpBusyPoll => {
                 let state = lab.dir.join("state.yaml");
                 let config = lab.dir.join("kube-proxy.yaml");
                 std::fs::write(&state, state_yaml())?;
@@ -1188,6 +1201,7 @@ struct Plan {
     latency: bool,
     busy_poll: String,
     kxp: PathBuf,
+    kxp_base: Option<PathBuf>,
     quiet_wait: f64,
     quiet_pct: f64,
 }
@@ -1377,10 +1391,14 @@ fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
         }
         let mut out = ModeResult::default();
         // Set up per mode: kxp starts afresh (empty connection table, its own totals).
+        let bin = match (case, &plan.kxp_base) {
+            (Case::KxpBase, Some(b)) => b,
+            _ => &plan.kxp,
+        };
         let router = match Router::setup(
             lab,
             case,
-            &plan.kxp,
+            bin,
             &plan.busy_poll,
             &format!("{}-{}", case.name(), mode.name()),
         ) {
@@ -1670,6 +1688,9 @@ fn real_main() -> anyhow::Result<()> {
     // and the setting stays on the device): the threaded case runs last so that it
     // does not leak into the others.
     cases.sort_by_key(|c| *c == Case::KxpThreaded);
+    if cases.contains(&Case::KxpBase) && args.kxp_baseline.is_none() {
+        bail!("case kxp-base measures an earlier binary: give --kxp-baseline PATH");
+    }
     let modes: Vec<Mode> = args
         .modes
         .iter()
@@ -1712,6 +1733,7 @@ fn real_main() -> anyhow::Result<()> {
         latency: !args.no_latency,
         busy_poll: args.busy_poll.clone(),
         kxp,
+        kxp_base: args.kxp_baseline.clone(),
         quiet_wait: args
             .quiet_wait
             .unwrap_or(if args.quick { 0.0 } else { 30.0 }),
