@@ -162,6 +162,9 @@ struct LinkCtl {
     fib: Arc<FibMirror>,
     /// Names never attached as pod interfaces (kxp's service device).
     reserved: Vec<String>,
+    /// AF_XDP multi-buffer is on; the largest MTU a single frame holds.
+    multi_buffer: bool,
+    frame_mtu: usize,
 }
 
 /// With preferred busy polling the device must defer its interrupts so that the worker's
@@ -351,6 +354,24 @@ pub struct Totals {
     pub to_kernel: u64,
 }
 
+/// The links of this namespace whose names match `patterns`, with their MTUs.
+fn matching_links(patterns: &[String]) -> Vec<(String, usize)> {
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| patterns.iter().any(|p| crate::ifmatch::matches(p, n)))
+        .map(|n| {
+            let mtu = std::fs::read_to_string(format!("/sys/class/net/{n}/mtu"))
+                .ok()
+                .and_then(|m| m.trim().parse().ok())
+                .unwrap_or(1500);
+            (n, mtu)
+        })
+        .collect()
+}
+
 fn rx_queues(ifname: &str) -> Option<usize> {
     let dir = std::fs::read_dir(format!("/sys/class/net/{ifname}/queues")).ok()?;
     Some(
@@ -413,6 +434,18 @@ impl Dataplane {
         let ranges = SnatPorts::split(lo..=hi, cfg.workers)
             .map_err(|e| DataplaneError::Config(format!("SNAT port range {lo}-{hi}: {e}")))?;
 
+        // Multi-buffer costs on every packet in copy mode: on only when an interface that
+        // matches has an MTU larger than a UMEM frame holds (or when asked).
+        let mut xsk = cfg.xsk.clone();
+        let frame_mtu = (xsk.frame_size as usize).saturating_sub(256 + 14);
+        let big = matching_links(&cfg.interfaces)
+            .into_iter()
+            .filter(|(_, mtu)| *mtu > frame_mtu)
+            .collect::<Vec<_>>();
+        if !xsk.multi_buffer && !big.is_empty() {
+            tracing::info!(interfaces = ?big, "MTU larger than a frame: AF_XDP multi-buffer on");
+            xsk.multi_buffer = true;
+        }
         let service = ServiceDevice::create(&cfg.service_device, cfg.workers as u32)?;
         let fib = Arc::new(FibMirror::start(&[])?);
         fib.wait_ready(Duration::from_secs(5))?;
@@ -448,7 +481,7 @@ impl Dataplane {
         let mut workers = Vec::new();
         for (id, (rx, snat)) in rxs.into_iter().zip(ranges).enumerate() {
             // The UMEM's own socket goes on the service device (see crate::servicedev).
-            let io = WorkerIo::open(&cfg.xsk, std::slice::from_ref(&service.dp), id as u32)?;
+            let io = WorkerIo::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
             service_prog.set_socket(id as u32, io.fd(0))?;
             let table = conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
                 .map_err(|e| DataplaneError::Conntrack(e.to_string()))?;
@@ -461,7 +494,7 @@ impl Dataplane {
                 shared.clone(),
                 rx,
             );
-            w.busy_poll = cfg.xsk.busy_poll.is_some();
+            w.busy_poll = xsk.busy_poll.is_some();
             w.engine.host_interface = Some(service.dp.clone());
             w.local_delivery = Some(crate::worker::LocalDelivery {
                 ifindex: service.dp_ifindex,
@@ -487,6 +520,8 @@ impl Dataplane {
             shared: shared.clone(),
             fib: fib.clone(),
             reserved: vec![service.host.clone(), service.dp.clone()],
+            multi_buffer: xsk.multi_buffer,
+            frame_mtu,
         });
         let mut dp = Dataplane {
             shared: shared.clone(),
@@ -772,6 +807,19 @@ impl LinkCtl {
     /// Returns the number of sockets.
     fn attach(&self, prog: &mut Programming, link: &LinkInfo) -> Result<usize, DataplaneError> {
         let queues = rx_queues(&link.name).unwrap_or(1).clamp(1, self.workers);
+        if !self.multi_buffer
+            && let Some((_, mtu)) = matching_links(std::slice::from_ref(&link.name)).first()
+            && *mtu > self.frame_mtu
+        {
+            tracing::warn!(
+                interface = %link.name,
+                mtu,
+                "MTU larger than a frame and kxp started without AF_XDP multi-buffer: packets \
+                 larger than {} bytes from it are dropped; restart kxp (it turns multi-buffer \
+                 on when an interface needs it at start)",
+                self.frame_mtu
+            );
+        }
         let mut s = Steering::load_and_attach(&link.name, self.attach)?;
         s.set_snat_range(self.snat.0, self.snat.1)?;
         prog.fill(&mut s)?;

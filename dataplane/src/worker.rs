@@ -495,13 +495,18 @@ impl Worker {
                 return;
             }
         }
-        let attached = self.shared.attached.load();
+        // The interface's name (for interface-based local detection): this worker's
+        // port, or, for a packet handed over from a port it has not, the attached list.
+        let attached;
         let in_name = match self.port_names.get(in_port) {
             Some(n) => Some(n.as_str()),
-            None => attached
-                .iter()
-                .find(|(i, _)| *i == in_ifindex)
-                .map(|(_, n)| n.as_str()),
+            None => {
+                attached = self.shared.attached.load();
+                attached
+                    .iter()
+                    .find(|(i, _)| *i == in_ifindex)
+                    .map(|(_, n)| n.as_str())
+            }
         };
         let frame = self.io.bytes(&mut f);
         let verdict = {
@@ -509,7 +514,6 @@ impl Worker {
             self.engine
                 .process(snap, l3, now, in_name, &FibSource(&self.fib), answer)
         };
-        drop(attached);
         match verdict {
             Verdict::Forward { dst, from, .. } => {
                 if let Some(key) = first_fragment {

@@ -50,16 +50,21 @@ pub struct XskConfig {
     pub copy_mode: bool,
     /// Preferred busy polling: (busy-poll µs, budget).
     pub busy_poll: Option<(u32, u32)>,
+    /// AF_XDP multi-buffer (`XDP_USE_SG`): packets larger than a frame (jumbo MTUs)
+    /// arrive and leave as chains of frames. It costs on every packet in copy mode, so
+    /// it is on only when an interface needs it.
+    pub multi_buffer: bool,
 }
 
 impl Default for XskConfig {
     fn default() -> Self {
         XskConfig {
-            frames: 16_384,
+            frames: 8192,
             frame_size: 2048,
             ring_size: 2048,
             copy_mode: true,
             busy_poll: None,
+            multi_buffer: false,
         }
     }
 }
@@ -109,6 +114,10 @@ struct Port {
     partial: Option<Vec<u8>>,
     /// Frames this port's fill ring holds (given, not yet received back).
     in_fill: usize,
+    /// Descriptors received since the last refill, and the fill depth that traffic
+    /// asks for (decaying): an idle port keeps [`BATCH`] frames, a busy one more.
+    received: usize,
+    demand: usize,
     /// TX ring size (all free = nothing left for the kernel to send).
     tx_size: u32,
 }
@@ -199,7 +208,10 @@ impl WorkerIo {
         // Multi-buffer (XDP_USE_SG): packets larger than a frame (jumbo MTUs) arrive and
         // leave as chains of frames. Set on the UMEM's own socket, every socket sharing
         // the UMEM has it.
-        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP | BindFlags::XDP_USE_SG;
+        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
+        if cfg.multi_buffer {
+            bind |= BindFlags::XDP_USE_SG;
+        }
         bind |= if cfg.copy_mode {
             BindFlags::XDP_COPY
         } else {
@@ -284,6 +296,8 @@ impl WorkerIo {
             tx_pending: Vec::with_capacity(BATCH),
             partial: None,
             in_fill: 0,
+            received: 0,
+            demand: 0,
             tx_size: self.ring_size as u32,
         });
         self.reshare();
@@ -319,11 +333,9 @@ impl WorkerIo {
         true
     }
 
-    /// Shares the UMEM (less the reserve) evenly between the fill rings of the ports
-    /// after the first, which gets [`FIRST_PORT_FILL`] (kxp's own service device, with
-    /// little traffic: frames in an idle port's fill ring are out of use until it
-    /// receives). A port keeps what it was given when there were fewer ports until it
-    /// receives; new ports get the new, smaller share.
+    /// The most a port's fill ring is given: the UMEM (less the reserve and the first
+    /// port's [`FIRST_PORT_FILL`], kxp's own service device) shared evenly between the
+    /// other ports. Within it, each port's depth follows its traffic (`refill`).
     fn reshare(&mut self) {
         let others = self.ports.len().saturating_sub(1).max(1);
         self.fill_target = ((self.frames_total - self.reserve - FIRST_PORT_FILL) / others)
@@ -364,6 +376,7 @@ impl WorkerIo {
         // are owned by userspace from here on, and each is wrapped in exactly one Frame.
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
+        p.received += n;
         let mut packets = 0;
         for i in 0..n {
             let d = self.scratch[i];
@@ -583,12 +596,17 @@ impl WorkerIo {
 
     fn refill(&mut self, port: usize) {
         let share = self.free.len().saturating_sub(self.reserve);
+        let cap = self.fill_target;
+        let p = &mut self.ports[port];
+        // Fill depth follows traffic: frames in an idle port's fill ring are out of use
+        // until it receives, so no port hoards the UMEM that ports attached later need.
+        p.demand = (p.demand - p.demand / 8).max(p.received * 16);
+        p.received = 0;
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            self.fill_target
+            (BATCH + p.demand).min(cap)
         };
-        let p = &mut self.ports[port];
         let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
             return;
