@@ -600,7 +600,7 @@ impl WorkerIo {
         let p = &mut self.ports[port];
         // Fill depth follows traffic: frames in an idle port's fill ring are out of use
         // until it receives, so no port hoards the UMEM that ports attached later need.
-        p.demand = (p.demand - p.demand / 8).max(p.received * 16);
+        p.demand = (p.demand - p.demand / 8).max(p.received * 64);
         p.received = 0;
         let target = if port == 0 {
             FIRST_PORT_FILL
