@@ -1147,14 +1147,34 @@ fn until_served_by(lab: &Lab, who: &str, deadline: Duration) -> (usize, usize) {
 #[test]
 fn pods_whose_veth_appears_later_are_attached_and_forgotten_when_they_go() {
     // kxp is told about patterns, not names: the pods' veths (pod*) do not exist yet.
-    let mut lab = Lab::new(Opts {
+    let lab = Lab::new(Opts {
         prefix: "kxe13",
         interfaces: Some(&["n-client", "n-web*", "pod*"]),
         ..Default::default()
     });
+    late_pods(lab);
+}
+
+#[test]
+fn late_pods_with_two_workers_and_one_queue_veths() {
+    // Two workers on 2-queue links, the pod's veth with the one queue a CNI gives it:
+    // worker 0 receives from it, and transmits to it for worker 1.
+    let lab = Lab::new(Opts {
+        prefix: "kxe23",
+        queues: 2,
+        workers: 2,
+        interfaces: Some(&["n-client", "n-web*", "pod*"]),
+        ..Default::default()
+    });
+    late_pods(lab);
+}
+
+fn late_pods(mut lab: Lab) {
     let node = lab.node.clone();
     for round in 0..2 {
         // A new pod appears (the second time with the same name, a new ifindex).
+        let plugged = Instant::now();
+        let attached_before = lab.log().matches("attached interface=pod4").count();
         let ns = plug_routed_pod(
             &mut lab.topo,
             &node,
@@ -1163,6 +1183,16 @@ fn pods_whose_veth_appears_later_are_attached_and_forgotten_when_they_go() {
             "198.18.3.2",
         );
         let stop = Arc::new(AtomicBool::new(false));
+        while lab.log().matches("attached interface=pod4").count() == attached_before
+            && plugged.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Reported, not asserted (timings belong in benchmarks): `--nocapture` shows it.
+        println!(
+            "round {round}: pod4 attached {:.0} ms after its veth was created",
+            plugged.elapsed().as_secs_f64() * 1e3
+        );
         let server = Backend::start(&ns, "web-4", stop.clone()).unwrap();
         lab.set_endpoints(&["198.18.3.2"], "");
         let (served, failed) = until_served_by(&lab, "web-4", Duration::from_secs(10));

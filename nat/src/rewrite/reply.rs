@@ -335,6 +335,36 @@ mod tests {
     }
 
     #[test]
+    fn too_big_carries_the_mtu_and_comes_from_the_router() {
+        for e in [Endpoints::v4(), Endpoints::v6()] {
+            let t = e.original(Protocol::Udp);
+            let orig = build_tuple(&t, &[7u8; 1400]);
+            let mut out = [PATTERN; 1500];
+            let n = build_icmp_too_big(&orig, 1280, e.router, &mut out).unwrap();
+            let reply = &out[..n];
+            verify_checksums(reply);
+            let err = as_icmp_error(reply);
+            assert_eq!(err.inner(), t, "quotes the packet as sent");
+            assert_eq!((err.src(), err.dst()), (e.router, t.src));
+            let icmp = &reply[err.l4_offset()..];
+            if e.client.is_ipv4() {
+                // Type 3 code 4, next-hop MTU in the second half of the rest of header.
+                assert_eq!((icmp[0], icmp[1]), (3, 4));
+                assert_eq!(u16::from_be_bytes([icmp[6], icmp[7]]), 1280);
+                assert!(n <= 576);
+            } else {
+                // Packet Too Big, the MTU in the whole 32-bit field.
+                assert_eq!((icmp[0], icmp[1]), (2, 0));
+                assert_eq!(
+                    u32::from_be_bytes([icmp[4], icmp[5], icmp[6], icmp[7]]),
+                    1280
+                );
+                assert!(n <= 1280);
+            }
+        }
+    }
+
+    #[test]
     fn port_unreachable_quotes_the_original() {
         for e in [Endpoints::v4(), Endpoints::v6()] {
             for proto in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
