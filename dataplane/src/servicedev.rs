@@ -100,6 +100,21 @@ fn netlink_err(
     }
 }
 
+/// A runtime of its own and a netlink handle on it, for something kept about `dev`.
+fn session(dev: &str) -> Result<(tokio::runtime::Runtime, Handle), ServiceDeviceError> {
+    let io_err = |op: &'static str| {
+        let name = dev.to_string();
+        move |source: io::Error| ServiceDeviceError::Netlink { op, name, source }
+    };
+    let rt = runtime().map_err(io_err("start a netlink runtime for"))?;
+    let handle = rt.block_on(async {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(io_err("open netlink for"))?;
+        tokio::spawn(conn);
+        Ok::<_, ServiceDeviceError>(handle)
+    })?;
+    Ok((rt, handle))
+}
+
 /// Runs `f` with a netlink handle in the calling thread's network namespace.
 fn with_handle<T>(
     name: &str,
@@ -246,17 +261,7 @@ impl Routes {
     /// # Errors
     /// Netlink cannot be opened.
     pub fn new(dev: &str, ifindex: u32) -> Result<Routes, ServiceDeviceError> {
-        let io_err = |op: &'static str| {
-            let name = dev.to_string();
-            move |source: io::Error| ServiceDeviceError::Netlink { op, name, source }
-        };
-        let rt = runtime().map_err(io_err("start a runtime for the routes of"))?;
-        let handle = rt.block_on(async {
-            let (conn, handle, _) =
-                rtnetlink::new_connection().map_err(io_err("open netlink for the routes of"))?;
-            tokio::spawn(conn);
-            Ok::<_, ServiceDeviceError>(handle)
-        })?;
+        let (rt, handle) = session(dev)?;
         Ok(Routes {
             rt,
             handle,
@@ -455,17 +460,7 @@ impl NodePortRules {
     /// # Errors
     /// Netlink cannot be opened.
     pub fn new(dev: &str, ifindex: u32) -> Result<NodePortRules, ServiceDeviceError> {
-        let io_err = |op: &'static str| {
-            let name = dev.to_string();
-            move |source: io::Error| ServiceDeviceError::Netlink { op, name, source }
-        };
-        let rt = runtime().map_err(io_err("start a runtime for the NodePort rules of"))?;
-        let handle = rt.block_on(async {
-            let (conn, handle, _) = rtnetlink::new_connection()
-                .map_err(io_err("open netlink for the NodePort rules of"))?;
-            tokio::spawn(conn);
-            Ok::<_, ServiceDeviceError>(handle)
-        })?;
+        let (rt, handle) = session(dev)?;
         Ok(NodePortRules {
             rt,
             handle,

@@ -324,15 +324,17 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, ParseError> {
     } else {
         icmp::ICMPV4
     };
+    // The first fragment of a fragmented datagram (the others carry no ports).
+    let mut first = None;
     if let Some(frag) = ip.frag {
-        let proto = match Protocol::from_number(ip.proto) {
-            Some(p @ (Protocol::Tcp | Protocol::Udp)) => p,
+        match Protocol::from_number(ip.proto) {
+            Some(Protocol::Tcp | Protocol::Udp) => {}
             // SCTP's CRC covers the whole datagram and cannot be patched from one
             // fragment; ICMP is never a Service's.
             Some(Protocol::Sctp) => return Err(ParseError::Fragment),
             None if ip.proto == icmp_number => return Err(ParseError::Fragment),
             None => return Err(ParseError::UnsupportedProtocol(ip.proto)),
-        };
+        }
         if frag.offset != 0 {
             return Ok(Parsed::Fragment(FragmentPacket {
                 key: FragKey {
@@ -345,32 +347,17 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, ParseError> {
                 ip_len,
             }));
         }
-        if !frag.more {
-            // Offset 0 and no more fragments: a whole datagram (an IPv6 atomic fragment).
-        } else {
-            let seg = l4::parse_first_fragment(&buf[l4_offset..ip_len], proto)?;
-            return Ok(Parsed::Flow(FlowPacket {
-                tuple: Tuple {
-                    src: ip.src,
-                    dst: ip.dst,
-                    sport: seg.sport,
-                    dport: seg.dport,
-                    proto,
-                },
-                tcp_flags: seg.tcp_flags,
-                l4_offset,
-                payload_offset: l4_offset + seg.header_len,
-                payload_len: seg.payload_len,
-                ip_len,
-                frag: Some(frag),
-            }));
-        }
+        // Offset 0 and no more fragments: a whole datagram (an IPv6 atomic fragment).
+        first = frag.more.then_some(frag);
     }
     if ip.proto == icmp_number {
         return icmp::parse(&buf[..ip_len], &ip);
     }
     let proto = Protocol::from_number(ip.proto).ok_or(ParseError::UnsupportedProtocol(ip.proto))?;
-    let seg = l4::parse(&buf[l4_offset..ip_len], proto)?;
+    let seg = match first {
+        Some(_) => l4::parse_first_fragment(&buf[l4_offset..ip_len], proto)?,
+        None => l4::parse(&buf[l4_offset..ip_len], proto)?,
+    };
     Ok(Parsed::Flow(FlowPacket {
         tuple: Tuple {
             src: ip.src,
@@ -384,7 +371,7 @@ pub fn parse(buf: &[u8]) -> Result<Parsed, ParseError> {
         payload_offset: l4_offset + seg.header_len,
         payload_len: seg.payload_len,
         ip_len,
-        frag: None,
+        frag: first,
     }))
 }
 
