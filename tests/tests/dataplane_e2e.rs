@@ -1653,3 +1653,106 @@ fn an_endpoint_behind_an_interface_kxp_does_not_drive_is_reached_through_the_ker
         "masqueraded: {peers:?}"
     );
 }
+
+/// `V6_STATE` plus a UDP port 9 -> 9100 on the IPv6 ClusterIP.
+fn v6_state_with_udp() -> String {
+    V6_STATE
+        .replace(
+            "  - {name: http, port: 80, targetPort: 8081, protocol: TCP}\n",
+            "  - {name: http, port: 80, targetPort: 8081, protocol: TCP}\n  - {name: echo, port: 9, targetPort: 9100, protocol: UDP}\n",
+        )
+        .replace(
+            "ports: [{name: http, port: 8081, protocol: TCP}]",
+            "ports: [{name: http, port: 8081, protocol: TCP}, {name: echo, port: 9100, protocol: UDP}]",
+        )
+}
+
+#[test]
+fn ipv6_udp_fragments_both_ways_and_packet_too_big() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe24",
+        ipv6_state: Some(v6_state_with_udp()),
+        ..Default::default()
+    });
+    let vip6: SocketAddr = "[2001:db8:ffff::10]:9".parse().unwrap();
+    // A UDP echo on [::]:9100 in each backend (the demo's servers are IPv4).
+    let stop = lab.stop.clone();
+    for ns in &lab.backends {
+        let stop = stop.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let _ = spawn_in(ns, move || {
+            let s = UdpSocket::bind("[::]:9100").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+            tx.send(()).unwrap();
+            let mut buf = vec![0u8; 65_536];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok((n, peer)) = s.recv_from(&mut buf) {
+                    let _ = s.send_to(&buf[..n], peer);
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    }
+    let echo = move |size: usize, tries: usize| {
+        move || {
+            let s = UdpSocket::bind("[::]:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(700)))
+                .unwrap();
+            let msg: Vec<u8> = (0..size).map(|i| (i * 13) as u8).collect();
+            for attempt in 1..=tries {
+                let _ = s.send_to(&msg, vip6);
+                let mut buf = vec![0u8; 16_384];
+                if let Ok((n, from)) = s.recv_from(&mut buf)
+                    && from == vip6
+                    && buf[..n] == msg[..]
+                {
+                    return Some(attempt);
+                }
+            }
+            None
+        }
+    };
+    // 3,000 bytes from a 1,500-MTU client: fragmented by its stack, both ways (a few
+    // tries: neighbour discovery on fresh IPv6 links can cost the first packets).
+    for _ in 0..10 {
+        let got = lab.in_client(echo(3000, 5));
+        assert!(
+            got.is_some(),
+            "IPv6 fragments through the VIP\n{}",
+            lab.log()
+        );
+    }
+    // The backends' links at 1,280: a 1,400-byte datagram gets "packet too big" from
+    // kxp (IPv6 routers never fragment), the client learns the path MTU and fragments.
+    for (i, ns) in lab.backends.iter().enumerate() {
+        in_ns(
+            &lab.node,
+            &[
+                "ip",
+                "link",
+                "set",
+                &format!("n-web{}", i + 1),
+                "mtu",
+                "1280",
+            ],
+        )
+        .unwrap();
+        in_ns(ns, &["ip", "link", "set", "eth0", "mtu", "1280"]).unwrap();
+    }
+    let got = lab.in_client(echo(1400, 6));
+    assert!(
+        got.is_some(),
+        "IPv6 path-MTU discovery through the VIP\n{}",
+        lab.log()
+    );
+    let route = in_ns(
+        &lab.client,
+        &["ip", "-6", "route", "get", "2001:db8:ffff::10"],
+    )
+    .unwrap();
+    let route = String::from_utf8_lossy(&route.stdout).into_owned();
+    assert!(
+        route.contains("mtu 1280"),
+        "the client learned the path MTU: {route}"
+    );
+}
