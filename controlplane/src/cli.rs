@@ -161,8 +161,9 @@ impl KubeProxyFlags {
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// An interface to attach to (repeat: e.g. the uplink and the pods' veths).
-    #[arg(long = "interface", value_name = "IF", required = false)]
+    /// An interface to attach to, or a shell pattern (`veth*`, `cali*`): links that appear
+    /// later and match are attached then. Repeat: the uplinks and the pods' veths.
+    #[arg(long = "interface", value_name = "IF|PATTERN", required = false)]
     pub interfaces: Vec<String>,
     /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML, watched for changes.
     #[arg(long, value_name = "STATE.yaml", conflicts_with_all = ["kubeconfig", "master"])]
