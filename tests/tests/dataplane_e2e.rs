@@ -1756,3 +1756,57 @@ fn ipv6_udp_fragments_both_ways_and_packet_too_big() {
         "the client learned the path MTU: {route}"
     );
 }
+
+#[test]
+fn an_endpoint_behind_a_vxlan_overlay_is_reached_both_ways() {
+    // As flannel / Calico VXLAN: the endpoint is on another node, reached through a
+    // VXLAN device whose underlay is a veth. kxp attaches to the overlay device by
+    // pattern (generic XDP: vxlan has no native XDP) and to the underlay.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe25",
+        cluster_cidr: "198.18.0.0/16",
+        interfaces: Some(&["n-client", "n-web*", "n-under*", "vxlan*"]),
+        ..Default::default()
+    });
+    let node = lab.node.clone();
+    let remote = lab.topo.add_ns("remote").unwrap();
+    lab.topo
+        .link(
+            (&node, "n-under", "198.18.5.1/24"),
+            (&remote, "eth0", "198.18.5.2/24"),
+        )
+        .unwrap();
+    for (ns, local, peer, addr) in [
+        (&node, "198.18.5.1", "198.18.5.2", "198.18.6.1/24"),
+        (&remote, "198.18.5.2", "198.18.5.1", "198.18.6.2/24"),
+    ] {
+        let dev = if ns == &node { "n-under" } else { "eth0" };
+        for cmd in [
+            vec![
+                "ip", "link", "add", "vxlan42", "type", "vxlan", "id", "42", "local", local,
+                "remote", peer, "dstport", "4789", "dev", dev,
+            ],
+            vec!["ip", "addr", "add", addr, "dev", "vxlan42"],
+            vec!["ip", "link", "set", "vxlan42", "up"],
+        ] {
+            in_ns(ns, &cmd).unwrap();
+        }
+    }
+    in_ns(
+        &remote,
+        &["ip", "route", "add", "default", "via", "198.18.6.1"],
+    )
+    .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = Backend::start(&remote, "web-r", stop.clone()).unwrap();
+    lab.set_endpoints(&["198.18.6.2"], "");
+    // The client is inside the cluster CIDR: not masqueraded, so the endpoint's answer
+    // comes back through the overlay device addressed to the client, and is un-DNATed
+    // there.
+    let (served, failed) = until_served_by(&lab, "web-r", Duration::from_secs(10));
+    assert_eq!(served, 20, "{failed} failed\n{}", lab.log());
+    let (_, peers, _) = lab.http_spread(vip(80), 5);
+    assert!(peers.iter().all(|p| p == "198.18.1.2"), "{peers:?}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join();
+}
