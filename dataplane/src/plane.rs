@@ -354,6 +354,20 @@ pub struct Totals {
     pub to_kernel: u64,
 }
 
+/// A seed for a worker's random endpoint choice from the OS, so that nodes and restarts
+/// do not all draw the same sequence (kube-proxy's `numgen random` is the kernel's
+/// per-boot random too). Falls back to the clock if `/dev/urandom` cannot be read.
+fn os_seed() -> u64 {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    match std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)) {
+        Ok(()) => u64::from_ne_bytes(b),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64),
+    }
+}
+
 /// The links of this namespace whose names match `patterns`, with their MTUs.
 fn matching_links(patterns: &[String]) -> Vec<(String, usize)> {
     let Ok(dir) = std::fs::read_dir("/sys/class/net") else {
@@ -489,7 +503,10 @@ impl Dataplane {
                 id,
                 cfg.cpus.as_ref().map(|c| c[id]),
                 io,
-                Engine::new(table, 0x9E37_79B9_7F4A_7C15 ^ id as u64),
+                Engine::new(
+                    table,
+                    os_seed() ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                ),
                 fib.view(),
                 shared.clone(),
                 rx,
@@ -1017,5 +1034,28 @@ impl Programming {
 impl Drop for Dataplane {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_choice_seeds_come_from_the_os() {
+        // Two draws of 64 random bits are equal once in 2^64: a fixed seed would be.
+        assert_ne!(os_seed(), os_seed());
+    }
+
+    #[test]
+    fn counted_keys_appear_once_and_vanish_with_their_last_claim() {
+        let mut c = Counted::<u32>::default();
+        c.bump(7, 1);
+        c.bump(7, 1);
+        assert_eq!(c.changes(), (vec![7], vec![]));
+        c.bump(7, -1);
+        assert_eq!(c.changes(), (vec![], vec![]));
+        c.bump(7, -1);
+        assert_eq!(c.changes(), (vec![], vec![7]));
     }
 }
