@@ -408,7 +408,12 @@ impl Worker {
                 let _ = reply.send(r);
             }
             Command::RemovePort { ifindex, reply } => {
-                let removed = self.io.remove_port(ifindex);
+                let held: Vec<usize> = self
+                    .waiting
+                    .iter()
+                    .filter_map(|(f, _, _)| self.io.frame_number(f))
+                    .collect();
+                let removed = self.io.remove_port(ifindex, &held);
                 self.ports_changed = true;
                 let _ = reply.send(removed);
             }

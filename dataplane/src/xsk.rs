@@ -144,8 +144,8 @@ pub struct WorkerIo {
     ports: Vec<Port>,
     umem: Umem,
     /// Per frame (address / frame size): the ifindex of the port whose fill or TX ring
-    /// holds it, 0 while userspace owns it, so that a port that goes away gives back the
-    /// frames its rings held.
+    /// it was last put on, so that a port that goes away gives back the frames its
+    /// rings held (see [`WorkerIo::remove_port`]).
     ring_of: Vec<u32>,
     /// Every frame's descriptor as the UMEM handed it out, by frame number.
     all_descs: Vec<FrameDesc>,
@@ -308,10 +308,16 @@ impl WorkerIo {
     }
 
     /// Closes the socket of the port on `ifindex` (its interface went away or no longer
-    /// matches) and takes back every frame its rings held. Returns whether there was one.
+    /// matches) and takes back every frame its rings held. `held` are the frames the
+    /// caller keeps outside this `WorkerIo` ([`WorkerIo::frame_number`]). Returns whether
+    /// there was such a port.
+    ///
+    /// A frame is marked with the port whose fill or TX ring it is put on, and not
+    /// unmarked when it comes back (that would cost a write per packet): the frames of
+    /// the removed port are those marked with it that userspace does not hold now.
     ///
     /// The first port (the UMEM's own socket) is never removed.
-    pub fn remove_port(&mut self, ifindex: u32) -> bool {
+    pub fn remove_port(&mut self, ifindex: u32, held: &[usize]) -> bool {
         let Some(i) = self.ports.iter().position(|p| p.ifindex == ifindex) else {
             return false;
         };
@@ -323,14 +329,38 @@ impl WorkerIo {
         // Closing the socket first: the kernel stops using its rings (copy mode has
         // copied every frame it sent), then what they held is userspace's again.
         drop(p);
+        let mut user = vec![false; self.ring_of.len()];
+        let fs = self.frame_size;
+        let queued = self.ports.iter().flat_map(|p| p.tx_pending.iter());
+        for d in self.free.iter().chain(queued) {
+            if let Some(u) = user.get_mut(Self::frame_no(fs, d)) {
+                *u = true;
+            }
+        }
+        for &n in held {
+            if let Some(u) = user.get_mut(n) {
+                *u = true;
+            }
+        }
         for (n, owner) in self.ring_of.iter_mut().enumerate() {
             if *owner == ifindex {
                 *owner = 0;
-                self.free.push(self.all_descs[n]);
+                if !user[n] {
+                    self.free.push(self.all_descs[n]);
+                }
             }
         }
         self.reshare();
         true
+    }
+
+    /// The UMEM frame number of `f` (`None` for a heap buffer), for
+    /// [`WorkerIo::remove_port`].
+    pub fn frame_number(&self, f: &Frame) -> Option<usize> {
+        match &f.buf {
+            Buf::Umem(d) => Some(Self::frame_no(self.frame_size, d)),
+            Buf::Heap(_) => None,
+        }
     }
 
     /// The most a port's fill ring is given: the UMEM (less the reserve and the first
@@ -380,9 +410,6 @@ impl WorkerIo {
         let mut packets = 0;
         for i in 0..n {
             let d = self.scratch[i];
-            if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
-                *o = 0;
-            }
             let more = d.options() & XDP_PKT_CONTD != 0;
             let p = &mut self.ports[port];
             if p.partial.is_none() && !more {
@@ -584,11 +611,6 @@ impl WorkerIo {
                 if n == 0 {
                     break;
                 }
-                for d in &self.scratch[..n] {
-                    if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
-                        *o = 0;
-                    }
-                }
                 self.free.extend_from_slice(&self.scratch[..n]);
             }
         }
@@ -663,5 +685,42 @@ impl WorkerIo {
     /// All sockets' descriptors (for `poll`).
     pub fn fds(&self) -> Vec<RawFd> {
         (0..self.ports.len()).map(|i| self.fd(i)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lab::Topology;
+
+    #[test]
+    fn a_removed_port_gives_back_every_frame_its_rings_held() {
+        assert!(
+            crate::sys::is_root(),
+            "needs root: it opens AF_XDP sockets in a netns"
+        );
+        let mut topo = Topology::new("kxpq");
+        let ns = topo.add_ns_unique("io").unwrap();
+        let peer = topo.add_ns_unique("peer").unwrap();
+        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
+        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        let (before, during, after) = topo
+            .run_in(&ns, || {
+                let cfg = XskConfig::default();
+                let mut io = WorkerIo::open(&cfg, &["anchor".to_string()], 0).unwrap();
+                let before = io.free_frames();
+                let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+                io.add_port("pod", ifindex).unwrap();
+                io.flush();
+                let during = io.free_frames();
+                assert!(io.remove_port(ifindex, &[]));
+                (before, during, io.free_frames())
+            })
+            .unwrap();
+        assert!(
+            during < before,
+            "the new port's fill ring took frames: {during} / {before}"
+        );
+        assert_eq!(after, before, "every frame of the removed port came back");
     }
 }
