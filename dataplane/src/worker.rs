@@ -648,16 +648,17 @@ impl Worker {
         scratch: &mut [u8],
     ) {
         let len = self.io.bytes(&mut f).len() - ETH_HLEN;
+        let route = self.fib.route(dst);
         // Below IPv4's minimum MTU no link is too small.
         if len > 576
-            && let Route::Forward(nh) = self.fib.route(dst)
+            && let Route::Forward(nh) = route
             && let Some(mtu) = self.fib.mtu(nh.ifindex)
             && len > mtu as usize
         {
             self.too_big(f, mtu, from, scratch);
             return;
         }
-        self.route_out(f, dst);
+        self.send_routed(f, dst, route);
     }
 
     fn too_big(&mut self, mut f: Frame, mtu: u32, from: Option<Tuple>, scratch: &mut [u8]) {
@@ -726,8 +727,14 @@ impl Worker {
         self.route_out(f, from.src);
     }
 
-    fn route_out(&mut self, mut f: Frame, dst: IpAddr) {
-        match self.fib.route(dst) {
+    fn route_out(&mut self, f: Frame, dst: IpAddr) {
+        let route = self.fib.route(dst);
+        self.send_routed(f, dst, route);
+    }
+
+    /// Sends `f` (for `dst`) as `route`, the FIB's answer for it, says.
+    fn send_routed(&mut self, mut f: Frame, dst: IpAddr, route: Route) {
+        match route {
             Route::Forward(nh) => {
                 let frame = self.io.bytes(&mut f);
                 frame[..6].copy_from_slice(&nh.dst_mac);

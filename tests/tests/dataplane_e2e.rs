@@ -1503,21 +1503,7 @@ fn a_packet_too_big_for_the_egress_link_is_fragmented_or_answered_with_its_mtu()
         prefix: "kxe19",
         ..Default::default()
     });
-    for (i, ns) in lab.backends.iter().enumerate() {
-        in_ns(
-            &lab.node,
-            &[
-                "ip",
-                "link",
-                "set",
-                &format!("n-web{}", i + 1),
-                "mtu",
-                "1280",
-            ],
-        )
-        .unwrap();
-        in_ns(ns, &["ip", "link", "set", "eth0", "mtu", "1280"]).unwrap();
-    }
+    set_backend_mtu(&lab, 1280);
     let client = lab.client.clone();
     let set_pmtu_disc = |on: bool| {
         let v = if on { "0" } else { "1" };
@@ -1724,21 +1710,7 @@ fn ipv6_udp_fragments_both_ways_and_packet_too_big() {
     }
     // The backends' links at 1,280: a 1,400-byte datagram gets "packet too big" from
     // kxp (IPv6 routers never fragment), the client learns the path MTU and fragments.
-    for (i, ns) in lab.backends.iter().enumerate() {
-        in_ns(
-            &lab.node,
-            &[
-                "ip",
-                "link",
-                "set",
-                &format!("n-web{}", i + 1),
-                "mtu",
-                "1280",
-            ],
-        )
-        .unwrap();
-        in_ns(ns, &["ip", "link", "set", "eth0", "mtu", "1280"]).unwrap();
-    }
+    set_backend_mtu(&lab, 1280);
     let got = lab.in_client(echo(1400, 6));
     assert!(
         got.is_some(),
@@ -1809,4 +1781,14 @@ fn an_endpoint_behind_a_vxlan_overlay_is_reached_both_ways() {
     assert!(peers.iter().all(|p| p == "198.18.1.2"), "{peers:?}");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     server.join();
+}
+
+/// Sets the MTU of the backends' links, both ends.
+fn set_backend_mtu(lab: &Lab, mtu: u32) {
+    let mtu = mtu.to_string();
+    for (i, ns) in lab.backends.iter().enumerate() {
+        let dev = format!("n-web{}", i + 1);
+        in_ns(&lab.node, &["ip", "link", "set", &dev, "mtu", &mtu]).unwrap();
+        in_ns(ns, &["ip", "link", "set", "eth0", "mtu", &mtu]).unwrap();
+    }
 }

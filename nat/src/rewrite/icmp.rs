@@ -127,13 +127,7 @@ pub fn rewrite_icmp_error(
             Some(outer_dst),
         ],
     )?;
-    let have = buf.len();
-    let buf = buf
-        .get_mut(..pkt.ip_len)
-        .ok_or(RewriteError::BufferTooShort {
-            need: pkt.ip_len,
-            have,
-        })?;
+    let buf = super::translate::parsed_bytes(buf, pkt.ip_len)?;
 
     let (ip, msg) = buf.split_at_mut(pkt.l4_offset);
     let (icmp, quote) = msg.split_at_mut(HEADER_LEN);

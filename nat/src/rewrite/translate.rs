@@ -55,13 +55,7 @@ pub fn rewrite(buf: &mut [u8], pkt: &FlowPacket, to: &Tuple) -> Result<(), Rewri
     }
     let v6 = from.src.is_ipv6();
     check_family(v6, [Some(to.src), Some(to.dst), None, None])?;
-    let have = buf.len();
-    let buf = buf
-        .get_mut(..pkt.ip_len)
-        .ok_or(RewriteError::BufferTooShort {
-            need: pkt.ip_len,
-            have,
-        })?;
+    let buf = parsed_bytes(buf, pkt.ip_len)?;
     let (ip, seg) = buf.split_at_mut(pkt.l4_offset);
     // A fragment's checksum is never partial (the sender's stack completes it before it
     // fragments), and covers bytes other fragments carry: patch it only.
@@ -92,13 +86,7 @@ pub fn rewrite_fragment(
 ) -> Result<(), RewriteError> {
     let v6 = pkt.key.src.is_ipv6();
     check_family(v6, [Some(src), Some(dst), None, None])?;
-    let have = buf.len();
-    let buf = buf
-        .get_mut(..pkt.ip_len)
-        .ok_or(RewriteError::BufferTooShort {
-            need: pkt.ip_len,
-            have,
-        })?;
+    let buf = parsed_bytes(buf, pkt.ip_len)?;
     set_addrs(buf, Some(src), Some(dst), v6);
     Ok(())
 }
@@ -118,6 +106,16 @@ pub fn decrement_ttl(buf: &mut [u8]) -> Result<bool, ParseError> {
         None | Some(4 | 6) => Err(ParseError::Truncated),
         Some(v) => Err(ParseError::BadVersion(v)),
     }
+}
+
+/// The parsed packet's bytes, `buf[..ip_len]` (link padding after it left alone).
+///
+/// # Errors
+/// [`RewriteError::BufferTooShort`] when `buf` is not the buffer that was parsed.
+pub(super) fn parsed_bytes(buf: &mut [u8], ip_len: usize) -> Result<&mut [u8], RewriteError> {
+    let have = buf.len();
+    buf.get_mut(..ip_len)
+        .ok_or(RewriteError::BufferTooShort { need: ip_len, have })
 }
 
 /// Checks that every given address is of the packet's family, before anything is written.
