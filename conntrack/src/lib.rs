@@ -31,15 +31,22 @@
 //! Incremental, by [`ConnTable::expire`] with a budget (see `reclaim`); expired entries
 //! not yet reached are treated as absent by lookups and removed then.
 //!
-//! # SNAT
-//! Each table allocates masquerade ports from its own range ([`SnatPorts`]), so the owner
-//! of a reply can be computed from its destination port.
+//! # SNAT and ownership
+//! Each table allocates masquerade ports that [`flow_owner`] maps back to its worker
+//! ([`SnatPorts`]), so the owner of any packet can be computed from its headers.
+//!
+//! # Per-node state
+//! What kube-proxy keeps once per node is shared by the workers' tables: ClientIP
+//! affinity ([`AffinityTable`], sharded, bounded, expiring) and the flows per endpoint
+//! ([`EndpointLoad`], for the least-connection schedulers).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod affinity;
 mod entry;
 mod frag;
 mod index;
+mod load;
 mod reclaim;
 mod snat;
 mod table;
@@ -50,7 +57,9 @@ mod track;
 pub use entry::{Direction, Entry, FlowState, State};
 pub use frag::{FragStats, FragTable, FragVerdict};
 pub use nat::{Protocol, Tuple};
-pub use snat::{SnatPorts, SnatRangeError};
+pub use affinity::{AffinityStats, AffinityTable};
+pub use load::EndpointLoad;
+pub use snat::{SnatPorts, SnatRangeError, flow_owner};
 pub use table::{CapacityError, ConnTable, Hit, InsertError, Stats};
 pub use tcp::TcpState;
 pub use timeouts::Timeouts;

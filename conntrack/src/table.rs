@@ -16,12 +16,14 @@
 use std::hash::BuildHasher;
 use std::mem::size_of;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use hashbrown::DefaultHashBuilder;
 use nat::{Protocol, Tuple};
 
 use crate::entry::{Direction, Entry, NIL, flag};
 use crate::index::FlowIndex;
+use crate::load::EndpointLoad;
 use crate::snat::SnatPorts;
 use crate::timeouts::{Timeouts, TimeoutsNs};
 use crate::track::{self, Outcome, Update};
@@ -146,6 +148,8 @@ pub struct ConnTable {
     pub(crate) timeouts: TimeoutsNs,
     pub(crate) snat: SnatPorts,
     pub(crate) stats: Stats,
+    /// The node's flows per endpoint, kept up to date by insert and `remove_slot`.
+    pub(crate) load: Option<Arc<EndpointLoad>>,
 }
 
 // Two 40-byte tuples plus 32 bytes of state: keep it so (bytes per entry is benchmarked).
@@ -230,7 +234,17 @@ impl ConnTable {
             timeouts: TimeoutsNs::new(&timeouts),
             snat,
             stats: Stats::default(),
+            load: None,
         })
+    }
+
+    /// Counts this table's flows in `load` from now on (share one load between the
+    /// tables of a node). Flows already held are added to it.
+    pub fn set_load(&mut self, load: Arc<EndpointLoad>) {
+        for e in self.slots.iter().filter(|e| e.is_live()) {
+            load.add(e.reply.src_addr());
+        }
+        self.load = Some(load);
     }
 
     /// Most flows the table holds.
@@ -364,6 +378,9 @@ impl ConnTable {
         self.push_unassured(slot);
         self.len += 1;
         self.stats.inserts += 1;
+        if let Some(load) = &self.load {
+            load.add(reply.src_addr());
+        }
         Ok(&self.slots[slot])
     }
 
@@ -426,7 +443,7 @@ impl ConnTable {
         }
     }
 
-    /// A SNAT source port from this worker's range for a flow to `endpoint` masqueraded
+    /// A SNAT source port of this worker's share of the range for a flow to `endpoint` masqueraded
     /// as `snat_ip`, such that the reply tuple `endpoint -> snat_ip:port` is not held by a
     /// live flow. Insert the flow before allocating again: the port is "taken" only once
     /// the entry exists, and is free again when the entry goes. `None` when no free port
@@ -445,7 +462,7 @@ impl ConnTable {
             snat,
             ..
         } = self;
-        snat.pick(|port| {
+        snat.pick(snat_ip, |port| {
             let reply = Tuple::new(endpoint, SocketAddr::new(snat_ip, port), proto);
             find(index, slots, hash_tuple(hasher, &reply), &reply)
                 .is_some_and(|v| !slots[unpack(v).0].is_expired(now))
@@ -466,6 +483,9 @@ impl ConnTable {
         for dir in [Direction::Original, Direction::Reply] {
             let hash = hash_tuple(&self.hasher, e.tuple(dir));
             self.index.remove(hash, pack(slot, dir));
+        }
+        if let Some(load) = &self.load {
+            load.sub(e.reply.src_addr());
         }
         if !e.is_assured() {
             self.unlink_unassured(slot);

@@ -200,6 +200,11 @@ pub struct KxpSection {
     /// CPUs to pin the workers to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpus: Option<Vec<u32>>,
+    /// Most ClientIP session-affinity entries (client, Service port) the node keeps
+    /// (default 262144); when full, the least recently refreshed client is forgotten and
+    /// counted in `kxp_session_affinity_evictions_total`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_affinity_max_entries: Option<u32>,
 }
 
 /// A Go `time.Duration` string as metav1.Duration writes it (`1h0m0s`, `30s`, `250ms`).

@@ -35,6 +35,10 @@ pub struct DataplaneCounters {
     pub conntrack_entries: u64,
     pub conntrack_inserts: u64,
     pub conntrack_evictions: u64,
+    /// ClientIP affinity entries held, and those expired / evicted since start.
+    pub affinity_entries: u64,
+    pub affinity_expired: u64,
+    pub affinity_evictions: u64,
     pub handoffs: u64,
     /// Generation of the snapshot the workers run.
     pub generation: u64,
@@ -80,6 +84,9 @@ pub struct Metrics {
     conntrack_entries: Gauge,
     conntrack_inserts: Counter,
     conntrack_evictions: Counter,
+    affinity_entries: Gauge,
+    affinity_expired: Counter,
+    affinity_evictions: Counter,
     handoffs: Counter,
     generation: Gauge,
     snapshot_age: F64Gauge,
@@ -154,6 +161,9 @@ impl Metrics {
             conntrack_entries: Gauge::default(),
             conntrack_inserts: Counter::default(),
             conntrack_evictions: Counter::default(),
+            affinity_entries: Gauge::default(),
+            affinity_expired: Counter::default(),
+            affinity_evictions: Counter::default(),
             handoffs: Counter::default(),
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
@@ -242,6 +252,21 @@ impl Metrics {
                 "conntrack_evictions",
                 "Connection tracking entries evicted",
                 m.conntrack_evictions.clone(),
+            );
+            kxp.register(
+                "session_affinity_entries",
+                "ClientIP session affinity entries held by the node",
+                m.affinity_entries.clone(),
+            );
+            kxp.register(
+                "session_affinity_expired",
+                "ClientIP session affinity entries removed at their timeout",
+                m.affinity_expired.clone(),
+            );
+            kxp.register(
+                "session_affinity_evictions",
+                "Live ClientIP session affinity entries evicted because the table was full",
+                m.affinity_evictions.clone(),
             );
             kxp.register(
                 "handoffs",
@@ -409,6 +434,13 @@ impl Metrics {
             c.conntrack_evictions,
             &self.conntrack_evictions,
         );
+        t.advance("aff/expired", c.affinity_expired, &self.affinity_expired);
+        t.advance(
+            "aff/evictions",
+            c.affinity_evictions,
+            &self.affinity_evictions,
+        );
+        self.affinity_entries.set(to_i64(c.affinity_entries));
         t.advance("handoffs", c.handoffs, &self.handoffs);
         self.conntrack_entries.set(to_i64(c.conntrack_entries));
         self.generation.set(to_i64(c.generation));

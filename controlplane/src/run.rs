@@ -167,6 +167,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         dp_cfg.snat_ports = r;
     }
     dp_cfg.xsk.busy_poll = opts.busy_poll;
+    if let Some(n) = kxp.session_affinity_max_entries {
+        anyhow::ensure!(
+            n > 0,
+            "kxp.sessionAffinityMaxEntries must be at least 1 (default 262144)"
+        );
+        dp_cfg.affinity_capacity = n as usize;
+    }
     if let Some(ct) = cfg.as_ref().and_then(|c| c.conntrack.as_ref()) {
         dp_cfg.timeouts = timeouts_from(ct);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -445,6 +452,9 @@ fn update_metrics(m: &crate::metrics::Metrics, dp: &Dataplane, last_sync: Instan
         conntrack_entries: t.conntrack_entries,
         conntrack_inserts: t.conntrack_inserts,
         conntrack_evictions: t.conntrack_evictions,
+        affinity_entries: t.affinity.entries,
+        affinity_expired: t.affinity.expired,
+        affinity_evictions: t.affinity.evictions,
         handoffs: t.handoffs,
         generation: t.generation,
         snapshot_age_secs: last_sync.elapsed().as_secs_f64(),

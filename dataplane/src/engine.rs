@@ -8,12 +8,14 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
-use conntrack::{ConnTable, Direction, InsertError, Update};
+use conntrack::{AffinityTable, ConnTable, Direction, EndpointLoad, InsertError, Update};
+use dashmap::DashMap;
 use nat::decide::{Decision, DropReason, NewPacket, Policy, decide};
 use nat::model::Affinity;
 use nat::rewrite::{self, ParseError, Parsed};
-use nat::select::{AffinityMemory, MapAffinity, PickInput, RrCursor, pick};
+use nat::select::{PickInput, RrCursor, pick};
 use nat::snapshot::Snapshot;
 use nat::tuple::{Protocol, Tuple};
 
@@ -126,13 +128,38 @@ impl Counters {
     }
 }
 
+/// What kube-proxy keeps once per node, shared by every worker's engine, so that a
+/// Service behaves the same whichever worker a connection lands on: ClientIP affinity,
+/// flows per endpoint for the least-connection schedulers, round-robin positions. Only
+/// new connections touch it (and only those of Services that use each part).
+#[derive(Debug)]
+pub struct NodeState {
+    pub affinity: AffinityTable,
+    pub load: Arc<EndpointLoad>,
+    /// Round-robin position per (Service port, local candidates only).
+    cursors: DashMap<(u64, bool), RrCursor>,
+}
+
+impl NodeState {
+    /// Most ClientIP affinity entries a node holds by default (see
+    /// [`conntrack::affinity`] for the bound).
+    pub const AFFINITY_CAPACITY: usize = 262_144;
+
+    pub fn new(affinity_capacity: usize) -> Arc<NodeState> {
+        Arc::new(NodeState {
+            affinity: AffinityTable::new(affinity_capacity),
+            load: Arc::new(EndpointLoad::new()),
+            cursors: DashMap::new(),
+        })
+    }
+}
+
 /// One worker's packet pipeline and everything it owns.
 #[derive(Debug)]
 pub struct Engine {
     pub table: ConnTable,
     pub counters: Counters,
-    affinity: MapAffinity,
-    cursors: HashMap<(u64, bool), RrCursor>,
+    pub node: Arc<NodeState>,
     rng: u64,
     /// The interface the node's own connections arrive on (kxp's service device): their
     /// source is already a node address, and they are always given a SNAT port so that
@@ -143,13 +170,20 @@ pub struct Engine {
 const SEC: u64 = 1_000_000_000;
 
 impl Engine {
-    /// An engine around `table`; `seed` drives the random endpoint choice.
+    /// An engine around `table` with a node state of its own (a single-worker node);
+    /// `seed` drives the random endpoint choice.
     pub fn new(table: ConnTable, seed: u64) -> Engine {
+        Engine::on_node(table, seed, NodeState::new(NodeState::AFFINITY_CAPACITY))
+    }
+
+    /// An engine around `table` sharing `node` with the node's other workers; `table`
+    /// counts its flows in the node's endpoint load from now on.
+    pub fn on_node(mut table: ConnTable, seed: u64, node: Arc<NodeState>) -> Engine {
+        table.set_load(node.load.clone());
         Engine {
             table,
             counters: Counters::default(),
-            affinity: MapAffinity::default(),
-            cursors: HashMap::new(),
+            node,
             rng: seed | 1,
             host_interface: None,
         }
@@ -266,7 +300,7 @@ impl Engine {
         // Session affinity: the endpoint this client used last, if still a candidate.
         let mut chosen = None;
         if let Affinity::ClientIp { .. } = sp.affinity
-            && let Some(ep) = self.affinity.recall(sp.name_hash, t.src, now)
+            && let Some(ep) = self.node.affinity.recall(sp.name_hash, t.src, now)
         {
             chosen = fwd
                 .candidates
@@ -283,8 +317,8 @@ impl Engine {
                     &sp.cluster_table
                 };
                 let random = self.next_random();
-                let conns = &self.table;
-                let active = |ep: SocketAddr| active_flows(conns, ep);
+                let load = &self.node.load;
+                let active = |ep: SocketAddr| load.get(ep);
                 let input = PickInput {
                     src: t.src_addr(),
                     dst: t.dst_addr(),
@@ -292,7 +326,16 @@ impl Engine {
                     random,
                     active: &active,
                 };
-                let cursor = self.cursors.entry((sp.name_hash, local)).or_default();
+                // The node's cursor, locked (its dashmap shard) only for schedulers that
+                // move it.
+                let mut own = RrCursor::default();
+                let mut shared;
+                let cursor = if sp.scheduler.uses_cursor() {
+                    shared = self.node.cursors.entry((sp.name_hash, local)).or_default();
+                    &mut *shared
+                } else {
+                    &mut own
+                };
                 match pick(
                     sp.scheduler,
                     &sp.endpoints,
@@ -309,8 +352,13 @@ impl Engine {
         };
         let ep = &sp.endpoints[chosen as usize];
         if let Affinity::ClientIp { timeout_secs } = sp.affinity {
-            self.affinity
-                .remember(sp.name_hash, t.src, ep.addr, now, timeout_secs as u64 * SEC);
+            self.node.affinity.remember(
+                sp.name_hash,
+                t.src,
+                ep.addr,
+                now,
+                u64::from(timeout_secs) * SEC,
+            );
         }
 
         let from_host = in_interface.is_some() && in_interface == self.host_interface.as_deref();
@@ -393,13 +441,6 @@ fn forward(pkt: &mut [u8], f: &rewrite::FlowPacket, to: &Tuple, new_flow: bool) 
         Ok(false) => Verdict::Drop(DropCause::TtlExceeded),
         Err(e) => Verdict::Drop(DropCause::Malformed(ParseError::reason(&e))),
     }
-}
-
-/// Flows of this worker currently sent to `ep` (for the least-connection schedulers).
-/// A scan; only the lc/wlc/sed/nq schedulers call it, once per new connection.
-fn active_flows(table: &ConnTable, ep: SocketAddr) -> u32 {
-    // `iter` takes `now` only to hide expired entries; u64::MIN keeps every live one.
-    table.iter(0).filter(|e| e.endpoint() == ep).count() as u32
 }
 
 #[cfg(test)]

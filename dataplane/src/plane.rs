@@ -24,7 +24,7 @@ use nat::model::ServicePort;
 use nat::snapshot::{Snapshot, Update};
 use nat::tuple::Protocol;
 
-use crate::engine::Engine;
+use crate::engine::{Engine, NodeState};
 use crate::fib::{FibMirror, LinkInfo};
 use crate::servicedev::ServiceDevice;
 use crate::worker::{Command, FlowInfo, Shared, Worker, WorkerStats};
@@ -48,6 +48,8 @@ pub struct DataplaneConfig {
     pub timeouts: Timeouts,
     /// Masquerade source ports (outside the kernel's ephemeral range and the NodePorts).
     pub snat_ports: (u16, u16),
+    /// Most ClientIP affinity entries the node holds (see [`conntrack::affinity`]).
+    pub affinity_capacity: usize,
 }
 
 impl Default for DataplaneConfig {
@@ -62,6 +64,7 @@ impl Default for DataplaneConfig {
             conntrack_per_worker: 262_144,
             timeouts: Timeouts::default(),
             snat_ports: (61_000, 65_535),
+            affinity_capacity: NodeState::AFFINITY_CAPACITY,
         }
     }
 }
@@ -104,6 +107,8 @@ pub enum DataplaneError {
 #[derive(Debug)]
 pub struct Dataplane {
     pub shared: Arc<Shared>,
+    /// What the workers share per node (affinity, endpoint load, round-robin).
+    pub node: Arc<NodeState>,
     links: Arc<LinkCtl>,
     fib: Arc<FibMirror>,
     threads: Vec<JoinHandle<()>>,
@@ -324,6 +329,8 @@ fn resolve_next_hops(view: &crate::fib::FibView, sp: &ServicePort) {
 /// Sums of every worker's counters.
 #[derive(Debug, Clone, Default)]
 pub struct Totals {
+    /// The node's ClientIP affinity table.
+    pub affinity: conntrack::AffinityStats,
     /// Drops by cause, summed.
     pub drops: std::collections::BTreeMap<&'static str, u64>,
     pub no_route: u64,
@@ -445,7 +452,7 @@ impl Dataplane {
             }
         }
         let (lo, hi) = cfg.snat_ports;
-        let ranges = SnatPorts::split(lo..=hi, cfg.workers)
+        let ranges = SnatPorts::for_workers(lo..=hi, cfg.workers)
             .map_err(|e| DataplaneError::Config(format!("SNAT port range {lo}-{hi}: {e}")))?;
 
         // Multi-buffer costs on every packet in copy mode: on only when an interface that
@@ -473,8 +480,6 @@ impl Dataplane {
             stats: (0..cfg.workers).map(|_| WorkerStats::default()).collect(),
             inbox: (0..cfg.workers).map(|_| ArrayQueue::new(4096)).collect(),
             commands: txs,
-            snat_lo: lo,
-            snat_hi: hi,
             attached: ArcSwap::from_pointee(Vec::new()),
             frags: std::sync::Mutex::new(conntrack::FragTable::new(
                 FRAG_DATAGRAMS,
@@ -492,6 +497,7 @@ impl Dataplane {
         let nodeport_rules =
             crate::servicedev::NodePortRules::new(&service.host, service.host_ifindex)?;
 
+        let node = NodeState::new(cfg.affinity_capacity);
         let mut workers = Vec::new();
         for (id, (rx, snat)) in rxs.into_iter().zip(ranges).enumerate() {
             // The UMEM's own socket goes on the service device (see crate::servicedev).
@@ -503,9 +509,10 @@ impl Dataplane {
                 id,
                 cfg.cpus.as_ref().map(|c| c[id]),
                 io,
-                Engine::new(
+                Engine::on_node(
                     table,
                     os_seed() ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    node.clone(),
                 ),
                 fib.view(),
                 shared.clone(),
@@ -542,6 +549,7 @@ impl Dataplane {
         });
         let mut dp = Dataplane {
             shared: shared.clone(),
+            node,
             links: links.clone(),
             fib,
             threads: Vec::new(),
@@ -658,7 +666,10 @@ impl Dataplane {
 
     /// Sums of the workers' counters.
     pub fn totals(&self) -> Totals {
-        let mut t = Totals::default();
+        let mut t = Totals {
+            affinity: self.node.affinity.stats(),
+            ..Totals::default()
+        };
         if let Ok(f) = self.shared.frags.lock() {
             let st = f.stats();
             t.fragments_translated = st.translated;

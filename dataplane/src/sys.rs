@@ -188,3 +188,18 @@ pub fn recv_with_timestamp(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Opti
     }
     Ok((n as usize, ts))
 }
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every worker and every process since
+/// boot, so that state one worker or one process stamped (conntrack expiry, affinity)
+/// means the same to another.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}

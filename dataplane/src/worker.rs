@@ -9,14 +9,13 @@
 //! does not starve the rest of a small machine.
 //!
 //! Packets of a flow another worker owns are copied to that worker's inbox (a lock-free
-//! `ArrayQueue`) and counted: ownership follows the client's address and port (present
-//! in both directions of an un-masqueraded flow) or, for masqueraded replies, the SNAT
-//! port range the owner allocates from.
+//! `ArrayQueue`) and counted: ownership follows the flow's client side, the address and
+//! port both directions carry (the client's own, or the SNAT address and a port the owner
+//! allocated so that it maps back to it: see [`conntrack::flow_owner`]).
 
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use crossbeam::queue::ArrayQueue;
@@ -119,9 +118,6 @@ pub struct Shared {
     pub stats: Vec<WorkerStats>,
     pub inbox: Vec<ArrayQueue<Handoff>>,
     pub commands: Vec<crossbeam::channel::Sender<Command>>,
-    /// SNAT port range, split evenly between workers.
-    pub snat_lo: u16,
-    pub snat_hi: u16,
     /// Names of the attached interfaces by ifindex (for a packet handed over from an
     /// interface this worker has no socket on).
     pub attached: ArcSwap<Vec<(u32, String)>>,
@@ -129,13 +125,6 @@ pub struct Shared {
     /// the worker that owns its flow, its other fragments (no ports) to whichever worker
     /// received them. Only fragments take this lock.
     pub frags: std::sync::Mutex<conntrack::FragTable>,
-}
-
-impl Shared {
-    /// Which worker owns the SNAT port `port`.
-    pub fn snat_owner(&self, port: u16) -> Option<usize> {
-        conntrack::SnatPorts::owner(self.snat_lo..=self.snat_hi, self.stats.len(), port)
-    }
 }
 
 /// Everything a worker thread needs.
@@ -198,9 +187,6 @@ impl MasqueradeSource for FibSource<'_> {
     }
 }
 
-fn monotonic_ns(start: Instant) -> u64 {
-    start.elapsed().as_nanos() as u64 + 1_000_000_000
-}
 
 impl Worker {
     /// A worker for queue `id`; `io` holds its sockets (more come and go by
@@ -242,7 +228,6 @@ impl Worker {
         {
             eprintln!("kxp: worker {}: cannot pin to CPU {cpu}: {e}", self.id);
         }
-        let start = Instant::now();
         let mut fds = self.io.fds();
         let mut batch: Vec<Frame> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
@@ -252,7 +237,7 @@ impl Worker {
         let workers = self.shared.stats.len();
         while !self.shared.stop.load(Ordering::Relaxed) {
             let snap = self.shared.snapshot.load();
-            let now = monotonic_ns(start);
+            let now = crate::sys::monotonic_ns();
             self.now = now;
             if !self.waiting.is_empty() {
                 self.retry_waiting();
@@ -308,6 +293,9 @@ impl Worker {
             }
             self.io.flush();
             self.engine.table.expire(now, 64);
+            if iterations.is_multiple_of(64) {
+                self.engine.node.affinity.sweep(now, 64);
+            }
 
             iterations += 1;
             if work > 0 {
@@ -484,7 +472,7 @@ impl Worker {
             }
         }
         if workers > 1 && !handed {
-            let owner = owner(snap, &frame[ETH_HLEN..], &self.shared, workers);
+            let owner = owner(snap, &frame[ETH_HLEN..], workers);
             if owner != self.id {
                 let h = Handoff {
                     frame: frame.to_vec(),
@@ -810,37 +798,30 @@ impl Worker {
 const WAITING_MAX: usize = 256;
 const WAITING_NS: u64 = 1_000_000_000;
 
-/// The worker that owns the flow of `l3` (an IP packet).
+/// The worker that owns the flow of `l3` (an IP packet): [`conntrack::flow_owner`] of
+/// the flow's client side, which is
+/// - for a packet to a Service frontend (ClusterIP, NodePort, ...): its source;
+/// - for anything else (an endpoint's answer): its destination, the client's address and
+///   port, or the SNAT address and port the owner allocated for a masqueraded flow;
+/// - for an ICMP error: as the packet its quote answers (the quote reversed).
 ///
-/// - a reply to a masqueraded flow (destination port in the SNAT range, destination a
-///   node address): the worker whose share of the range holds the port;
-/// - a packet to a Service frontend: hash of the client (source) address and port;
-/// - anything else (a reply of an un-masqueraded flow): hash of the destination, which is
-///   the client;
-/// - an ICMP error: as the packet its quote answers (the quote reversed).
-pub fn owner(snap: &Snapshot, l3: &[u8], shared: &Shared, workers: usize) -> usize {
+/// Exact for every flow, whatever ports the client uses.
+pub fn owner(snap: &Snapshot, l3: &[u8], workers: usize) -> usize {
     let t = match rewrite::parse(l3) {
         Ok(Parsed::Flow(f)) => f.tuple(),
         Ok(Parsed::IcmpError(e)) => e.inner().reversed(),
         _ => return 0,
     };
-    owner_of_tuple(snap, &t, shared, workers)
+    owner_of_tuple(snap, &t, workers)
 }
 
-fn owner_of_tuple(snap: &Snapshot, t: &Tuple, shared: &Shared, workers: usize) -> usize {
+fn owner_of_tuple(snap: &Snapshot, t: &Tuple, workers: usize) -> usize {
     let is_frontend = snap.lookup_addr(t.dst, t.proto, t.dport).is_some()
         || snap.lookup_node_port(t.dst, t.proto, t.dport).is_some();
-    if !is_frontend
-        && (shared.snat_lo..=shared.snat_hi).contains(&t.dport)
-        && let Some(w) = shared.snat_owner(t.dport)
-    {
-        return w;
-    }
     let (ip, port) = if is_frontend {
         (t.src, t.sport)
     } else {
         (t.dst, t.dport)
     };
-    let h = nat::select::hash_ip(ip, port as u64);
-    (h % workers as u64) as usize
+    conntrack::flow_owner(ip, port, workers)
 }

@@ -2,8 +2,9 @@
 //! `numgen random`), ClientIP session affinity, and, as options, Maglev consistent
 //! hashing and the IPVS schedulers (rr, wrr, lc, wlc, sh, dh, sed, nq).
 //!
-//! Pure: randomness, connection counts and the affinity memory come from the caller, so
-//! every choice is reproducible in tests.
+//! Pure: randomness, connection counts and round-robin positions come from the caller, so
+//! every choice is reproducible in tests. ClientIP affinity is remembered per node by
+//! the caller (`conntrack::AffinityTable`).
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -69,6 +70,14 @@ impl Scheduler {
         }
     }
 
+    /// Schedulers that keep a position between connections ([`RrCursor`]).
+    pub fn uses_cursor(self) -> bool {
+        matches!(
+            self,
+            Scheduler::RoundRobin | Scheduler::WeightedRoundRobin
+        )
+    }
+
     /// Schedulers that look endpoints up in a consistent-hash table.
     pub fn uses_hash_table(self) -> bool {
         matches!(
@@ -99,7 +108,7 @@ impl std::fmt::Debug for PickInput<'_> {
     }
 }
 
-/// Round-robin position of one candidate list (owned by a worker).
+/// Round-robin position of one candidate list (one per node, shared by the workers).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RrCursor {
     index: usize,
@@ -318,67 +327,6 @@ fn hash_sockaddr(a: SocketAddr, seed: u64) -> u64 {
 
 fn hash_flow(input: &PickInput<'_>) -> u64 {
     hash_sockaddr(input.src, input.proto as u64) ^ hash_sockaddr(input.dst, 0x5eed).rotate_left(17)
-}
-
-/// ClientIP session affinity memory: which endpoint a client last used for a Service
-/// port, until it has been idle for the Service's timeout. kube-proxy keeps one set per
-/// endpoint with the client's address, refreshed by every new connection.
-pub trait AffinityMemory {
-    /// The endpoint `client` used for the Service port named by `service` (a stable
-    /// hash of its name), if that was less than its timeout ago.
-    fn recall(&mut self, service: u64, client: IpAddr, now: u64) -> Option<SocketAddr>;
-    /// Records (or refreshes) `client` → `endpoint`, expiring `timeout_ns` after `now`.
-    fn remember(
-        &mut self,
-        service: u64,
-        client: IpAddr,
-        endpoint: SocketAddr,
-        now: u64,
-        timeout_ns: u64,
-    );
-}
-
-/// A plain map as affinity memory (expired entries are dropped when met).
-#[derive(Debug, Default)]
-pub struct MapAffinity {
-    map: std::collections::HashMap<(u64, IpAddr), (SocketAddr, u64)>,
-}
-
-impl MapAffinity {
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-}
-
-impl AffinityMemory for MapAffinity {
-    fn recall(&mut self, service: u64, client: IpAddr, now: u64) -> Option<SocketAddr> {
-        match self.map.get(&(service, client)) {
-            Some(&(ep, expires)) if now < expires => Some(ep),
-            Some(_) => {
-                self.map.remove(&(service, client));
-                None
-            }
-            None => None,
-        }
-    }
-
-    fn remember(
-        &mut self,
-        service: u64,
-        client: IpAddr,
-        endpoint: SocketAddr,
-        now: u64,
-        timeout_ns: u64,
-    ) {
-        self.map.insert(
-            (service, client),
-            (endpoint, now.saturating_add(timeout_ns)),
-        );
-    }
 }
 
 #[cfg(test)]
@@ -617,18 +565,6 @@ mod tests {
             ),
             None
         );
-    }
-
-    #[test]
-    fn affinity_expires() {
-        let mut m = MapAffinity::default();
-        let c: IpAddr = "198.18.0.1".parse().unwrap();
-        let ep: SocketAddr = "198.18.1.1:80".parse().unwrap();
-        m.remember(7, c, ep, 100, 50);
-        assert_eq!(m.recall(7, c, 149), Some(ep));
-        assert_eq!(m.recall(8, c, 149), None);
-        assert_eq!(m.recall(7, c, 150), None);
-        assert!(m.is_empty());
     }
 
     #[test]

@@ -1792,3 +1792,97 @@ fn set_backend_mtu(lab: &Lab, mtu: u32) {
         in_ns(ns, &["ip", "link", "set", "eth0", "mtu", &mtu]).unwrap();
     }
 }
+
+/// One HTTP request from `src` (a chosen source port) to `dst`; the backend's answer.
+fn http_from(src: SocketAddr, dst: SocketAddr) -> std::io::Result<String> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    s.bind(&src.into())?;
+    s.connect_timeout(&dst.into(), Duration::from_secs(3))?;
+    let mut s: TcpStream = s.into();
+    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    s.write_all(b"GET / HTTP/1.0\r\nHost: web\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    Ok(resp.split("\r\n\r\n").nth(1).unwrap_or("").trim().to_string())
+}
+
+#[test]
+fn client_ip_affinity_holds_across_two_workers() {
+    // 30 connections of one client land on both workers (ownership follows the client
+    // port); the node's one affinity memory sends them all to one endpoint.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe19",
+        queues: 2,
+        workers: 2,
+        extra_spec: "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 30}}\n",
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 1, "one client, one endpoint: {spread:?}");
+    assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
+    let log = lab.log();
+    let totals = log.lines().find(|l| l.contains("totals:")).unwrap_or("");
+    assert!(
+        !totals.contains("handoffs 0"),
+        "the connections did not reach both workers: {totals}"
+    );
+}
+
+#[test]
+fn connections_from_ports_inside_the_snat_range_are_all_answered_with_two_workers() {
+    // A pod (inside the cluster CIDR: not masqueraded, so its replies carry its own port)
+    // and an outside client (masqueraded) both use source ports 61000-61039, inside
+    // kxp's SNAT range: each reply must reach the worker that owns its flow.
+    let lab = Lab::new(Opts {
+        prefix: "kxe20",
+        queues: 2,
+        workers: 2,
+        ..Default::default()
+    });
+    let pod = lab.backends[0].clone();
+    let results = lab.in_ns(&pod, || {
+        (61000..61040u16)
+            .map(|p| http_from(SocketAddr::new(WEB[0].parse().unwrap(), p), vip(80)))
+            .collect::<Vec<_>>()
+    });
+    let bad: Vec<_> = results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.as_ref().is_ok_and(|b| b.starts_with("web-")))
+        .map(|(i, r)| (61000 + i, format!("{r:?}")))
+        .collect();
+    assert!(bad.is_empty(), "from the pod: {bad:?}\n{}", lab.log());
+    let spread: std::collections::BTreeSet<_> = results
+        .iter()
+        .filter_map(|r| r.as_ref().ok()?.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(spread.len(), 3, "spread over the endpoints: {spread:?}");
+    let results = lab.in_client(|| {
+        (61000..61040u16)
+            .map(|p| http_from(SocketAddr::new("198.18.1.2".parse().unwrap(), p), vip(80)))
+            .collect::<Vec<_>>()
+    });
+    let bad: Vec<_> = results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.as_ref().is_ok_and(|b| b.starts_with("web-")))
+        .map(|(i, r)| (61000 + i, format!("{r:?}")))
+        .collect();
+    assert!(bad.is_empty(), "from the client: {bad:?}\n{}", lab.log());
+    // UDP likewise, from the pod.
+    let answered = lab.in_ns(&pod, || {
+        (61000..61040u16)
+            .filter(|&p| {
+                let s = UdpSocket::bind(SocketAddr::new(WEB[0].parse().unwrap(), p)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                s.send_to(b"?", vip(9)).unwrap();
+                let mut buf = [0u8; 64];
+                s.recv_from(&mut buf)
+                    .is_ok_and(|(n, from)| from == vip(9) && buf[..n].starts_with(b"web-"))
+            })
+            .count()
+    });
+    assert_eq!(answered, 40, "UDP from the pod\n{}", lab.log());
+}

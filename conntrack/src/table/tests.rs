@@ -560,3 +560,40 @@ fn random_operations_keep_the_structure_consistent() {
     let s = t.stats();
     assert!(s.inserts > 0 && s.expired > 0 && s.evictions > 0, "{s:?}");
 }
+
+/// The shared per-endpoint load follows every way a flow comes and goes.
+#[test]
+fn endpoint_load_follows_inserts_and_every_removal() {
+    let load = Arc::new(EndpointLoad::new());
+    let ep: SocketAddr = EP.parse().unwrap();
+    let mut a = table(4);
+    let mut b = table(4);
+    a.set_load(load.clone());
+    b.set_load(load.clone());
+    for p in 1..=3 {
+        let (o, r) = flow(Protocol::Tcp, 40000 + p);
+        a.insert(o, r, 0, SYN, 0).unwrap();
+        let (o, r) = flow(Protocol::Udp, 40000 + p);
+        b.insert(o, r, 0, 0, 0).unwrap();
+    }
+    assert_eq!(load.get(ep), 6, "both tables count");
+    // Removed by a packet (RST answering the SYN), by key, by expiry, by eviction.
+    let (_, r) = flow(Protocol::Tcp, 40001);
+    a.on_packet(&r, RST | ACK, 1);
+    assert!(a.remove(&flow(Protocol::Tcp, 40002).0));
+    assert_eq!(load.get(ep), 4);
+    b.expire(1000 * S, 100);
+    assert_eq!(load.get(ep), 1);
+    for p in 10..20 {
+        let (o, r) = flow(Protocol::Tcp, 40000 + p);
+        a.insert(o, r, 0, SYN, 2).unwrap();
+    }
+    assert_eq!(a.len(), 4);
+    assert_eq!(load.get(ep), 4, "evictions are taken off");
+    // A table joining later adds what it holds.
+    let mut c = table(4);
+    let (o, r) = flow(Protocol::Udp, 50000);
+    c.insert(o, r, 0, 0, 0).unwrap();
+    c.set_load(load.clone());
+    assert_eq!(load.get(ep), 5);
+}

@@ -411,3 +411,148 @@ fn random_choice_spreads_like_uniform() {
         assert!((229..=371).contains(c), "{ep}: {c} of 900 ({counts:?})");
     }
 }
+
+/// Two workers of one node: each has its own table, SNAT share and random state, and the
+/// node's state in common.
+fn node_of_two(snat: std::ops::RangeInclusive<u16>) -> (Engine, Engine) {
+    let node = NodeState::new(1024);
+    let mut shares = SnatPorts::for_workers(snat, 2).unwrap().into_iter();
+    let mut eng = |seed| {
+        let t = ConnTable::new(1024, Timeouts::default(), shares.next().unwrap()).unwrap();
+        Engine::on_node(t, seed, node.clone())
+    };
+    let a = eng(1);
+    (a, eng(2))
+}
+
+fn syn_from(e: &mut Engine, snap: &Snapshot, client: &str, port: u16, now: u64) -> SocketAddr {
+    let orig = Tuple::new(
+        SocketAddr::new(client.parse().unwrap(), port),
+        sa("198.19.0.10:80"),
+        Protocol::Tcp,
+    );
+    let mut syn = build_tcp(&orig, 1, None, SYN, b"");
+    let mut out = vec![0u8; 1500];
+    let v = e.process(snap, &mut syn, now, None, &MASQ, &mut out);
+    assert!(matches!(v, Verdict::Forward { new_flow: true, .. }), "{v:?}");
+    tuple_of(&syn).dst_addr()
+}
+
+#[test]
+fn affinity_round_robin_and_least_connection_are_per_node_not_per_worker() {
+    let eps = ["198.18.128.11", "198.18.128.12", "198.18.128.13"];
+    // ClientIP affinity: connections alternate between the workers, one endpoint.
+    let affinity =
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n";
+    let snap = snapshot(&eps, affinity);
+    let (mut a, mut b) = node_of_two(61000..=65535);
+    let mut seen = std::collections::HashSet::new();
+    for port in 0..30u16 {
+        let e = if port % 2 == 0 { &mut a } else { &mut b };
+        seen.insert(syn_from(e, &snap, "198.18.128.50", 40000 + port, SEC));
+    }
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    // ... until the timeout has passed since the last new connection.
+    assert_eq!(a.node.affinity.stats().entries, 1);
+    let later = SEC + 61 * SEC;
+    assert_eq!(a.node.affinity.recall(snap_port_hash(&snap), "198.18.128.50".parse().unwrap(), later), None);
+
+    // rr: one cursor per node, so alternating workers still go round the endpoints.
+    let snap = snapshot_with_annotation(&eps, "rr");
+    let (mut a, mut b) = node_of_two(61000..=65535);
+    let mut order = Vec::new();
+    for port in 0..9u16 {
+        let e = if port % 2 == 0 { &mut a } else { &mut b };
+        order.push(syn_from(e, &snap, "198.18.128.50", 41000 + port, SEC));
+    }
+    for w in order.windows(3) {
+        let distinct: std::collections::HashSet<_> = w.iter().collect();
+        assert_eq!(distinct.len(), 3, "round robin across workers: {order:?}");
+    }
+
+    // lc: counts the node's flows. Worker a opens 4 flows; worker b's next 3 must go to
+    // the endpoints a did not load (a per-worker count would see b's table empty).
+    let snap = snapshot_with_annotation(&eps, "lc");
+    let (mut a, mut b) = node_of_two(61000..=65535);
+    let mut by_a = std::collections::HashMap::<SocketAddr, u32>::new();
+    for port in 0..4u16 {
+        *by_a
+            .entry(syn_from(&mut a, &snap, "198.18.128.50", 42000 + port, SEC))
+            .or_default() += 1;
+    }
+    let counts: Vec<u32> = by_a.values().copied().collect();
+    assert_eq!(counts.iter().sum::<u32>(), 4);
+    for port in 0..2u16 {
+        let ep = syn_from(&mut b, &snap, "198.18.128.51", 43000 + port, SEC);
+        let load = a.node.load.get(ep);
+        assert!(load <= 2, "{ep} had {load} flows: lc picked a loaded endpoint");
+    }
+    let loads: Vec<u32> = eps
+        .iter()
+        .map(|ip| a.node.load.get(SocketAddr::new(ip.parse().unwrap(), 8080)))
+        .collect();
+    assert_eq!(loads, vec![2, 2, 2], "balanced over the node's 6 flows");
+}
+
+/// The key affinity is remembered under for `web`'s `http` port.
+fn snap_port_hash(snap: &Snapshot) -> u64 {
+    let f = snap
+        .lookup_addr("198.19.0.10".parse().unwrap(), Protocol::Tcp, 80)
+        .unwrap();
+    snap.port(f.port).name_hash
+}
+
+/// `web` (port 80 only) with the `kxp.dev/scheduler` annotation.
+fn snapshot_with_annotation(endpoints: &[&str], scheduler: &str) -> Snapshot {
+    let eps: String = endpoints
+        .iter()
+        .map(|e| format!("- {{addresses: [{e}], nodeName: node-a}}\n"))
+        .collect();
+    let svc = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo, annotations: {{kxp.dev/scheduler: {scheduler}}}}}\nspec:\n  clusterIP: {VIP}\n  ports: [{{port: 80, targetPort: 8080, protocol: TCP, name: http}}]\n"
+    );
+    let slice = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints:\n{eps}"
+    );
+    let state = ClusterState {
+        services: vec![serde_yaml::from_str::<Service>(&svc).unwrap()],
+        endpoint_slices: vec![serde_yaml::from_str::<EndpointSlice>(&slice).unwrap()],
+        ..Default::default()
+    };
+    let settings = NodeSettings {
+        node_name: "node-a".into(),
+        node_ips: vec![NODE.parse().unwrap()],
+        cluster_cidrs: vec!["198.18.128.0/17".parse().unwrap()],
+        ..Default::default()
+    };
+    build(&state, &settings, 1).unwrap().snapshot
+}
+
+/// Masqueraded flows get SNAT ports that map back to the worker that opened them, and
+/// un-masqueraded ones keep the client's port: either way the reply's destination names
+/// the owner, for client ports inside the SNAT range too.
+#[test]
+fn every_reply_names_its_owner() {
+    let snap = snapshot(&["198.18.128.11"], "");
+    let (mut a, mut b) = node_of_two(61000..=65535);
+    for (client, masq) in [("198.18.128.50", false), ("203.0.113.9", true)] {
+        for port in 61000..61040u16 {
+            let ip: IpAddr = client.parse().unwrap();
+            let owner = conntrack::flow_owner(ip, port, 2);
+            let e = if owner == 0 { &mut a } else { &mut b };
+            let orig = Tuple::new(SocketAddr::new(ip, port), sa("198.19.0.10:80"), Protocol::Tcp);
+            let mut syn = build_tcp(&orig, 1, None, SYN, b"");
+            let mut out = vec![0u8; 1500];
+            e.process(&snap, &mut syn, SEC, None, &MASQ, &mut out);
+            let fwd = tuple_of(&syn);
+            assert_eq!(fwd.src != ip, masq);
+            // The endpoint answers to the packet's source.
+            let reply_dst = fwd.src_addr();
+            assert_eq!(
+                conntrack::flow_owner(reply_dst.ip(), reply_dst.port(), 2),
+                owner,
+                "{client}:{port} -> reply to {reply_dst}"
+            );
+        }
+    }
+}
