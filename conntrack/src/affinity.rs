@@ -28,7 +28,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use foldhash::fast::FixedState;
 use hashbrown::{DefaultHashBuilder, HashMap};
+
+use crate::persist::AffinityRecord;
 
 /// Shards of an [`AffinityTable`].
 pub const SHARDS: usize = 64;
@@ -42,6 +45,8 @@ struct Value {
     expires: u64,
     /// Position in the shard's refresh order.
     stamp: u64,
+    /// Record number within the shard (for the sink).
+    slot: u32,
 }
 
 #[derive(Debug, Default)]
@@ -51,6 +56,17 @@ struct Shard {
     /// its key's current one is stale and skipped.
     order: VecDeque<(Key, u64)>,
     next_stamp: u64,
+    /// Record numbers freed, and the next never used.
+    free: Vec<u32>,
+    next_slot: u32,
+}
+
+/// Where an [`AffinityTable`] writes every change, for the next process (kxp: a state
+/// file, see [`crate::persist`]). Called under the shard's lock, so two calls for one
+/// record never overlap; records of different shards are written concurrently.
+pub trait AffinitySink: Send + Sync + std::fmt::Debug {
+    /// Record `index` (below [`AffinityTable::capacity`]) now holds `entry`, or nothing.
+    fn put(&self, index: usize, entry: Option<&AffinityRecord>);
 }
 
 /// Counters of an [`AffinityTable`].
@@ -84,21 +100,38 @@ pub struct AffinityEntry {
 pub struct AffinityTable {
     shards: Box<[Mutex<Shard>]>,
     per_shard: usize,
-    hasher: DefaultHashBuilder,
+    /// Shard choice: seeded at random per node and kept across restarts (with the
+    /// records), so that restored clients land in the shards they came from.
+    seed: u64,
+    hasher: FixedState,
     /// Next shard [`AffinityTable::sweep`] looks at.
     hand: AtomicUsize,
     remembered: AtomicU64,
     expired: AtomicU64,
     evictions: AtomicU64,
+    sink: Option<Box<dyn AffinitySink>>,
 }
 
 impl AffinityTable {
     /// A table for at most about `capacity` clients (at least one per shard).
     pub fn new(capacity: usize) -> AffinityTable {
+        let seed = DefaultHashBuilder::default().hash_one(0u8);
+        AffinityTable::with_sink(capacity, seed, None)
+    }
+
+    /// As [`AffinityTable::new`] with the shard seed `seed` (a previous table's
+    /// [`AffinityTable::seed`] to restore its entries), writing every change to `sink`.
+    pub fn with_sink(
+        capacity: usize,
+        seed: u64,
+        sink: Option<Box<dyn AffinitySink>>,
+    ) -> AffinityTable {
         AffinityTable {
+            sink,
+            seed,
+            hasher: FixedState::with_seed(seed),
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
-            hasher: DefaultHashBuilder::default(),
             hand: AtomicUsize::new(0),
             remembered: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -106,28 +139,51 @@ impl AffinityTable {
         }
     }
 
+    /// The shard seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Most clients held.
     pub fn capacity(&self) -> usize {
         self.per_shard * SHARDS
     }
 
-    fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, Shard> {
-        let i = (self.hasher.hash_one(key) % SHARDS as u64) as usize;
+    fn shard_of(&self, key: &Key) -> usize {
+        (self.hasher.hash_one(key) % SHARDS as u64) as usize
+    }
+
+    fn lock(&self, i: usize) -> std::sync::MutexGuard<'_, Shard> {
         // A worker that panicked while holding a shard left a map that is still a valid
         // map: go on with it.
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn put(&self, shard: usize, slot: u32, rec: Option<&AffinityRecord>) {
+        if let Some(sink) = &self.sink {
+            sink.put(shard * self.per_shard + slot as usize, rec);
+        }
+    }
+
+    /// Removes `key` from shard `i` (locked as `s`), freeing its record.
+    fn drop_key(&self, i: usize, s: &mut Shard, key: &Key) {
+        if let Some(v) = s.map.remove(key) {
+            s.free.push(v.slot);
+            self.put(i, v.slot, None);
+        }
     }
 
     /// The endpoint `client` last used for the Service port `service`, if its timeout has
     /// not passed at `now`.
     pub fn recall(&self, service: u64, client: IpAddr, now: u64) -> Option<SocketAddr> {
         let key = (service, client);
-        let mut s = self.shard(&key);
+        let i = self.shard_of(&key);
+        let mut s = self.lock(i);
         let v = *s.map.get(&key)?;
         if now < v.expires {
             return Some(v.endpoint);
         }
-        s.map.remove(&key);
+        self.drop_key(i, &mut s, &key);
         self.expired.fetch_add(1, Ordering::Relaxed);
         None
     }
@@ -143,41 +199,95 @@ impl AffinityTable {
         now: u64,
         timeout_ns: u64,
     ) {
+        self.remember_until(service, client, endpoint, now, now.saturating_add(timeout_ns));
+    }
+
+    fn remember_until(
+        &self,
+        service: u64,
+        client: IpAddr,
+        endpoint: SocketAddr,
+        now: u64,
+        expires: u64,
+    ) {
         let key = (service, client);
-        let mut guard = self.shard(&key);
+        let i = self.shard_of(&key);
+        let mut guard = self.lock(i);
         let s = &mut *guard;
         let stamp = s.next_stamp;
         s.next_stamp += 1;
-        let value = Value {
-            endpoint,
-            expires: now.saturating_add(timeout_ns),
-            stamp,
+        let slot = match s.map.get_mut(&key) {
+            Some(v) => {
+                v.endpoint = endpoint;
+                v.expires = expires;
+                v.stamp = stamp;
+                v.slot
+            }
+            None => {
+                if s.map.len() >= self.per_shard {
+                    self.evict_one(i, s, now);
+                }
+                let slot = s.free.pop().unwrap_or_else(|| {
+                    s.next_slot += 1;
+                    s.next_slot - 1
+                });
+                s.map.insert(
+                    key,
+                    Value {
+                        endpoint,
+                        expires,
+                        stamp,
+                        slot,
+                    },
+                );
+                slot
+            }
         };
-        let is_new = s.map.insert(key, value).is_none();
         s.order.push_back((key, stamp));
         self.remembered.fetch_add(1, Ordering::Relaxed);
-        if is_new && s.map.len() > self.per_shard {
-            while let Some((k, st)) = s.order.pop_front() {
-                match s.map.get(&k) {
-                    Some(v) if v.stamp == st => {
-                        let counter = if now >= v.expires {
-                            &self.expired
-                        } else {
-                            &self.evictions
-                        };
-                        counter.fetch_add(1, Ordering::Relaxed);
-                        s.map.remove(&k);
-                        break;
-                    }
-                    _ => {} // stale record
-                }
-            }
-        }
+        self.put(
+            i,
+            slot,
+            Some(&AffinityRecord {
+                service,
+                client,
+                endpoint,
+                expires,
+            }),
+        );
         // Refreshes leave stale records behind: compact once they outnumber the live.
         if s.order.len() > 2 * s.map.len() + 16 {
             let Shard { map, order, .. } = s;
             order.retain(|(k, st)| map.get(k).is_some_and(|v| v.stamp == *st));
         }
+    }
+
+    /// Frees the least recently refreshed entry of shard `i`.
+    fn evict_one(&self, i: usize, s: &mut Shard, now: u64) {
+        while let Some((k, st)) = s.order.pop_front() {
+            match s.map.get(&k) {
+                Some(v) if v.stamp == st => {
+                    let counter = if now >= v.expires {
+                        &self.expired
+                    } else {
+                        &self.evictions
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    self.drop_key(i, s, &k);
+                    return;
+                }
+                _ => {} // stale record
+            }
+        }
+    }
+
+    /// Puts back an entry a previous process held (if it has not expired at `now`).
+    pub fn restore(&self, r: &AffinityRecord, now: u64) -> bool {
+        if now >= r.expires {
+            return false;
+        }
+        self.remember_until(r.service, r.client, r.endpoint, now, r.expires);
+        true
     }
 
     /// Removes expired entries from the front of one shard's refresh order (the next
@@ -186,7 +296,7 @@ impl AffinityTable {
     /// hold memory until the shard fills.
     pub fn sweep(&self, now: u64, budget: usize) -> usize {
         let i = self.hand.fetch_add(1, Ordering::Relaxed) % SHARDS;
-        let mut guard = self.shards[i].lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.lock(i);
         let s = &mut *guard;
         let mut removed = 0;
         for _ in 0..budget {
@@ -198,7 +308,7 @@ impl AffinityTable {
                     if now < v.expires {
                         break;
                     }
-                    s.map.remove(&k);
+                    self.drop_key(i, s, &k);
                     removed += 1;
                 }
                 _ => {}

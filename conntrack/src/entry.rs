@@ -80,6 +80,8 @@ pub(crate) mod flag {
     pub const SEEN_REPLY: u8 = 2;
     /// The flow proved itself; it is no longer on the unassured list.
     pub const ASSURED: u8 = 4;
+    /// Changed since the journal was last drained (see `crate::persist`).
+    pub const DIRTY: u8 = 8;
 }
 
 /// "No slot", the end of an intrusive list.

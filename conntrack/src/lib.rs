@@ -47,6 +47,7 @@ mod entry;
 mod frag;
 mod index;
 mod load;
+pub mod persist;
 mod reclaim;
 mod snat;
 mod table;

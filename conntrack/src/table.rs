@@ -150,6 +150,9 @@ pub struct ConnTable {
     pub(crate) stats: Stats,
     /// The node's flows per endpoint, kept up to date by insert and `remove_slot`.
     pub(crate) load: Option<Arc<EndpointLoad>>,
+    /// Slots changed since the last [`ConnTable::drain_journal`], when journaling is on
+    /// (see [`crate::persist`]).
+    pub(crate) journal: Option<Vec<u32>>,
 }
 
 // Two 40-byte tuples plus 32 bytes of state: keep it so (bytes per entry is benchmarked).
@@ -235,6 +238,7 @@ impl ConnTable {
             snat,
             stats: Stats::default(),
             load: None,
+            journal: None,
         })
     }
 
@@ -313,16 +317,42 @@ impl ConnTable {
         }
         let (tcp, timeout) = track::start(orig.proto, tcp_flags, &self.timeouts)
             .ok_or(InsertError::NotNew { flags: tcp_flags })?;
-        let hashes = [self.hash(&orig), self.hash(&reply)];
+        let hashes = self.claim(&orig, &reply, now)?;
+        self.place(
+            Entry {
+                orig,
+                reply,
+                created: now,
+                expires: now.saturating_add(timeout),
+                tag,
+                prev: NIL,
+                next: NIL,
+                tcp,
+                flags: flag::LIVE,
+            },
+            hashes,
+            now,
+        )
+    }
+
+    /// The index hashes of a new flow's tuples, once neither is held by a live flow (an
+    /// expired holder is removed).
+    pub(crate) fn claim(
+        &mut self,
+        orig: &Tuple,
+        reply: &Tuple,
+        now: u64,
+    ) -> Result<[u64; 2], InsertError> {
+        let hashes = [self.hash(orig), self.hash(reply)];
         let dirs = [Direction::Original, Direction::Reply];
         if orig == reply {
             self.stats.clashes += 1;
             return Err(InsertError::Clash {
                 which: Direction::Reply,
-                tuple: reply,
+                tuple: *reply,
             });
         }
-        for ((dir, hash), key) in dirs.into_iter().zip(hashes).zip([&orig, &reply]) {
+        for ((dir, hash), key) in dirs.into_iter().zip(hashes).zip([orig, reply]) {
             if let Some(v) = find(&self.index, &self.slots, hash, key) {
                 let (slot, _) = unpack(v);
                 if !self.slots[slot].is_expired(now) {
@@ -336,23 +366,26 @@ impl ConnTable {
                 self.stats.expired += 1;
             }
         }
+        Ok(hashes)
+    }
+
+    /// Puts a checked entry (no live holder of either tuple) into a slot, making room if
+    /// the table is full.
+    pub(crate) fn place(
+        &mut self,
+        entry: Entry,
+        hashes: [u64; 2],
+        now: u64,
+    ) -> Result<&Entry, InsertError> {
+        let dirs = [Direction::Original, Direction::Reply];
         if self.len >= self.capacity && !self.make_room(now) {
             self.stats.insert_failed_full += 1;
             return Err(InsertError::Full {
                 capacity: self.capacity,
             });
         }
-        let entry = Entry {
-            orig,
-            reply,
-            created: now,
-            expires: now.saturating_add(timeout),
-            tag,
-            prev: NIL,
-            next: NIL,
-            tcp,
-            flags: flag::LIVE,
-        };
+        let endpoint = entry.reply.src_addr();
+        let assured = entry.is_assured();
         let slot = if self.free != NIL {
             let slot = self.free as usize;
             self.free = self.slots[slot].next;
@@ -375,12 +408,15 @@ impl ConnTable {
         for (dir, hash) in dirs.into_iter().zip(hashes) {
             index.insert(hash, pack(slot, dir), rehash);
         }
-        self.push_unassured(slot);
+        if !assured {
+            self.push_unassured(slot);
+        }
         self.len += 1;
         self.stats.inserts += 1;
         if let Some(load) = &self.load {
-            load.add(reply.src_addr());
+            load.add(endpoint);
         }
+        self.mark_dirty(slot);
         Ok(&self.slots[slot])
     }
 
@@ -396,6 +432,7 @@ impl ConnTable {
             self.stats.expired += 1;
             return None;
         }
+        let before = (self.slots[slot].tcp, self.slots[slot].flags);
         let update = match track::packet(&mut self.slots[slot], dir, tcp_flags, now, &self.timeouts)
         {
             Outcome::Reopen => {
@@ -406,6 +443,9 @@ impl ConnTable {
             Outcome::Done { update, assured } => {
                 if assured {
                     self.unlink_unassured(slot);
+                }
+                if (self.slots[slot].tcp, self.slots[slot].flags) != before {
+                    self.mark_dirty(slot);
                 }
                 if update == Update::Closed {
                     // The slot keeps its contents until reused, which `Hit`'s borrow
@@ -496,6 +536,7 @@ impl ConnTable {
         e.next = free;
         self.free = slot as u32;
         self.len -= 1;
+        self.mark_dirty(slot);
     }
 
     fn push_unassured(&mut self, slot: usize) {

@@ -76,6 +76,25 @@ pub(crate) fn start(proto: Protocol, tcp_flags: u8, t: &TimeoutsNs) -> Option<(T
     }
 }
 
+/// The timeout the next packet of `e` would give it in its current state (for a flow
+/// restored from a previous process).
+pub(crate) fn timeout_of(e: &Entry, t: &TimeoutsNs) -> u64 {
+    match e.orig.proto {
+        Protocol::Tcp => {
+            let base = t.tcp(e.tcp);
+            if e.seen_reply() {
+                base
+            } else {
+                base.min(t.tcp_unacknowledged)
+            }
+        }
+        Protocol::Udp if e.is_assured() => t.udp_stream,
+        Protocol::Udp => t.udp,
+        Protocol::Sctp if e.seen_reply() => t.sctp_established,
+        Protocol::Sctp => t.sctp_unreplied,
+    }
+}
+
 /// Applies one packet travelling in `dir` to `e`, at `now`.
 pub(crate) fn packet(
     e: &mut Entry,

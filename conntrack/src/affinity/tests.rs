@@ -2,6 +2,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use super::*;
+use crate::persist::AffinityRecord;
 
 const SEC: u64 = 1_000_000_000;
 
@@ -113,4 +114,42 @@ fn concurrent_workers_agree() {
             assert!(tail.iter().all(|(_, e)| *e == fin), "client {c}");
         }
     }
+}
+
+/// A sink that keeps the records, as a state file would.
+#[derive(Debug, Default)]
+struct VecSink(std::sync::Mutex<Vec<Option<AffinityRecord>>>);
+
+impl AffinitySink for Arc<VecSink> {
+    fn put(&self, index: usize, entry: Option<&AffinityRecord>) {
+        let mut v = self.0.lock().unwrap();
+        if v.len() <= index {
+            v.resize(index + 1, None);
+        }
+        v[index] = entry.copied();
+    }
+}
+
+#[test]
+fn every_change_reaches_the_sink_and_a_new_table_restores_from_it() {
+    let sink = Arc::new(VecSink::default());
+    let t = AffinityTable::with_sink(SHARDS * 2, 77, Some(Box::new(sink.clone())));
+    for i in 0..(SHARDS as u32 * 4) {
+        t.remember(1, client(i), ep((i % 3) as u16), 0, 100 * SEC);
+    }
+    t.remember(2, client(0), ep(9), 0, 5 * SEC);
+    t.recall(2, client(0), 6 * SEC); // expired: its record goes
+    let records: Vec<AffinityRecord> = sink.0.lock().unwrap().iter().flatten().copied().collect();
+    assert!(sink.0.lock().unwrap().len() <= t.capacity());
+    let live = t.entries(6 * SEC);
+    assert_eq!(records.len(), live.len(), "one record per entry, no leftovers");
+    // The next process uses the seed it finds with the records.
+    let fresh = AffinityTable::with_sink(SHARDS * 2, t.seed(), None);
+    for r in &records {
+        assert!(fresh.restore(r, 6 * SEC));
+    }
+    for e in live {
+        assert_eq!(fresh.recall(e.service, e.client, 6 * SEC), Some(e.endpoint));
+    }
+    assert!(!fresh.restore(&records[0], 200 * SEC), "expired entries are not restored");
 }
