@@ -199,7 +199,13 @@ impl AffinityTable {
         now: u64,
         timeout_ns: u64,
     ) {
-        self.remember_until(service, client, endpoint, now, now.saturating_add(timeout_ns));
+        self.remember_until(
+            service,
+            client,
+            endpoint,
+            now,
+            now.saturating_add(timeout_ns),
+        );
     }
 
     fn remember_until(
@@ -339,17 +345,14 @@ impl AffinityTable {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
             let s = shard.lock().unwrap_or_else(|e| e.into_inner());
-            out.extend(
-                s.map
-                    .iter()
-                    .filter(|(_, v)| now < v.expires)
-                    .map(|(&(service, client), v)| AffinityEntry {
-                        service,
-                        client,
-                        endpoint: v.endpoint,
-                        expires: v.expires,
-                    }),
-            );
+            out.extend(s.map.iter().filter(|(_, v)| now < v.expires).map(
+                |(&(service, client), v)| AffinityEntry {
+                    service,
+                    client,
+                    endpoint: v.endpoint,
+                    expires: v.expires,
+                },
+            ));
         }
         out
     }

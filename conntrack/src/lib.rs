@@ -55,11 +55,11 @@ pub mod tcp;
 mod timeouts;
 mod track;
 
+pub use affinity::{AffinityStats, AffinityTable};
 pub use entry::{Direction, Entry, FlowState, State};
 pub use frag::{FragStats, FragTable, FragVerdict};
-pub use nat::{Protocol, Tuple};
-pub use affinity::{AffinityStats, AffinityTable};
 pub use load::EndpointLoad;
+pub use nat::{Protocol, Tuple};
 pub use snat::{SnatPorts, SnatRangeError, flow_owner};
 pub use table::{CapacityError, ConnTable, Hit, InsertError, Stats};
 pub use tcp::TcpState;

@@ -19,8 +19,8 @@
 //! times at random, so on a nearly exhausted large range an allocation may fail although
 //! a few ports are free.
 
-use std::net::IpAddr;
 use std::hash::BuildHasher;
+use std::net::IpAddr;
 use std::ops::RangeInclusive;
 
 use hashbrown::DefaultHashBuilder;

@@ -204,6 +204,11 @@ pub struct RunArgs {
     /// interfaces' napi_defer_hard_irqs and gro_flush_timeout. Off by default.
     #[arg(long, value_name = "USECS[,BUDGET]", value_parser = parse_busy_poll)]
     pub busy_poll: Option<(u32, u32)>,
+    /// Where connections, SNAT ports and affinity are kept so that a restart or an
+    /// upgrade loses none (default /run/kxp, or /run/kxp/netns-INODE outside the host's
+    /// network namespace; "" for memory only).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -211,6 +216,9 @@ pub struct CleanupArgs {
     /// Interfaces to clean (default: every interface of this network namespace).
     #[arg(long = "interface", value_name = "IF")]
     pub interfaces: Vec<String>,
+    /// The state directory to remove (default as for `kxp run`).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
 }
 
 fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
@@ -326,6 +334,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Trace(args) => run_trace(args),
         Command::Run(args) if args.cleanup => run_cleanup(CleanupArgs {
             interfaces: args.interfaces,
+            state_dir: args.state_dir,
         }),
         Command::Run(args) if args.write_config_to.is_some() => write_config(&args),
         Command::Run(args) => crate::run::run(crate::run::RunOptions {
@@ -341,6 +350,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             healthz_bind_address: args.healthz_bind_address,
             snat_ports: args.snat_port_range,
             busy_poll: args.busy_poll,
+            state_dir: args.state_dir,
         }),
         Command::Cleanup(args) => run_cleanup(args),
         Command::Demo => crate::demo::demo(),
@@ -424,6 +434,22 @@ fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
     } else {
         args.interfaces
     };
+    let state = args
+        .state_dir
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or_else(dataplane::statefile::default_state_dir);
+    // A running kxp holds its state directory's lock: refuse to pull the rug.
+    let held = state
+        .join("lock")
+        .exists()
+        .then(|| dataplane::statefile::StateDir::lock(&state, std::time::Duration::ZERO))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("{e}: kxp is running; stop it before `kxp cleanup`"))?;
+    if held.is_some() {
+        dataplane::plane::remove_state(&state);
+        println!("removed kxp's state directory {}", state.display());
+    }
+    drop(held);
     let mut removed = 0;
     for n in &names {
         if dataplane::xdp::cleanup_interface(n)? {

@@ -205,6 +205,11 @@ pub struct KxpSection {
     /// counted in `kxp_session_affinity_evictions_total`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session_affinity_max_entries: Option<u32>,
+    /// Where connection tracking and affinity are kept across restarts (default
+    /// `/run/kxp`; in a network namespace other than the host's, `/run/kxp/netns-INODE`);
+    /// `""` keeps them in memory only (a restart then loses every connection).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_directory: Option<std::path::PathBuf>,
 }
 
 /// A Go `time.Duration` string as metav1.Duration writes it (`1h0m0s`, `30s`, `250ms`).

@@ -252,11 +252,15 @@ pub fn http_get(addr: SocketAddr, timeout: Duration) -> std::io::Result<String> 
         .to_string())
 }
 
-/// A `kxp run` child process in a namespace; SIGTERM and wait on drop.
+/// A `kxp run` child process in a namespace. On drop: SIGTERM, wait, then `kxp
+/// cleanup` in the namespace (a stopped kxp keeps its steering and state for the next
+/// one, see `dataplane::statefile`; this one is not coming back).
 #[derive(Debug)]
 pub struct KxpProcess {
     pub child: Child,
     pub log: PathBuf,
+    exe: PathBuf,
+    ns: String,
 }
 
 impl KxpProcess {
@@ -286,7 +290,50 @@ impl KxpProcess {
         Ok(KxpProcess {
             child,
             log: log.to_path_buf(),
+            exe: exe.to_path_buf(),
+            ns: ns.to_string(),
         })
+    }
+
+    /// Starts another `kxp run` (the same binary, or `exe`) in the same namespace with
+    /// `args`, logging to the same file (appended), after this one has stopped: a restart.
+    pub fn restart(&mut self, exe: Option<&Path>, args: &[String]) -> anyhow::Result<()> {
+        let exe = exe.map_or_else(|| self.exe.clone(), Path::to_path_buf);
+        let out = std::fs::OpenOptions::new().append(true).open(&self.log)?;
+        let err = out.try_clone()?;
+        self.child = Command::new("ip")
+            .args(["netns", "exec", &self.ns])
+            .arg(&exe)
+            .arg("run")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("starting kxp run")?;
+        self.exe = exe;
+        Ok(())
+    }
+
+    /// SIGKILL, and wait.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// `kxp cleanup` in the namespace (after the process has stopped).
+    pub fn cleanup(&self) -> anyhow::Result<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns])
+            .arg(&self.exe)
+            .arg("cleanup")
+            .stdin(Stdio::null())
+            .output()
+            .context("running kxp cleanup")?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(out.status.success(), "kxp cleanup failed: {text}");
+        Ok(text)
     }
 
     /// SIGTERM, then wait up to 10 s (SIGKILL after). Returns the exit status code.
@@ -313,6 +360,9 @@ impl Drop for KxpProcess {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             self.terminate();
+        }
+        if let Err(e) = self.cleanup() {
+            tracing::warn!(error = %e, namespace = %self.ns, "kxp cleanup after the run");
         }
     }
 }

@@ -41,6 +41,9 @@ pub struct RunOptions {
     pub snat_ports: Option<(u16, u16)>,
     /// Preferred busy polling on the AF_XDP sockets: (µs, budget).
     pub busy_poll: Option<(u32, u32)>,
+    /// `--state-dir`: `Some("")` turns persistence off; `None`: the config's, else the
+    /// default.
+    pub state_dir: Option<PathBuf>,
 }
 
 /// Reads the configuration, starts the dataplane and serves until a signal.
@@ -167,6 +170,15 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         dp_cfg.snat_ports = r;
     }
     dp_cfg.xsk.busy_poll = opts.busy_poll;
+    dp_cfg.state_dir = match opts
+        .state_dir
+        .clone()
+        .or_else(|| kxp.state_directory.clone())
+    {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+        None => Some(dataplane::statefile::default_state_dir()),
+    };
     if let Some(n) = kxp.session_affinity_max_entries {
         anyhow::ensure!(
             n > 0,
@@ -209,6 +221,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         eprintln!("kxp: {e}");
     }
     dp.publish(first.update)?;
+    // Filled with the first state: the new programs replace the ones a previous kxp left
+    // steering (and holding) the interfaces.
+    if let Err(e) = dp.take_over() {
+        tracing::warn!(error = %e, "taking over the previous kxp's XDP links");
+    }
+    if let Some(r) = dp.restored() {
+        eprintln!(
+            "kxp: restored {} flow(s) and {} affinity entries from the previous process",
+            r.flows, r.affinity
+        );
+    }
     health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
     health.programmed();
     metrics.set_last_sync_now();
@@ -364,10 +387,16 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         );
     }
     eprintln!("kxp: {}", totals_line(&dp));
-    eprintln!(
-        "kxp: stopping: detaching from {}",
-        dp_cfg.interfaces.join(", ")
-    );
+    match &dp_cfg.state_dir {
+        Some(dir) => eprintln!(
+            "kxp: stopping: connections and steering kept for the next kxp ({}); `kxp cleanup` removes them",
+            dir.display()
+        ),
+        None => eprintln!(
+            "kxp: stopping: detaching from {}",
+            dp_cfg.interfaces.join(", ")
+        ),
+    }
     dp.stop();
     hc.stop();
     server.stop();

@@ -16,7 +16,8 @@
  *      that port) and drops the second (unallocated), as kube-proxy does
  *                                                 [cluster_ips, service_cidrs]
  * If no socket sits on the queue, bpf_redirect_map falls back to XDP_PASS
- * (fail-open). Userspace (dataplane::xdp) mirrors every layout below.
+ * (fail-open), or the packet is dropped with CFG_HOLD (kxp restarting, see below).
+ * Userspace (dataplane::xdp) mirrors every layout below.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -65,6 +66,10 @@ struct steer_config {
  * the kernel, which would route it into the device again -- unless it is for a node
  * address, which the kernel delivers. */
 #define CFG_SERVICE_DEVICE (1u << 1)
+/* Hold: a packet kxp must translate is dropped, not passed, when no socket sits on its
+ * queue (kxp restarting: the peer retransmits and the new process translates it, instead
+ * of the kernel answering an endpoint's segment with a RST). */
+#define CFG_HOLD (1u << 2)
 
 /* stats indices (PERCPU_ARRAY of u64); seen == redirected + passed */
 enum {
@@ -409,6 +414,8 @@ int kxp_steer(struct xdp_md *ctx)
 		return XDP_REDIRECT;
 	}
 	count(ST_NO_SOCKET);
+	if (cfg && (cfg->flags & CFG_HOLD))
+		return XDP_DROP;
 pass:
 	/* On the service device only a packet for a node address goes to the kernel (the
 	 * node's own connection to a port of its own that is no NodePort: delivered

@@ -146,8 +146,13 @@ impl NodeState {
     pub const AFFINITY_CAPACITY: usize = 262_144;
 
     pub fn new(affinity_capacity: usize) -> Arc<NodeState> {
+        NodeState::with_affinity(AffinityTable::new(affinity_capacity))
+    }
+
+    /// A node state around an affinity table already made (e.g. restored).
+    pub fn with_affinity(affinity: AffinityTable) -> Arc<NodeState> {
         Arc::new(NodeState {
-            affinity: AffinityTable::new(affinity_capacity),
+            affinity,
             load: Arc::new(EndpointLoad::new()),
             cursors: DashMap::new(),
         })

@@ -50,6 +50,9 @@ pub struct DataplaneConfig {
     pub snat_ports: (u16, u16),
     /// Most ClientIP affinity entries the node holds (see [`conntrack::affinity`]).
     pub affinity_capacity: usize,
+    /// Where connection tracking and affinity are kept for the next process (see
+    /// [`crate::statefile`]); `None`: in memory only, lost at exit.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for DataplaneConfig {
@@ -65,6 +68,7 @@ impl Default for DataplaneConfig {
             timeouts: Timeouts::default(),
             snat_ports: (61_000, 65_535),
             affinity_capacity: NodeState::AFFINITY_CAPACITY,
+            state_dir: None,
         }
     }
 }
@@ -80,6 +84,8 @@ pub enum DataplaneError {
     BadPattern(String),
     #[error(transparent)]
     ServiceDevice(#[from] crate::servicedev::ServiceDeviceError),
+    #[error("state directory: {0}")]
+    State(String),
     #[error("interface {0} not found; kxp attaches to: --interface NAME (see `ip link`)")]
     NoSuchInterface(String),
     #[error(
@@ -107,6 +113,8 @@ pub enum DataplaneError {
 #[derive(Debug)]
 pub struct Dataplane {
     pub shared: Arc<Shared>,
+    /// The locked state directory (released last, when the files are written).
+    persistence: Option<crate::persistence::Persistence>,
     /// What the workers share per node (affinity, endpoint load, round-robin).
     pub node: Arc<NodeState>,
     links: Arc<LinkCtl>,
@@ -141,6 +149,9 @@ struct Programming {
     restore: Vec<(String, String)>,
     /// Interfaces whose attach failed, with when (retried after [`ATTACH_RETRY`]).
     failed: HashMap<u32, Instant>,
+    /// The links a previous kxp pinned are this process's now (see
+    /// [`Dataplane::take_over`]); until then instances for them are filled, not attached.
+    taken_over: bool,
 }
 
 /// Fragmented datagrams tracked at once, bytes of early fragments parked, and how long
@@ -170,6 +181,9 @@ struct LinkCtl {
     /// AF_XDP multi-buffer is on; the largest MTU a single frame holds.
     multi_buffer: bool,
     frame_mtu: usize,
+    /// Steering outlives the process (a state directory): programs are kept attached at
+    /// stop and taken over at start.
+    keep: bool,
 }
 
 /// With preferred busy polling the device must defer its interrupts so that the worker's
@@ -467,7 +481,17 @@ impl Dataplane {
             tracing::info!(interfaces = ?big, "MTU larger than a frame: AF_XDP multi-buffer on");
             xsk.multi_buffer = true;
         }
-        let service = ServiceDevice::create(&cfg.service_device, cfg.workers as u32)?;
+        // With a state directory, kxp's steering outlives the process: programs attached
+        // over netlink (native mode; a bpf_link would go with the process), the service
+        // device, its routes and rules are kept at stop and taken over at start (see
+        // crate::statefile).
+        let keep = cfg.state_dir.is_some();
+        let attach = if keep && cfg.attach == AttachMode::Link {
+            AttachMode::Native
+        } else {
+            cfg.attach
+        };
+        let service = ServiceDevice::create(&cfg.service_device, cfg.workers as u32, keep)?;
         let fib = Arc::new(FibMirror::start(&[])?);
         fib.wait_ready(Duration::from_secs(5))?;
 
@@ -490,21 +514,56 @@ impl Dataplane {
 
         // The node's own traffic: a program on the service device's kxp side, and
         // routes of the Service addresses into its host side (see crate::servicedev).
-        let service_prog = Steering::load_and_attach(&service.dp, cfg.attach)?;
+        let mut service_prog = Steering::load()?;
+        service_prog.prepare_for(&service.dp, service.dp_ifindex);
         service_prog.set_snat_range(lo, hi)?;
         service_prog.set_service_device()?;
+        if keep {
+            service_prog.set_hold()?;
+            // The rules a previous kxp kept, back in order before this one adds its own.
+            crate::servicedev::cleanup_rules()?;
+        }
         let routes = crate::servicedev::Routes::new(&service.host, service.host_ifindex)?;
         let nodeport_rules =
             crate::servicedev::NodePortRules::new(&service.host, service.host_ifindex)?;
 
-        let node = NodeState::new(cfg.affinity_capacity);
+        let mut tables = ranges
+            .into_iter()
+            .map(|snat| {
+                conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
+                    .map_err(|e| DataplaneError::Conntrack(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let (mut persistence, node) = match &cfg.state_dir {
+            Some(dir) => {
+                let (p, affinity) = crate::persistence::Persistence::start(
+                    dir,
+                    &mut tables,
+                    cfg.affinity_capacity,
+                    crate::sys::monotonic_ns(),
+                )
+                .map_err(|e| DataplaneError::State(e.to_string()))?;
+                let r = &p.restored;
+                tracing::info!(
+                    dir = %dir.display(),
+                    flows = r.flows,
+                    affinity = r.affinity,
+                    bad_records = r.bad_records,
+                    flows_dropped = r.flows_dropped,
+                    "state restored"
+                );
+                for f in &r.bad_files {
+                    tracing::warn!("state file not used, starting without what it held: {f}");
+                }
+                (Some(p), NodeState::with_affinity(affinity))
+            }
+            None => (None, NodeState::new(cfg.affinity_capacity)),
+        };
         let mut workers = Vec::new();
-        for (id, (rx, snat)) in rxs.into_iter().zip(ranges).enumerate() {
+        for (id, (rx, table)) in rxs.into_iter().zip(tables).enumerate() {
             // The UMEM's own socket goes on the service device (see crate::servicedev).
             let io = WorkerIo::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
             service_prog.set_socket(id as u32, io.fd(0))?;
-            let table = conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
-                .map_err(|e| DataplaneError::Conntrack(e.to_string()))?;
             let mut w = Worker::new(
                 id,
                 cfg.cpus.as_ref().map(|c| c[id]),
@@ -519,6 +578,10 @@ impl Dataplane {
                 rx,
             );
             w.busy_poll = xsk.busy_poll.is_some();
+            w.journal = persistence
+                .as_mut()
+                .and_then(|p| p.conntrack.get_mut(id))
+                .and_then(Option::take);
             w.engine.host_interface = Some(service.dp.clone());
             w.local_delivery = Some(crate::worker::LocalDelivery {
                 ifindex: service.dp_ifindex,
@@ -527,8 +590,13 @@ impl Dataplane {
             });
             workers.push(w);
         }
+        let taken_over = !(keep && Steering::kept_on(&service.dp, attach));
+        if taken_over {
+            service_prog.attach(&service.dp, attach, keep)?;
+        }
         let links = Arc::new(LinkCtl {
             prog: Mutex::new(Programming {
+                taken_over,
                 needs_full: true,
                 service: Some(service_prog),
                 routes: Some(routes),
@@ -537,7 +605,7 @@ impl Dataplane {
                 ..Programming::default()
             }),
             patterns: cfg.interfaces.clone(),
-            attach: cfg.attach,
+            attach,
             workers: cfg.workers,
             snat: cfg.snat_ports,
             busy_poll: cfg.xsk.busy_poll.is_some(),
@@ -546,9 +614,11 @@ impl Dataplane {
             reserved: vec![service.host.clone(), service.dp.clone()],
             multi_buffer: xsk.multi_buffer,
             frame_mtu,
+            keep,
         });
         let mut dp = Dataplane {
             shared: shared.clone(),
+            persistence,
             node,
             links: links.clone(),
             fib,
@@ -665,6 +735,11 @@ impl Dataplane {
     }
 
     /// Sums of the workers' counters.
+    /// What start-up restored from the state directory (`None` without one).
+    pub fn restored(&self) -> Option<&crate::persistence::Restored> {
+        self.persistence.as_ref().map(|p| &p.restored)
+    }
+
     pub fn totals(&self) -> Totals {
         let mut t = Totals {
             affinity: self.node.affinity.stats(),
@@ -718,40 +793,123 @@ impl Dataplane {
     }
 
     /// Stops the workers and detaches the XDP programs.
-    pub fn stop(mut self) {
-        self.shutdown();
+    /// Takes over the programs a previous kxp left attached: each interface's new
+    /// program, filled with what was published so far, replaces the old one atomically.
+    /// Call it after the first full publication (until then the old programs steer,
+    /// holding packets while no socket takes them). kxp programs left on interfaces that
+    /// no longer match are detached.
+    ///
+    /// # Errors
+    /// An interface that cannot be taken over (it is then detached and retried like a
+    /// failed attach).
+    pub fn take_over(&self) -> Result<(), DataplaneError> {
+        let mut prog = self.links.lock();
+        if prog.taken_over {
+            return Ok(());
+        }
+        prog.taken_over = true;
+        let mode = self.links.attach;
+        let mut first = None;
+        let mut failed = Vec::new();
+        for s in prog.steering.iter_mut().filter(|s| !s.is_attached()) {
+            let name = s.ifname().unwrap_or_default().to_string();
+            if let Err(e) = s.attach(&name, mode, true) {
+                failed.push(s.ifindex());
+                first.get_or_insert(e);
+            }
+        }
+        for ifindex in failed {
+            self.links.detach(&mut prog, ifindex);
+            prog.failed.insert(ifindex, Instant::now());
+        }
+        if let Some(s) = prog.service.as_mut().filter(|s| !s.is_attached()) {
+            let name = s.ifname().unwrap_or_default().to_string();
+            if let Err(e) = s.attach(&name, mode, true) {
+                first.get_or_insert(e);
+            }
+        }
+        let ours: Vec<u32> = prog
+            .steering
+            .iter()
+            .chain(prog.service.as_ref())
+            .map(Steering::ifindex)
+            .collect();
+        for l in self.fib.view().links() {
+            if !ours.contains(&l.ifindex)
+                && matches!(crate::xdp::cleanup_interface(&l.name), Ok(true))
+            {
+                tracing::info!(interface = %l.name, "detached the program a previous kxp left (no longer matching)");
+            }
+        }
+        match first {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
-    fn shutdown(&mut self) {
+    /// Stops the workers. With a state directory the steering stays for the next kxp:
+    /// pinned programs (holding kxp's packets while no socket takes them), the service
+    /// device, its routes and rules, and the state files; without one, everything is
+    /// removed as by [`Dataplane::remove`].
+    pub fn stop(mut self) {
+        let keep = self.links.keep;
+        self.shutdown(keep);
+    }
+
+    /// Stops and removes everything: programs (pins included), the service device, its
+    /// routes and rules, and the state files. For an uninstall, or a demo.
+    pub fn remove(mut self) {
+        self.shutdown(false);
+        if let Some(p) = self.persistence.take() {
+            remove_state(&p.dir.path);
+        }
+    }
+
+    fn shutdown(&mut self, keep: bool) {
         self.link_stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.link_thread.take() {
             let _ = h.join();
         }
         {
             let mut prog = self.links.lock();
-            // Programs first: from here on the interfaces' traffic is the kernel's.
             let service = prog.service.take();
-            for s in prog.steering.drain(..).chain(service) {
-                if let Err(e) = s.detach() {
-                    tracing::warn!(error = %e, "detaching an XDP program");
+            if keep {
+                // The programs stay attached; the routes and rules stay with the device.
+                for mut s in prog.steering.drain(..).chain(service) {
+                    s.keep_attached();
+                }
+                if let Some(mut rules) = prog.nodeport_rules.take() {
+                    rules.keep();
+                }
+                prog.routes.take();
+            } else {
+                // Programs first: from here on the interfaces' traffic is the kernel's.
+                for s in prog.steering.drain(..).chain(service) {
+                    if let Err(e) = s.detach() {
+                        tracing::warn!(error = %e, "detaching an XDP program");
+                    }
+                }
+                if let Some(mut routes) = prog.routes.take() {
+                    let _ = routes.sync(&HashSet::new());
+                }
+                if let Some(mut rules) = prog.nodeport_rules.take() {
+                    rules.clear();
                 }
             }
             for (path, value) in prog.restore.drain(..) {
                 let _ = std::fs::write(&path, value);
-            }
-            if let Some(mut routes) = prog.routes.take() {
-                let _ = routes.sync(&HashSet::new());
-            }
-            if let Some(mut rules) = prog.nodeport_rules.take() {
-                rules.clear();
             }
         }
         self.shared.stop.store(true, Ordering::Relaxed);
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
-        // The workers' sockets are closed: the service device can go.
-        self.service.take();
+        // The workers' sockets are closed: the service device can go (or stay).
+        if let Some(mut dev) = self.service.take()
+            && keep
+        {
+            dev.keep();
+        }
     }
 }
 
@@ -848,8 +1006,12 @@ impl LinkCtl {
                 self.frame_mtu
             );
         }
-        let mut s = Steering::load_and_attach(&link.name, self.attach)?;
+        let mut s = Steering::load()?;
+        s.prepare_for(&link.name, link.ifindex);
         s.set_snat_range(self.snat.0, self.snat.1)?;
+        if self.keep {
+            s.set_hold()?;
+        }
         prog.fill(&mut s)?;
         let mut opened = Vec::new();
         let mut result = Ok(());
@@ -875,6 +1037,14 @@ impl LinkCtl {
                 result = Err(e);
                 break;
             }
+        }
+        // Filled and with its sockets: attach it, or, if a previous kxp's link steers
+        // this interface, leave that one in place until `take_over`.
+        let kept = self.keep && !prog.taken_over && Steering::kept_on(&link.name, self.attach);
+        if result.is_ok() && !kept {
+            result = s
+                .attach(&link.name, self.attach, self.keep)
+                .map_err(DataplaneError::from);
         }
         if let Err(e) = result {
             drop(s);
@@ -1044,8 +1214,22 @@ impl Programming {
 
 impl Drop for Dataplane {
     fn drop(&mut self) {
-        self.shutdown();
+        let keep = self.links.keep;
+        self.shutdown(keep);
     }
+}
+
+/// Removes kxp's state files (and the directory, if nothing else is in it).
+pub fn remove_state(dir: &std::path::Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.filter_map(Result::ok) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == "lock" || name.ends_with(".state") || name.ends_with(".new") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
 }
 
 #[cfg(test)]

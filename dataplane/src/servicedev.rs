@@ -62,6 +62,8 @@ pub struct ServiceDevice {
     pub dp_ifindex: u32,
     pub host_mac: [u8; 6],
     pub dp_mac: [u8; 6],
+    /// Left in place on drop (see [`ServiceDevice::keep`]).
+    keep: bool,
 }
 
 fn mac_of(name: &str) -> [u8; 6] {
@@ -134,11 +136,17 @@ fn with_handle<T>(
 
 impl ServiceDevice {
     /// Creates the pair `host` / `host-dp` (replacing one a dead kxp left), with `queues`
-    /// receive and transmit queues on the dataplane side, both ends up.
+    /// receive and transmit queues on the dataplane side, both ends up. With `adopt`, a
+    /// pair the previous kxp left with that many queues is kept as it is (with its routes,
+    /// which the node's own connections to Services keep using across a restart).
     ///
     /// # Errors
     /// A bad name, or what netlink answered.
-    pub fn create(host: &str, queues: u32) -> Result<ServiceDevice, ServiceDeviceError> {
+    pub fn create(
+        host: &str,
+        queues: u32,
+        adopt: bool,
+    ) -> Result<ServiceDevice, ServiceDeviceError> {
         let dp = format!("{host}{DP_SUFFIX}");
         let max = libc::IFNAMSIZ - 1 - DP_SUFFIX.len();
         if host.is_empty()
@@ -153,6 +161,9 @@ impl ServiceDevice {
             });
         }
         let q = queues.max(1);
+        if adopt && let Some(dev) = ServiceDevice::adopt(host, &dp, q) {
+            return Ok(dev);
+        }
         let (host_ifindex, dp_ifindex) = with_handle(host, async |h| {
             if let Some(old) = index_of(h, host).await {
                 h.link()
@@ -194,15 +205,7 @@ impl ServiceDevice {
                 .map_err(netlink_err("bring up", host))?;
             Ok((host_ifindex, dp_ifindex))
         })?;
-        // The node's own connections to its NodePorts come back to it through the pair
-        // with a node address as source: accept them (`accept_local`) on both ends,
-        // kxp's own devices.
-        for dev in [host, dp.as_str()] {
-            let path = format!("/proc/sys/net/ipv4/conf/{dev}/accept_local");
-            if let Err(e) = std::fs::write(&path, "1") {
-                tracing::warn!(%path, error = %e, "cannot set; the node's own connections to its NodePorts will fail");
-            }
-        }
+        ServiceDevice::accept_local(host, &dp);
         Ok(ServiceDevice {
             host_mac: mac_of(host),
             dp_mac: mac_of(&dp),
@@ -210,7 +213,64 @@ impl ServiceDevice {
             dp,
             host_ifindex,
             dp_ifindex,
+            keep: false,
         })
+    }
+
+    /// The pair a previous kxp left, if both ends are there, peers of each other, with
+    /// `queues` queues, and up.
+    fn adopt(host: &str, dp: &str, queues: u32) -> Option<ServiceDevice> {
+        let read = |dev: &str, what: &str| {
+            std::fs::read_to_string(format!("/sys/class/net/{dev}/{what}"))
+                .ok()
+                .and_then(|v| v.trim().parse::<u32>().ok())
+        };
+        let (host_ifindex, dp_ifindex) = (read(host, "ifindex")?, read(dp, "ifindex")?);
+        let rx = std::fs::read_dir(format!("/sys/class/net/{dp}/queues"))
+            .ok()?
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with("rx-"))
+            .count();
+        let up = |dev: &str| {
+            std::fs::read_to_string(format!("/sys/class/net/{dev}/flags"))
+                .ok()
+                .and_then(|v| u32::from_str_radix(v.trim().trim_start_matches("0x"), 16).ok())
+                .is_some_and(|f| f & libc::IFF_UP as u32 != 0)
+        };
+        if read(host, "iflink")? != dp_ifindex || rx != queues as usize || !up(host) || !up(dp) {
+            return None;
+        }
+        ServiceDevice::accept_local(host, dp);
+        tracing::info!(
+            device = host,
+            "kept the service device the previous kxp left"
+        );
+        Some(ServiceDevice {
+            host_mac: mac_of(host),
+            dp_mac: mac_of(dp),
+            host: host.to_string(),
+            dp: dp.to_string(),
+            host_ifindex,
+            dp_ifindex,
+            keep: false,
+        })
+    }
+
+    /// Leaves the pair (and its routes) in place when this value goes, for the next kxp.
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+
+    /// The node's own connections to its NodePorts come back to it through the pair
+    /// with a node address as source: accept them (`accept_local`) on both ends, kxp's
+    /// own devices.
+    fn accept_local(host: &str, dp: &str) {
+        for dev in [host, dp] {
+            let path = format!("/proc/sys/net/ipv4/conf/{dev}/accept_local");
+            if let Err(e) = std::fs::write(&path, "1") {
+                tracing::warn!(%path, error = %e, "cannot set; the node's own connections to its NodePorts will fail");
+            }
+        }
     }
 
     /// Whether `name` is one of the pair's two ends (never attached as a pod interface).
@@ -238,6 +298,9 @@ pub fn remove(host: &str) -> Result<bool, ServiceDeviceError> {
 
 impl Drop for ServiceDevice {
     fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
         if let Err(e) = remove(&self.host) {
             tracing::warn!(error = %e, "kxp's service device was not removed");
         }
@@ -380,6 +443,8 @@ pub struct NodePortRules {
     spans: Vec<Span>,
     /// Families whose local rule kxp moved to priority 1.
     moved: Vec<AddressFamilyKind>,
+    /// Left in place on drop (see [`NodePortRules::keep`]).
+    keep: bool,
 }
 
 /// One rule: family, protocol, port span, and whether it is for the node's own
@@ -469,6 +534,7 @@ impl NodePortRules {
             addrs: Vec::new(),
             spans: Vec::new(),
             moved: Vec::new(),
+            keep: false,
         })
     }
 
@@ -621,9 +687,19 @@ impl NodePortRules {
     }
 }
 
+impl NodePortRules {
+    /// Leaves the rules in place when this value goes, for the next kxp (which starts by
+    /// putting them back in order with [`cleanup_rules`]).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
 impl Drop for NodePortRules {
     fn drop(&mut self) {
-        self.clear();
+        if !self.keep {
+            self.clear();
+        }
     }
 }
 

@@ -149,6 +149,9 @@ pub struct Worker {
     now: u64,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
     pub busy_poll: bool,
+    /// Where the connection table's changes go for the next process (see
+    /// [`crate::statefile`]).
+    pub journal: Option<crate::statefile::StateFile>,
     local: Local,
 }
 
@@ -187,7 +190,6 @@ impl MasqueradeSource for FibSource<'_> {
     }
 }
 
-
 impl Worker {
     /// A worker for queue `id`; `io` holds its sockets (more come and go by
     /// [`Command::AddPort`] and [`Command::RemovePort`]).
@@ -217,6 +219,7 @@ impl Worker {
             waiting: std::collections::VecDeque::new(),
             now: 0,
             busy_poll: false,
+            journal: None,
             local: Local::default(),
         }
     }
@@ -291,6 +294,9 @@ impl Worker {
                     self.handle(f, ifindex, &snap, now, workers, &mut answer, false);
                 }
             }
+            // Every flow a packet of this batch created or changed is in the state file
+            // before the packet leaves (the transmit kick below).
+            self.write_journal();
             self.io.flush();
             self.engine.table.expire(now, 64);
             if iterations.is_multiple_of(64) {
@@ -319,7 +325,19 @@ impl Worker {
                 self.publish(iterations, busy, snap.generation);
             }
         }
+        self.write_journal();
         self.publish(iterations, busy, 0);
+    }
+
+    fn write_journal(&mut self) {
+        if let Some(j) = &self.journal {
+            self.engine.table.drain_journal(|slot, rec| {
+                j.write(
+                    slot,
+                    &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()),
+                );
+            });
+        }
     }
 
     fn publish(&self, iterations: u64, busy: u64, generation: u64) {

@@ -85,6 +85,8 @@ pub const XDP_REDIRECT: u32 = 4;
 const CFG_STEER_VLAN: u32 = 1;
 /// `config.flags` bit: this is kxp's service device; drop instead of passing.
 const CFG_SERVICE_DEVICE: u32 = 2;
+/// `config.flags` bit: drop, do not pass, a matching packet with no socket on its queue.
+const CFG_HOLD: u32 = 4;
 
 // include_bytes! is 1-aligned; libelf wants the ELF image 8-aligned.
 #[repr(C, align(8))]
@@ -141,6 +143,10 @@ pub struct Steering {
     prog: OwnedFd,
     prog_id: u32,
     attachment: Option<Attachment>,
+    /// The interface an instance not attached yet is being filled for (name, index).
+    intended: Option<(String, u32)>,
+    /// Not detached on drop (see [`Steering::keep_attached`]).
+    keep: bool,
     xsks: MapHandle,
     config: MapHandle,
     stats: MapHandle,
@@ -246,6 +252,8 @@ impl Steering {
             prog: loaded.prog,
             prog_id,
             attachment: None,
+            intended: None,
+            keep: false,
             xsks,
             config,
             stats,
@@ -265,9 +273,26 @@ impl Steering {
     /// As [`Steering::load`], plus [`XdpError::InvalidInterfaceName`],
     /// [`XdpError::InterfaceNotFound`] and [`XdpError::Attach`] (with what to do).
     pub fn load_and_attach(ifname: &str, mode: AttachMode) -> Result<Steering, XdpError> {
-        let ifindex = resolve_ifindex(ifname)?;
         let mut s = Steering::load()?;
-        let prog = s.prog.as_fd();
+        s.attach(ifname, mode, false)?;
+        Ok(s)
+    }
+
+    /// Attaches this (loaded, unattached) instance to `ifname`. With `replace` (netlink
+    /// modes only), a kxp program a previous process left attached there is replaced
+    /// atomically (it steers until this one, filled, takes over); any other program is
+    /// never replaced.
+    ///
+    /// # Errors
+    /// As [`Steering::load_and_attach`].
+    pub fn attach(
+        &mut self,
+        ifname: &str,
+        mode: AttachMode,
+        replace: bool,
+    ) -> Result<(), XdpError> {
+        let ifindex = resolve_ifindex(ifname)?;
+        let prog = self.prog.as_fd();
         let attach_err = |source: io::Error| XdpError::Attach {
             ifname: ifname.to_owned(),
             mode,
@@ -275,36 +300,82 @@ impl Steering {
             source,
         };
         let noexist = libbpf_sys::XDP_FLAGS_UPDATE_IF_NOEXIST;
+        let netlink = |flags: u32| -> Result<(), XdpError> {
+            match replace
+                .then(|| cleanup::kept_program(ifindex, flags))
+                .flatten()
+            {
+                Some(old) => sys::xdp_replace(ifindex, prog, flags, old.as_fd()),
+                None => sys::xdp_attach(ifindex, prog, flags | noexist),
+            }
+            .map_err(attach_err)
+        };
         let link = match mode {
             AttachMode::Link => Some(sys::xdp_link_create(ifindex, prog).map_err(attach_err)?),
             AttachMode::Native => {
-                sys::xdp_attach(ifindex, prog, sys::XDP_FLAGS_DRV_MODE | noexist)
-                    .map_err(attach_err)?;
+                netlink(sys::XDP_FLAGS_DRV_MODE)?;
                 None
             }
             AttachMode::Generic => {
-                sys::xdp_attach(ifindex, prog, sys::XDP_FLAGS_SKB_MODE | noexist)
-                    .map_err(attach_err)?;
+                netlink(sys::XDP_FLAGS_SKB_MODE)?;
                 None
             }
         };
-        s.attachment = Some(Attachment {
+        self.attachment = Some(Attachment {
             ifname: ifname.to_owned(),
             ifindex,
             mode,
             link,
         });
-        Ok(s)
+        Ok(())
+    }
+
+    /// Whether a kxp program a previous process left is attached to `ifname` in `mode`
+    /// (netlink modes), i.e. whether [`Steering::attach`] with `replace` would take one
+    /// over.
+    pub fn kept_on(ifname: &str, mode: AttachMode) -> bool {
+        let flags = match mode {
+            AttachMode::Link => return false,
+            AttachMode::Native => sys::XDP_FLAGS_DRV_MODE,
+            AttachMode::Generic => sys::XDP_FLAGS_SKB_MODE,
+        };
+        resolve_ifindex(ifname).is_ok_and(|i| cleanup::kept_program(i, flags).is_some())
+    }
+
+    /// Leaves the program attached when this instance is dropped (netlink modes: for the
+    /// next kxp to take over). A bpf_link still goes with its fd.
+    pub fn keep_attached(&mut self) {
+        self.keep = true;
     }
 
     /// The interface index, or 0 if not attached.
     pub fn ifindex(&self) -> u32 {
-        self.attachment.as_ref().map_or(0, |a| a.ifindex)
+        match (&self.attachment, &self.intended) {
+            (Some(a), _) => a.ifindex,
+            (None, Some((_, i))) => *i,
+            (None, None) => 0,
+        }
     }
 
-    /// The interface name, if attached.
+    /// The interface name, if attached (or being prepared for one, see
+    /// [`Steering::prepare_for`]).
     pub fn ifname(&self) -> Option<&str> {
-        self.attachment.as_ref().map(|a| a.ifname.as_str())
+        match (&self.attachment, &self.intended) {
+            (Some(a), _) => Some(a.ifname.as_str()),
+            (None, Some((n, _))) => Some(n.as_str()),
+            (None, None) => None,
+        }
+    }
+
+    /// Names the interface this unattached instance is filled for, before
+    /// [`Steering::attach`] (which then takes it over).
+    pub fn prepare_for(&mut self, ifname: &str, ifindex: u32) {
+        self.intended = Some((ifname.to_owned(), ifindex));
+    }
+
+    /// Whether the program is attached (not just prepared).
+    pub fn is_attached(&self) -> bool {
+        self.attachment.is_some()
     }
 
     /// The kernel's id of this program instance (`bpftool prog show id N`).
@@ -421,6 +492,19 @@ impl Steering {
     pub fn set_service_device(&self) -> Result<(), XdpError> {
         self.update_config(|c| {
             let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) | CFG_SERVICE_DEVICE;
+            c[4..8].copy_from_slice(&flags.to_ne_bytes());
+        })
+    }
+
+    /// Holds kxp's packets while no socket is there to take them (a restart): a packet
+    /// that a rule matches is dropped instead of passed to the kernel when its queue has
+    /// no socket. For a program that stays attached (pinned) across kxp's restarts.
+    ///
+    /// # Errors
+    /// [`XdpError::Map`].
+    pub fn set_hold(&self) -> Result<(), XdpError> {
+        self.update_config(|c| {
+            let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) | CFG_HOLD;
             c[4..8].copy_from_slice(&flags.to_ne_bytes());
         })
     }
@@ -612,6 +696,9 @@ impl Steering {
 
 impl Drop for Steering {
     fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
         // Best effort: a netlink-attached program left behind is fail-open (its sockets
         // are gone) and `kxp cleanup` removes it.
         let _ = self.detach_inner();

@@ -72,10 +72,7 @@ impl Scheduler {
 
     /// Schedulers that keep a position between connections ([`RrCursor`]).
     pub fn uses_cursor(self) -> bool {
-        matches!(
-            self,
-            Scheduler::RoundRobin | Scheduler::WeightedRoundRobin
-        )
+        matches!(self, Scheduler::RoundRobin | Scheduler::WeightedRoundRobin)
     }
 
     /// Schedulers that look endpoints up in a consistent-hash table.

@@ -48,6 +48,8 @@ struct Lab {
     backends: Vec<String>,
     dir: PathBuf,
     generation: u32,
+    /// `kxp run`'s arguments (to start it again).
+    args: Vec<String>,
 }
 
 struct Opts<'a> {
@@ -248,6 +250,7 @@ impl Lab {
             backends,
             dir,
             generation: 2,
+            args,
         }
     }
 
@@ -640,21 +643,38 @@ fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
     drop(listener);
     let ping = in_ns(&lab.client, &["ping", "-c", "2", "-W", "1", "198.18.1.1"]);
     assert!(ping.is_ok(), "ping to the node: {ping:?}");
-    // Stop kxp: it exits 0 and leaves no XDP program behind.
+    // Stop kxp: it exits 0 and, as kube-proxy leaves its rules, keeps its steering for
+    // the next kxp: the programs (holding kxp's packets), the service device and its
+    // routes and rules, the state directory.
     let code = lab.kxp.as_mut().unwrap().terminate();
     assert_eq!(code, Some(0), "{}", lab.log());
-    let links = in_ns(&lab.node, &["ip", "-d", "link", "show"]).unwrap();
-    let text = String::from_utf8_lossy(&links.stdout);
-    assert!(!text.contains("prog/xdp"), "{text}");
-    // Nor its service device, routes or policy rules: the local rule is back at 0.
+    let show = |what: &[&str]| {
+        let out = in_ns(&lab.node, what).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = show(&["ip", "-d", "link", "show"]);
+    assert_eq!(text.matches("name kxp_steer").count(), 5, "{text}");
+    assert!(text.contains("kxp0"), "{text}");
+    assert!(show(&["ip", "rule", "show"]).contains("lookup 201"));
+    assert!(show(&["ip", "route", "show", "table", "all"]).contains("proto 201"));
+    // Traffic that is not kxp's is still the kernel's.
+    let ping = in_ns(&lab.client, &["ping", "-c", "1", "-W", "1", "198.18.1.1"]);
+    assert!(
+        ping.is_ok(),
+        "ping to the node while kxp is stopped: {ping:?}"
+    );
+    // `kxp cleanup` removes all of it: no program, no service device, routes or policy
+    // rules (the local rule back at 0), no state directory.
+    let out = lab.kxp.as_ref().unwrap().cleanup().unwrap();
+    let text = show(&["ip", "-d", "link", "show"]);
+    assert!(!text.contains("prog/xdp"), "{text}\n{out}");
     assert!(!text.contains("kxp0"), "{text}");
-    let rules = in_ns(&lab.node, &["ip", "rule", "show"]).unwrap();
-    let rules = String::from_utf8_lossy(&rules.stdout).into_owned();
+    let rules = show(&["ip", "rule", "show"]);
     assert!(rules.starts_with("0:\tfrom all lookup local"), "{rules}");
     assert!(!rules.contains("lookup 201"), "{rules}");
-    let routes = in_ns(&lab.node, &["ip", "route", "show", "table", "all"]).unwrap();
-    let routes = String::from_utf8_lossy(&routes.stdout).into_owned();
+    let routes = show(&["ip", "route", "show", "table", "all"]);
     assert!(!routes.contains("proto 201"), "{routes}");
+    assert!(out.contains("removed kxp's state directory"), "{out}");
     lab.kxp = None;
 }
 
@@ -1804,7 +1824,12 @@ fn http_from(src: SocketAddr, dst: SocketAddr) -> std::io::Result<String> {
     s.write_all(b"GET / HTTP/1.0\r\nHost: web\r\n\r\n")?;
     let mut resp = String::new();
     s.read_to_string(&mut resp)?;
-    Ok(resp.split("\r\n\r\n").nth(1).unwrap_or("").trim().to_string())
+    Ok(resp
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or("")
+        .trim()
+        .to_string())
 }
 
 #[test]
@@ -1885,4 +1910,248 @@ fn connections_from_ports_inside_the_snat_range_are_all_answered_with_two_worker
             .count()
     });
     assert_eq!(answered, 40, "UDP from the pod\n{}", lab.log());
+}
+
+/// A long-lived TCP connection through a masqueraded ClusterIP: one message every 50 ms,
+/// each echoed. Records every round trip and stops at the first error.
+struct Echoer {
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<anyhow::Result<EchoLog>>>,
+}
+
+#[derive(Debug, Default)]
+struct EchoLog {
+    /// (sent at, round trip) per message, in order.
+    rtts: Vec<(Instant, Duration)>,
+    /// Backend that answered.
+    backend: String,
+    error: Option<String>,
+}
+
+impl Echoer {
+    fn start(ns: &str, addr: SocketAddr) -> Echoer {
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let handle = spawn_in(ns, move || -> EchoLog {
+            let mut log = EchoLog::default();
+            let mut s = match TcpStream::connect_timeout(&addr, Duration::from_secs(3)) {
+                Ok(s) => s,
+                Err(e) => {
+                    log.error = Some(format!("connect: {e}"));
+                    return log;
+                }
+            };
+            // Longer than any restart; a reset or a lost connection ends it at once.
+            let _ = s.set_read_timeout(Some(Duration::from_secs(20)));
+            let mut seq = 0u32;
+            let mut buf = vec![0u8; 256];
+            while !st.load(std::sync::atomic::Ordering::Relaxed) && seq < 4000 {
+                let msg = format!("m{seq:06};");
+                let sent = Instant::now();
+                if let Err(e) = s.write_all(msg.as_bytes()) {
+                    log.error = Some(format!("write {seq}: {e}"));
+                    break;
+                }
+                // The answer: "NAME:" + the message, maybe in pieces.
+                let mut got = Vec::new();
+                let ok = loop {
+                    match s.read(&mut buf) {
+                        Ok(0) => break Err("closed".to_string()),
+                        Ok(n) => {
+                            got.extend_from_slice(&buf[..n]);
+                            if got.ends_with(msg.as_bytes()) {
+                                break Ok(());
+                            }
+                        }
+                        Err(e) => break Err(e.to_string()),
+                    }
+                };
+                if let Err(e) = ok {
+                    log.error = Some(format!("message {seq}: {e}"));
+                    break;
+                }
+                let text = String::from_utf8_lossy(&got).into_owned();
+                let (name, body) = text.split_once(':').unwrap_or(("", ""));
+                if body != msg {
+                    log.error = Some(format!("message {seq}: echoed {text:?}"));
+                    break;
+                }
+                if log.backend.is_empty() {
+                    log.backend = name.to_string();
+                } else if log.backend != name {
+                    log.error = Some(format!("message {seq} answered by {name}"));
+                    break;
+                }
+                log.rtts.push((sent, sent.elapsed()));
+                seq += 1;
+                std::thread::sleep(Duration::from_millis(50).saturating_sub(sent.elapsed()));
+            }
+            log
+        });
+        Echoer {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    fn finish(mut self) -> EchoLog {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle.take().unwrap().join().unwrap().unwrap()
+    }
+}
+
+impl Drop for Echoer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A UDP stream to the ClusterIP: a datagram every 50 ms, the answering backend of each.
+fn udp_stream(
+    ns: &str,
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<anyhow::Result<Vec<(Instant, Option<String>)>>> {
+    spawn_in(ns, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(40))).unwrap();
+        let mut out = Vec::new();
+        let mut buf = [0u8; 64];
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) && out.len() < 4000 {
+            let t = Instant::now();
+            let _ = s.send_to(b"?", addr);
+            let who = s
+                .recv_from(&mut buf)
+                .ok()
+                .map(|(n, _)| String::from_utf8_lossy(&buf[..n]).into_owned());
+            out.push((t, who));
+            std::thread::sleep(Duration::from_millis(50).saturating_sub(t.elapsed()));
+        }
+        out
+    })
+}
+
+/// The longest time between two answers around `at`, and the messages sent during it.
+fn stall_around(rtts: &[(Instant, Duration)], from: Instant, to: Instant) -> Duration {
+    let mut worst = Duration::ZERO;
+    for w in rtts.windows(2) {
+        let (a, b) = (w[0].0 + w[0].1, w[1].0 + w[1].1);
+        if b >= from && a <= to {
+            worst = worst.max(b - a);
+        }
+    }
+    worst
+}
+
+#[test]
+fn connections_survive_kill_restart_and_binary_replacement() {
+    // Two workers on two-queue veths, ClientIP affinity: the long-lived TCP connection
+    // (masqueraded: the client is outside the cluster CIDR), a UDP stream and the
+    // client's affinity must come through every kind of restart unchanged.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe21",
+        queues: 2,
+        workers: 2,
+        extra_spec: "  sessionAffinity: ClientIP\n",
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 5);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 1);
+    let affine = spread.keys().next().unwrap().clone();
+    let echo = Echoer::start(&lab.client, vip(7));
+    let udp_stop = Arc::new(AtomicBool::new(false));
+    let udp = udp_stream(&lab.client, vip(9), udp_stop.clone());
+    std::thread::sleep(Duration::from_millis(600));
+
+    // A copy of the binary at another path stands for a new version.
+    let new_bin = lab.dir.join("kxp-new");
+    std::fs::copy(kxp_bin(), &new_bin).unwrap();
+    let node = lab.node.clone();
+    let args = lab.args.clone();
+    let mut windows = Vec::new();
+    for (kind, exe) in [
+        ("kill -9", None),
+        ("SIGTERM", None),
+        ("binary replaced", Some(new_bin.clone())),
+    ] {
+        let k = lab.kxp.as_mut().unwrap();
+        let t0 = Instant::now();
+        if kind == "kill -9" {
+            k.kill();
+        } else {
+            assert_eq!(k.terminate(), Some(0), "{kind}");
+        }
+        k.restart(exe.as_deref(), &args).unwrap();
+        wait_healthy(
+            &node,
+            "127.0.0.1:10256".parse().unwrap(),
+            Duration::from_secs(30),
+            k,
+        )
+        .unwrap();
+        let ready = Instant::now();
+        std::thread::sleep(Duration::from_millis(800));
+        windows.push((kind, t0, ready));
+        // The client's next connection keeps its endpoint.
+        let (spread, _, failed) = lab.http_spread(vip(80), 2);
+        assert_eq!(failed, 0, "after {kind}\n{}", lab.log());
+        assert_eq!(
+            spread.keys().collect::<Vec<_>>(),
+            vec![&affine],
+            "after {kind}"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let log = echo.finish();
+    udp_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let datagrams = udp.join().unwrap().unwrap();
+    let text = lab.log();
+    assert!(log.error.is_none(), "TCP: {:?}\n{text}", log.error);
+    for (kind, t0, ready) in &windows {
+        let stall = stall_around(&log.rtts, *t0, *ready + Duration::from_millis(800));
+        let lost = datagrams
+            .iter()
+            .filter(|(t, who)| t >= t0 && *t <= *ready && who.is_none())
+            .count();
+        println!(
+            "{kind}: kxp back in {:?}; longest TCP stall {stall:?}; UDP datagrams unanswered {lost}",
+            *ready - *t0
+        );
+    }
+    // The UDP stream kept its endpoint: every answer from the same backend (affinity is
+    // per Service port: this one's may differ from port 80's).
+    let answers: std::collections::BTreeSet<_> =
+        datagrams.iter().filter_map(|(_, w)| w.clone()).collect();
+    assert_eq!(answers.len(), 1, "{answers:?}\n{text}");
+    // Datagrams go unanswered only while kxp is away.
+    let outside: Vec<_> = datagrams
+        .iter()
+        .filter(|(t, w)| {
+            w.is_none()
+                && !windows
+                    .iter()
+                    .any(|(_, t0, ready)| *t >= *t0 - Duration::from_millis(100) && *t <= *ready)
+        })
+        .collect();
+    assert!(
+        outside.len() <= 1,
+        "{} unanswered outside restarts\n{text}",
+        outside.len()
+    );
+    // Each restart found the flows (TCP, UDP, the HTTP ones still lingering) and the
+    // client's affinity.
+    let restored: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("kxp: restored"))
+        .collect();
+    assert_eq!(
+        restored.len(),
+        4,
+        "the first start and three restarts\n{text}"
+    );
+    for l in &restored[1..] {
+        assert!(!l.contains("restored 0 flow"), "{l}");
+        assert!(!l.contains(" 0 affinity"), "{l}");
+    }
 }

@@ -24,7 +24,11 @@ fn remembers_until_the_timeout_after_the_last_refresh() {
     // A new connection refreshes it.
     t.remember(7, client(1), ep(1), 14 * SEC, 5 * SEC);
     assert_eq!(t.recall(7, client(1), 18 * SEC), Some(ep(1)));
-    assert_eq!(t.recall(7, client(1), 19 * SEC), None, "expired at 14 + 5 s");
+    assert_eq!(
+        t.recall(7, client(1), 19 * SEC),
+        None,
+        "expired at 14 + 5 s"
+    );
     let s = t.stats();
     assert_eq!((s.entries, s.expired, s.evictions), (0, 1, 0));
 }
@@ -44,7 +48,11 @@ fn is_bounded_and_evicts_the_least_recently_refreshed() {
     assert!(s.entries as usize <= cap, "{s:?}");
     assert!(s.entries as usize >= cap / 2, "shards fill up: {s:?}");
     assert_eq!(s.evictions + s.entries, cap as u64 * 10 + 1, "{s:?}");
-    assert_eq!(t.recall(1, client(0), 1), Some(ep(0)), "a busy client stays");
+    assert_eq!(
+        t.recall(1, client(0), 1),
+        Some(ep(0)),
+        "a busy client stays"
+    );
     // Refresh records do not pile up: the shard's order stays near its map.
     for shard in t.shards.iter() {
         let s = shard.lock().unwrap();
@@ -142,7 +150,11 @@ fn every_change_reaches_the_sink_and_a_new_table_restores_from_it() {
     let records: Vec<AffinityRecord> = sink.0.lock().unwrap().iter().flatten().copied().collect();
     assert!(sink.0.lock().unwrap().len() <= t.capacity());
     let live = t.entries(6 * SEC);
-    assert_eq!(records.len(), live.len(), "one record per entry, no leftovers");
+    assert_eq!(
+        records.len(),
+        live.len(),
+        "one record per entry, no leftovers"
+    );
     // The next process uses the seed it finds with the records.
     let fresh = AffinityTable::with_sink(SHARDS * 2, t.seed(), None);
     for r in &records {
@@ -151,5 +163,8 @@ fn every_change_reaches_the_sink_and_a_new_table_restores_from_it() {
     for e in live {
         assert_eq!(fresh.recall(e.service, e.client, 6 * SEC), Some(e.endpoint));
     }
-    assert!(!fresh.restore(&records[0], 200 * SEC), "expired entries are not restored");
+    assert!(
+        !fresh.restore(&records[0], 200 * SEC),
+        "expired entries are not restored"
+    );
 }

@@ -10,8 +10,12 @@ fn tuple(p: Protocol, a: &str, b: &str) -> Tuple {
 }
 
 fn table() -> ConnTable {
-    ConnTable::new(64, Timeouts::default(), SnatPorts::with_seed(61000..=61100, 1).unwrap())
-        .unwrap()
+    ConnTable::new(
+        64,
+        Timeouts::default(),
+        SnatPorts::with_seed(61000..=61100, 1).unwrap(),
+    )
+    .unwrap()
 }
 
 /// The writer's protocol (the dataplane does the same on the mapped file with atomic
@@ -62,7 +66,10 @@ fn records_round_trip_both_families() {
         expires: 3600 * S,
     };
     assert_eq!(AffinityRecord::decode(&a.encode()), Ok(a));
-    assert!(FlowRecord::decode(&a.encode()).is_err(), "kinds are not confused");
+    assert!(
+        FlowRecord::decode(&a.encode()).is_err(),
+        "kinds are not confused"
+    );
 }
 
 #[test]
@@ -128,10 +135,7 @@ fn a_record_killed_mid_write_or_corrupted_is_never_trusted() {
                 );
             }
             Ok(None) => panic!("steps {steps}: a written record read as empty"),
-            Err(e) => assert!(
-                (1..=RECORD_WORDS).contains(&steps),
-                "steps {steps}: {e}"
-            ),
+            Err(e) => assert!((1..=RECORD_WORDS).contains(&steps), "steps {steps}: {e}"),
         }
     }
     let mut rec = [0u64; RECORD_WORDS];
@@ -146,10 +150,7 @@ fn a_record_killed_mid_write_or_corrupted_is_never_trusted() {
     // Whole but nonsensical payloads are refused by the decoder.
     let mut p = new.encode();
     p[0] = (p[0] & !0xff00) | 99 << 8; // protocol 99
-    assert_eq!(
-        FlowRecord::decode(&p),
-        Err(StateError::Invalid("protocol"))
-    );
+    assert_eq!(FlowRecord::decode(&p), Err(StateError::Invalid("protocol")));
     let mut p = new.encode();
     p[0] = (p[0] & !(0xff << 24)) | 200 << 24; // TCP state 200
     assert!(FlowRecord::decode(&p).is_err());
@@ -205,7 +206,9 @@ fn journal_then_restore_keeps_every_flow() {
     let mut restored = 0;
     for rec in &file {
         if let Ok(Some(p)) = open_record(rec) {
-            fresh.restore(&FlowRecord::decode(p).unwrap(), later).unwrap();
+            fresh
+                .restore(&FlowRecord::decode(p).unwrap(), later)
+                .unwrap();
             restored += 1;
         }
     }

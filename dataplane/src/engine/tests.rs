@@ -434,7 +434,10 @@ fn syn_from(e: &mut Engine, snap: &Snapshot, client: &str, port: u16, now: u64) 
     let mut syn = build_tcp(&orig, 1, None, SYN, b"");
     let mut out = vec![0u8; 1500];
     let v = e.process(snap, &mut syn, now, None, &MASQ, &mut out);
-    assert!(matches!(v, Verdict::Forward { new_flow: true, .. }), "{v:?}");
+    assert!(
+        matches!(v, Verdict::Forward { new_flow: true, .. }),
+        "{v:?}"
+    );
     tuple_of(&syn).dst_addr()
 }
 
@@ -455,7 +458,14 @@ fn affinity_round_robin_and_least_connection_are_per_node_not_per_worker() {
     // ... until the timeout has passed since the last new connection.
     assert_eq!(a.node.affinity.stats().entries, 1);
     let later = SEC + 61 * SEC;
-    assert_eq!(a.node.affinity.recall(snap_port_hash(&snap), "198.18.128.50".parse().unwrap(), later), None);
+    assert_eq!(
+        a.node.affinity.recall(
+            snap_port_hash(&snap),
+            "198.18.128.50".parse().unwrap(),
+            later
+        ),
+        None
+    );
 
     // rr: one cursor per node, so alternating workers still go round the endpoints.
     let snap = snapshot_with_annotation(&eps, "rr");
@@ -485,7 +495,10 @@ fn affinity_round_robin_and_least_connection_are_per_node_not_per_worker() {
     for port in 0..2u16 {
         let ep = syn_from(&mut b, &snap, "198.18.128.51", 43000 + port, SEC);
         let load = a.node.load.get(ep);
-        assert!(load <= 2, "{ep} had {load} flows: lc picked a loaded endpoint");
+        assert!(
+            load <= 2,
+            "{ep} had {load} flows: lc picked a loaded endpoint"
+        );
     }
     let loads: Vec<u32> = eps
         .iter()
@@ -540,7 +553,11 @@ fn every_reply_names_its_owner() {
             let ip: IpAddr = client.parse().unwrap();
             let owner = conntrack::flow_owner(ip, port, 2);
             let e = if owner == 0 { &mut a } else { &mut b };
-            let orig = Tuple::new(SocketAddr::new(ip, port), sa("198.19.0.10:80"), Protocol::Tcp);
+            let orig = Tuple::new(
+                SocketAddr::new(ip, port),
+                sa("198.19.0.10:80"),
+                Protocol::Tcp,
+            );
             let mut syn = build_tcp(&orig, 1, None, SYN, b"");
             let mut out = vec![0u8; 1500];
             e.process(&snap, &mut syn, SEC, None, &MASQ, &mut out);

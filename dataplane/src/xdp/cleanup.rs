@@ -60,7 +60,7 @@ pub fn cleanup_interface(ifname: &str) -> Result<bool, XdpError> {
     Ok(removed)
 }
 
-fn is_kxp_program(id: u32) -> Result<bool, XdpError> {
+pub(super) fn is_kxp_program(id: u32) -> Result<bool, XdpError> {
     // A linear walk over the loaded programs: fine for a cleanup command.
     for info in ProgInfoIter::default() {
         if info.id == id {
@@ -75,4 +75,19 @@ fn is_kxp_program(id: u32) -> Result<bool, XdpError> {
         });
     }
     Ok(false)
+}
+
+/// The kxp program a previous process left netlink-attached to `ifindex` in the mode of
+/// `flags` (`XDP_FLAGS_DRV_MODE` or `XDP_FLAGS_SKB_MODE`), if any.
+pub(super) fn kept_program(ifindex: u32, flags: u32) -> Option<std::os::fd::OwnedFd> {
+    let q = sys::xdp_query(ifindex).ok()?;
+    let id = if flags == sys::XDP_FLAGS_DRV_MODE {
+        q.drv_prog_id
+    } else {
+        q.skb_prog_id
+    };
+    if id == 0 || !is_kxp_program(id).unwrap_or(false) {
+        return None;
+    }
+    Program::fd_from_id(id).ok()
 }

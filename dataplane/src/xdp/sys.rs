@@ -185,3 +185,30 @@ fn log_tail(buf: &[u8]) -> String {
     let skip = lines.len().saturating_sub(LOG_TAIL_LINES);
     lines[skip..].join("\n")
 }
+
+/// Netlink attach of `prog` to `ifindex` in the mode of `flags`, replacing `old` (which
+/// must be the program attached there now) atomically: every packet sees one or the
+/// other.
+pub fn xdp_replace(
+    ifindex: u32,
+    prog: BorrowedFd<'_>,
+    flags: u32,
+    old: BorrowedFd<'_>,
+) -> io::Result<()> {
+    let opts = libbpf_sys::bpf_xdp_attach_opts {
+        sz: size_of::<libbpf_sys::bpf_xdp_attach_opts>() as libbpf_sys::size_t,
+        old_prog_fd: old.as_raw_fd(),
+        ..Default::default()
+    };
+    // SAFETY: `opts` is a fully initialised, correctly sized struct that outlives the
+    // call; libbpf only reads it.
+    let ret = unsafe {
+        libbpf_sys::bpf_xdp_attach(
+            ifindex as c_int,
+            prog.as_raw_fd(),
+            flags | libbpf_sys::XDP_FLAGS_REPLACE,
+            &opts,
+        )
+    };
+    check(ret).map(drop)
+}

@@ -1,0 +1,426 @@
+//! kxp's state files on disk (format: [`conntrack::persist`]): what lets a restarted or
+//! upgraded kxp carry on every connection where the previous process left it.
+//!
+//! A directory (`/run/kxp` by default: tmpfs, gone at reboot, which is right since the
+//! times in it are `CLOCK_MONOTONIC`) holds one file per worker's connection table and
+//! one for the node's affinity table, and a `lock` file. The running process holds an
+//! exclusive lock on `lock` (released by the kernel however the process ends) and maps
+//! its files shared; every change is stored into the mapping as it happens, so a process
+//! killed with SIGKILL leaves everything up to its last change, with at most the record
+//! it was writing torn (and then discarded by the next reader).
+//!
+//! Start-up reads the previous files with plain reads, restores what is valid, writes it
+//! into new files (`NAME.new`) and renames them over the old ones, so a crash during
+//! start-up leaves either the old files or complete new ones.
+//!
+//! The only unsafe code is the mapping itself, seen as a slice of `AtomicU64`: every
+//! access is an atomic load or store, so a concurrent writer (another process, or two
+//! workers on the affinity file's different shards) cannot make it undefined behaviour.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use conntrack::persist::{self, HEADER_WORDS, Header, RECORD_WORDS, StateError};
+
+/// The state directory, locked for this process.
+#[derive(Debug)]
+pub struct StateDir {
+    pub path: PathBuf,
+    _lock: File,
+}
+
+impl StateDir {
+    /// Creates `path` (mode 0700) if needed and takes its lock, waiting up to `wait` for
+    /// a previous kxp that is still stopping.
+    ///
+    /// # Errors
+    /// The directory cannot be created, or another process holds it after `wait`.
+    pub fn lock(path: &Path, wait: std::time::Duration) -> io::Result<StateDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path.join("lock"))?;
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match lock.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        format!(
+                            "another kxp holds {} (its state directory); stop it, or give this one \
+                             another --state-dir",
+                            path.display()
+                        ),
+                    ));
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(e),
+            }
+        }
+        Ok(StateDir {
+            path: path.to_path_buf(),
+            _lock: lock,
+        })
+    }
+
+    /// The file of worker `i`'s connection table.
+    pub fn conntrack(&self, worker: usize) -> PathBuf {
+        self.path.join(format!("conntrack-{worker}.state"))
+    }
+
+    /// The node's affinity table file.
+    pub fn affinity(&self) -> PathBuf {
+        self.path.join("affinity.state")
+    }
+
+    /// Connection-table files present, by worker number.
+    pub fn conntrack_files(&self) -> Vec<(usize, PathBuf)> {
+        let Ok(dir) = std::fs::read_dir(&self.path) else {
+            return Vec::new();
+        };
+        let mut v: Vec<(usize, PathBuf)> = dir
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let n = name.strip_prefix("conntrack-")?.strip_suffix(".state")?;
+                Some((n.parse().ok()?, e.path()))
+            })
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+/// The initial network namespace's inode (`PROC_NET_INIT_INO` of Linux 6.x), when
+/// `/proc/1/ns/net` cannot be read.
+const INIT_NETNS_INO: u64 = 0xEFFF_FFF9;
+
+/// `None` in the host's network namespace; `netns-INODE` in another (a test's, a
+/// container's), so that one kxp per namespace keeps its own state and pins.
+pub fn netns_suffix() -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata("/proc/thread-self/ns/net").ok()?.ino();
+    let init = std::fs::metadata("/proc/1/ns/net").map_or(INIT_NETNS_INO, |m| m.ino());
+    (ino != init).then(|| format!("netns-{ino}"))
+}
+
+/// `/run/kxp` on the host, `/run/kxp/netns-INODE` in another network namespace.
+pub fn default_state_dir() -> PathBuf {
+    let base = PathBuf::from("/run/kxp");
+    match netns_suffix() {
+        Some(s) => base.join(s),
+        None => base,
+    }
+}
+
+/// The kernel's boot id (`/proc/sys/kernel/random/boot_id`), 16 bytes.
+///
+/// # Errors
+/// The file cannot be read or parsed.
+pub fn boot_id() -> io::Result<[u8; 16]> {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
+    let hex: String = text.trim().chars().filter(|c| *c != '-').collect();
+    let mut id = [0u8; 16];
+    if hex.len() != 32 {
+        return Err(io::Error::other(format!("boot_id {text:?}")));
+    }
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+            .map_err(|_| io::Error::other(format!("boot_id {text:?}")))?;
+    }
+    Ok(id)
+}
+
+/// A previous process's file, mapped read-only: its header and its records (a sparse
+/// file of mostly empty records costs only the pages that hold something).
+#[derive(Debug)]
+pub struct OldFile {
+    pub header: Header,
+    map: Mapping,
+}
+
+impl OldFile {
+    /// Maps `path`; `Ok(None)` if there is none.
+    ///
+    /// # Errors
+    /// The file exists but cannot be read, or is not a usable state file (the caller
+    /// logs it and starts clean).
+    pub fn read(path: &Path, boot_id: [u8; 16]) -> Result<Option<OldFile>, String> {
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
+        let len = file.metadata().map_err(|e| e.to_string())?.len() as usize;
+        if len < HEADER_WORDS * 8 {
+            return Err(StateError::Truncated {
+                have: len,
+                need: HEADER_WORDS * 8,
+            }
+            .to_string());
+        }
+        let map = Mapping::new(&file, len & !7, false).map_err(|e| e.to_string())?;
+        let head: Vec<u64> = map.words()[..HEADER_WORDS]
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed))
+            .collect();
+        let header = Header::decode(&head, boot_id).map_err(|e| e.to_string())?;
+        if len < header.file_len() {
+            return Err(StateError::Truncated {
+                have: len,
+                need: header.file_len(),
+            }
+            .to_string());
+        }
+        Ok(Some(OldFile { header, map }))
+    }
+
+    /// Every record: its payload if whole, `Err` if torn or corrupt, skipping empty ones.
+    pub fn records(
+        &self,
+    ) -> impl Iterator<Item = Result<[u64; RECORD_WORDS - 1], StateError>> + '_ {
+        self.map.words()[HEADER_WORDS..]
+            .chunks_exact(RECORD_WORDS)
+            .take(self.header.records as usize)
+            // Most slots were never written: one load to skip each.
+            .filter(|r| r[0].load(Ordering::Relaxed) != 0)
+            .filter_map(|r| {
+                let mut rec = [0u64; RECORD_WORDS];
+                for (d, w) in rec.iter_mut().zip(r) {
+                    *d = w.load(Ordering::Relaxed);
+                }
+                persist::open_record(&rec)
+                    .map(|p| {
+                        p.map(|p| {
+                            let mut out = [0u64; RECORD_WORDS - 1];
+                            out.copy_from_slice(p);
+                            out
+                        })
+                    })
+                    .transpose()
+            })
+    }
+}
+
+/// A shared mapping of a whole file, seen as `AtomicU64`s.
+#[derive(Debug)]
+struct Mapping {
+    ptr: NonNull<AtomicU64>,
+    words: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics; the pointer stays
+// valid until drop, whichever thread holds the value.
+unsafe impl Send for Mapping {}
+// SAFETY: as above: `&Mapping` allows only atomic loads and stores.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes (a multiple of 8) of `file`, read-write or read-only.
+    fn new(file: &File, len: usize, writable: bool) -> io::Result<Mapping> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh shared mapping of `len` bytes of an open file; the kernel
+        // picks the address. Checked for MAP_FAILED below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<AtomicU64>()).ok_or_else(io::Error::last_os_error)?;
+        Ok(Mapping {
+            ptr,
+            words: len / 8,
+        })
+    }
+
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `ptr` is the start of a live mapping of `words` u64s, page-aligned (so
+        // aligned for AtomicU64, which has u64's size), unmapped only in drop; all access
+        // is atomic, so shared references cannot race. (A read-only mapping is only
+        // loaded from: `OldFile` never stores.)
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.words) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, with its length; nothing borrows it any more
+        // (`words()` borrows end with `&self` borrows).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.words * 8) };
+    }
+}
+
+/// A state file mapped for writing.
+#[derive(Debug)]
+pub struct StateFile {
+    map: Mapping,
+    records: usize,
+    tmp: PathBuf,
+    path: PathBuf,
+    _file: File,
+}
+
+impl StateFile {
+    /// Creates `PATH.new` for `header` (all records empty) and maps it; [`commit`]
+    /// renames it to `path` once it holds what it must.
+    ///
+    /// [`commit`]: StateFile::commit
+    ///
+    /// # Errors
+    /// The file cannot be created, sized or mapped.
+    pub fn create(path: &Path, header: &Header) -> io::Result<StateFile> {
+        let tmp = path.with_extension("new");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&tmp)?;
+        let len = header.file_len();
+        file.set_len(len as u64)?;
+        let f = StateFile {
+            map: Mapping::new(&file, len, true)?,
+            records: header.records as usize,
+            tmp,
+            path: path.to_path_buf(),
+            _file: file,
+        };
+        for (i, w) in header.encode().into_iter().enumerate() {
+            f.words()[i].store(w, Ordering::Relaxed);
+        }
+        Ok(f)
+    }
+
+    fn words(&self) -> &[AtomicU64] {
+        self.map.words()
+    }
+
+    /// Records the file holds.
+    pub fn records(&self) -> usize {
+        self.records
+    }
+
+    /// Writes record `index` (ignored if out of range): odd sequence, payload, then the
+    /// sealed even sequence (see [`conntrack::persist`]).
+    pub fn write(&self, index: usize, payload: &[u64; RECORD_WORDS - 1]) {
+        if index >= self.records {
+            return;
+        }
+        let at = HEADER_WORDS + index * RECORD_WORDS;
+        let rec = &self.words()[at..at + RECORD_WORDS];
+        let seq = (rec[0].load(Ordering::Relaxed) as u32) | 1;
+        rec[0].store(u64::from(seq), Ordering::Relaxed);
+        fence(Ordering::Release);
+        for (w, v) in rec[1..].iter().zip(payload) {
+            w.store(*v, Ordering::Relaxed);
+        }
+        rec[0].store(
+            persist::seal(seq.wrapping_add(1).max(2), payload),
+            Ordering::Release,
+        );
+    }
+
+    /// Makes this file the one at its path (replacing the previous process's).
+    ///
+    /// # Errors
+    /// The rename failed.
+    pub fn commit(&self) -> io::Result<()> {
+        std::fs::rename(&self.tmp, &self.path)
+    }
+}
+
+/// The node's affinity table writes through this (one record per entry).
+impl conntrack::affinity::AffinitySink for StateFile {
+    fn put(&self, index: usize, entry: Option<&conntrack::persist::AffinityRecord>) {
+        self.write(index, &entry.map_or(persist::CLEARED, |e| e.encode()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use conntrack::persist::{FlowRecord, Kind};
+
+    #[test]
+    fn written_records_are_read_back_by_the_next_process_and_the_lock_is_exclusive() {
+        let dir = std::env::temp_dir().join(format!("kxp-statefile-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let sd = StateDir::lock(&dir, std::time::Duration::ZERO).unwrap();
+        let again = StateDir::lock(&dir, std::time::Duration::from_millis(50));
+        assert!(again.is_err(), "a second holder must be refused");
+        assert!(again.unwrap_err().to_string().contains("another kxp"));
+        let boot = boot_id().unwrap();
+        let h = Header {
+            kind: Kind::Conntrack,
+            records: 8,
+            worker: 0,
+            workers: 1,
+            boot_id: boot,
+            seed: 0,
+        };
+        let f = StateFile::create(&sd.conntrack(0), &h).unwrap();
+        let r = FlowRecord {
+            orig: nat::Tuple::new(
+                "198.18.1.2:1".parse().unwrap(),
+                "198.19.0.10:80".parse().unwrap(),
+                nat::Protocol::Tcp,
+            ),
+            reply: nat::Tuple::new(
+                "198.18.2.2:8080".parse().unwrap(),
+                "198.18.1.2:1".parse().unwrap(),
+                nat::Protocol::Tcp,
+            ),
+            tag: 0,
+            created: 1,
+            expires: 2,
+            tcp: conntrack::TcpState::Established,
+            seen_reply: true,
+            assured: true,
+        };
+        f.write(3, &r.encode());
+        f.write(5, &r.encode());
+        f.write(5, &persist::CLEARED);
+        f.write(99, &r.encode()); // out of range: ignored
+        f.commit().unwrap();
+        assert_eq!(sd.conntrack_files(), vec![(0, sd.conntrack(0))]);
+        let old = OldFile::read(&sd.conntrack(0), boot).unwrap().unwrap();
+        assert_eq!(old.header, h);
+        let got: Vec<_> = old.records().collect();
+        assert_eq!(got.len(), 1);
+        assert_eq!(FlowRecord::decode(&got[0].clone().unwrap()), Ok(r));
+        // Another boot's file is refused, with a reason.
+        let e = OldFile::read(&sd.conntrack(0), [9; 16]).unwrap_err();
+        assert!(e.contains("reboot"), "{e}");
+        assert!(OldFile::read(&dir.join("none"), boot).unwrap().is_none());
+        std::fs::write(dir.join("junk.state"), b"hello").unwrap();
+        assert!(OldFile::read(&dir.join("junk.state"), boot).is_err());
+        drop(f);
+        drop(sd);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
