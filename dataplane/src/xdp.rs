@@ -310,10 +310,21 @@ impl Steering {
             }
             .map_err(attach_err)
         };
+        let mut mode = mode;
         let link = match mode {
             AttachMode::Link => Some(sys::xdp_link_create(ifindex, prog).map_err(attach_err)?),
             AttachMode::Native => {
-                netlink(sys::XDP_FLAGS_DRV_MODE)?;
+                match netlink(sys::XDP_FLAGS_DRV_MODE) {
+                    // A device without native XDP (vxlan, some NICs): generic, as a
+                    // bpf_link would have chosen.
+                    Err(XdpError::Attach { source, .. })
+                        if source.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+                    {
+                        netlink(sys::XDP_FLAGS_SKB_MODE)?;
+                        mode = AttachMode::Generic;
+                    }
+                    r => r?,
+                }
                 None
             }
             AttachMode::Generic => {
@@ -334,12 +345,17 @@ impl Steering {
     /// (netlink modes), i.e. whether [`Steering::attach`] with `replace` would take one
     /// over.
     pub fn kept_on(ifname: &str, mode: AttachMode) -> bool {
-        let flags = match mode {
+        // Native falls back to generic where the driver has no native XDP.
+        let modes: &[u32] = match mode {
             AttachMode::Link => return false,
-            AttachMode::Native => sys::XDP_FLAGS_DRV_MODE,
-            AttachMode::Generic => sys::XDP_FLAGS_SKB_MODE,
+            AttachMode::Native => &[sys::XDP_FLAGS_DRV_MODE, sys::XDP_FLAGS_SKB_MODE],
+            AttachMode::Generic => &[sys::XDP_FLAGS_SKB_MODE],
         };
-        resolve_ifindex(ifname).is_ok_and(|i| cleanup::kept_program(i, flags).is_some())
+        resolve_ifindex(ifname).is_ok_and(|i| {
+            modes
+                .iter()
+                .any(|&f| cleanup::kept_program(i, f).is_some())
+        })
     }
 
     /// Leaves the program attached when this instance is dropped (netlink modes: for the
