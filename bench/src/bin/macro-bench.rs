@@ -108,6 +108,11 @@ struct Args {
     /// (the same packets in batches on an AF_XDP socket: `xsk-gen`, built alongside).
     #[arg(long, default_value = "trafgen")]
     generator: String,
+    /// Instead of the throughput cases: restart kxp under the generator's established
+    /// flows (kill -9, SIGTERM, a new binary) and report, per restart, how long no
+    /// packet reached the backend and how many were lost.
+    #[arg(long)]
+    restart: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -775,6 +780,8 @@ struct Router<'a> {
     lab: &'a Lab,
     case: Case,
     kxp: Option<Proc>,
+    /// kxp's binary and `kxp run` arguments (to restart it).
+    kxp_cmd: Option<(PathBuf, Vec<String>)>,
 }
 
 impl<'a> Router<'a> {
@@ -789,6 +796,7 @@ impl<'a> Router<'a> {
             lab,
             case,
             kxp: None,
+            kxp_cmd: None,
         };
         match case {
             Case::Plain => {
@@ -831,28 +839,50 @@ impl<'a> Router<'a> {
                 if case == Case::KxpBusyPoll {
                     lab.napi_knobs(2, 200_000)?;
                 }
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", &lab.router, "env", "KXP_LOG_STATS=1"])
-                    .arg(kxp_bin)
-                    .args(["run", "--interface", &lab.rg, "--interface", &lab.rb])
-                    .arg("--state-file")
-                    .arg(&state)
-                    .arg("--config")
-                    .arg(&config)
-                    .args(["--cpus", &ROUTER_CPU.to_string()])
-                    .args(["--healthz-bind-address", HEALTHZ]);
+                let mut args: Vec<String> = ["run", "--interface", &lab.rg, "--interface", &lab.rb]
+                    .map(String::from)
+                    .to_vec();
+                args.extend([
+                    "--state-file".into(),
+                    state.display().to_string(),
+                    "--config".into(),
+                    config.display().to_string(),
+                    "--cpus".into(),
+                    ROUTER_CPU.to_string(),
+                    "--healthz-bind-address".into(),
+                    HEALTHZ.into(),
+                ]);
                 if case == Case::KxpBusyPoll {
-                    cmd.args(["--busy-poll", busy_poll]);
+                    args.extend(["--busy-poll".into(), busy_poll.to_string()]);
                 }
-                let mut p = Proc::spawn(cmd, "kxp", &lab.dir.join(format!("kxp-{tag}.log")))?;
+                let mut p = spawn_kxp(lab, kxp_bin, &args, &format!("kxp-{tag}"))?;
                 wait_healthy(lab, &mut p)?;
                 r.kxp = Some(p);
+                r.kxp_cmd = Some((kxp_bin.to_path_buf(), args));
                 if case == Case::KxpThreaded {
                     lab.threaded_napi()?;
                 }
             }
         }
         Ok(r)
+    }
+
+    /// Stops kxp (SIGKILL, or SIGTERM and a wait) and starts it again, from `bin` if
+    /// given (an upgrade), with the same arguments; returns once it is healthy.
+    fn restart_kxp(&mut self, kill: bool, bin: Option<&Path>, tag: &str) -> anyhow::Result<()> {
+        let (old_bin, args) = self.kxp_cmd.clone().context("no kxp to restart")?;
+        if let Some(mut p) = self.kxp.take() {
+            p.stop(
+                if kill { libc::SIGKILL } else { libc::SIGTERM },
+                Duration::from_secs(10),
+            );
+        }
+        let bin = bin.map_or(old_bin, Path::to_path_buf);
+        let mut p = spawn_kxp(self.lab, &bin, &args, tag)?;
+        wait_healthy(self.lab, &mut p)?;
+        self.kxp = Some(p);
+        self.kxp_cmd = Some((bin, args));
+        Ok(())
     }
 
     /// kxp's last totals line, if it runs.
@@ -902,12 +932,30 @@ impl Drop for Router<'_> {
                 if let Some(mut p) = self.kxp.take() {
                     p.stop(libc::SIGTERM, Duration::from_secs(10));
                 }
+                // A stopped kxp keeps its steering and connections for the next one: the
+                // next case or mode starts afresh instead.
+                if let Some((bin, _)) = &self.kxp_cmd {
+                    let _ = Command::new("ip")
+                        .args(["netns", "exec", &lab.router])
+                        .arg(bin)
+                        .arg("cleanup")
+                        .stdin(Stdio::null())
+                        .output();
+                }
                 if self.case == Case::KxpBusyPoll {
                     let _ = lab.napi_knobs(0, 0);
                 }
             }
         }
     }
+}
+
+fn spawn_kxp(lab: &Lab, bin: &Path, args: &[String], tag: &str) -> anyhow::Result<Proc> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &lab.router, "env", "KXP_LOG_STATS=1"])
+        .arg(bin)
+        .args(args);
+    Proc::spawn(cmd, "kxp", &lab.dir.join(format!("{tag}.log")))
 }
 
 fn wait_healthy(lab: &Lab, p: &mut Proc) -> anyhow::Result<()> {
@@ -1753,6 +1801,12 @@ fn real_main() -> anyhow::Result<()> {
         "topology: {} (trafgen, CPU{GEN_CPU}) -> {} (router, CPU{ROUTER_CPU}) -> {} (3 endpoints)",
         lab.genns, lab.router, lab.back
     );
+    if args.restart {
+        let r = restart_gaps(&lab, &plan);
+        stop.check()?;
+        drop(lab);
+        return r;
+    }
     let mut results = Vec::new();
     for &case in &cases {
         if stop.check().is_err() {
@@ -1764,6 +1818,133 @@ fn real_main() -> anyhow::Result<()> {
     report(&results, &modes, &plan, (&load_before, &load_after));
     stop.check()?;
     drop(lab);
+    Ok(())
+}
+
+/// One restart under load, measured at the backend.
+#[derive(Debug)]
+struct Gap {
+    kind: &'static str,
+    /// From the signal to kxp answering /healthz again.
+    back_in: Duration,
+    /// The longest time the backend's counter did not move.
+    stall: Duration,
+    /// Packets that a steady rate would have delivered in the window, minus those that
+    /// were (the window: from the signal to 1 s after kxp is back).
+    lost: f64,
+    rate_before: f64,
+}
+
+/// `--restart`: kxp under the generator's 1,024 established flows, restarted three ways;
+/// the backend's counter is read every few milliseconds throughout.
+fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
+    let mut router = Router::setup(lab, Case::Kxp, &plan.kxp, &plan.busy_poll, "restart")?;
+    let cfg = lab.trafgen_cfg(Mode::Est)?;
+    let upgrade = lab.dir.join("kxp-new");
+    std::fs::copy(&plan.kxp, &upgrade).context("copying kxp for the upgrade")?;
+    let kinds: [(&'static str, bool, Option<&Path>); 3] = [
+        ("kill -9, restart", true, None),
+        ("SIGTERM, restart", false, None),
+        ("new binary (SIGTERM, start)", false, Some(&upgrade)),
+    ];
+    let total = 1.0 + kinds.len() as f64 * 5.0 + 2.0;
+    let mut tg = lab.start_trafgen(&cfg, Mode::Est, plan, (total * 5e6) as u64, "restart")?;
+    lab.stop.sleep(Duration::from_secs(1))?;
+    if !tg.running() {
+        bail!("the generator exited early:
+{}", tg.log_text());
+    }
+    let probe = Probe::start(lab, plan.probe_rate, Duration::from_secs_f64(total))?;
+    let done = AtomicBool::new(false);
+    let (samples, marks) = std::thread::scope(|sc| -> anyhow::Result<_> {
+        let sampler = sc.spawn(|| {
+            let mut v: Vec<(Instant, u64)> = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(x) = lab.delivered() {
+                    v.push((x.1, x.0));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            v
+        });
+        let mut marks = Vec::new();
+        let mut result = Ok(());
+        for (i, (kind, kill, bin)) in kinds.iter().enumerate() {
+            if let Err(e) = lab.stop.sleep(Duration::from_millis(1500)) {
+                result = Err(e);
+                break;
+            }
+            let t0 = Instant::now();
+            if let Err(e) = router.restart_kxp(*kill, *bin, &format!("kxp-restart-{i}")) {
+                result = Err(e);
+                break;
+            }
+            marks.push((*kind, t0, Instant::now()));
+            let _ = lab.stop.sleep(Duration::from_millis(2500));
+        }
+        done.store(true, Ordering::Relaxed);
+        let samples = sampler.join().map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+        result.map(|()| (samples, marks))
+    })?;
+    let lat = probe.finish()?;
+    tg.stop(libc::SIGINT, Duration::from_secs(5));
+    let count_at = |t: Instant| {
+        samples
+            .iter()
+            .take_while(|(st, _)| *st <= t)
+            .last()
+            .map_or(0, |x| x.1)
+    };
+    let mut gaps = Vec::new();
+    for (kind, t0, ready) in marks {
+        let before = t0 - Duration::from_secs(1);
+        let rate = (count_at(t0) - count_at(before)) as f64;
+        let end = ready + Duration::from_secs(1);
+        let got = count_at(end).saturating_sub(count_at(t0)) as f64;
+        let lost = (rate * (end - t0).as_secs_f64() - got).max(0.0);
+        let mut stall = Duration::ZERO;
+        let mut since: Option<(Instant, u64)> = None;
+        for &(t, n) in samples.iter().filter(|(t, _)| *t >= before && *t <= end) {
+            match since {
+                Some((t1, n1)) if n1 == n => stall = stall.max(t - t1),
+                _ => since = Some((t, n)),
+            }
+        }
+        gaps.push(Gap {
+            kind,
+            back_in: ready - t0,
+            stall,
+            lost,
+            rate_before: rate,
+        });
+    }
+    let median_gap = {
+        let mut d: Vec<f64> = samples.windows(2).map(|w| (w[1].0 - w[0].0).as_secs_f64()).collect();
+        d.sort_by(f64::total_cmp);
+        d.get(d.len() / 2).copied().unwrap_or(0.0)
+    };
+    println!(
+        "\n### kxp restarted under load (`macro-bench --restart --generator {}`)\n",
+        if plan.xsk_gen.is_some() { "xsk" } else { "trafgen" }
+    );
+    println!("| restart | kxp back in | longest stall at the backend | packets lost | rate before (Mpps) |");
+    println!("|---|---|---|---|---|");
+    for g in &gaps {
+        println!(
+            "| {} | {:.2} s | {:.2} s | {:.0} | {:.3} |",
+            g.kind,
+            g.back_in.as_secs_f64(),
+            g.stall.as_secs_f64(),
+            g.lost,
+            g.rate_before / 1e6
+        );
+    }
+    println!(
+        "\nBackend counter read every {:.1} ms (median); latency probes over the whole run (three restarts): {}",
+        median_gap * 1e3,
+        lat.summary()
+    );
+    drop(router);
     Ok(())
 }
 
