@@ -62,6 +62,9 @@ pub struct Header {
     pub boot_id: [u8; 16],
     /// A value the writer needs back (the affinity table's shard seed).
     pub seed: u64,
+    /// The network namespace's cookie: connections of one namespace mean nothing in
+    /// another (0: unknown, not checked).
+    pub netns: u64,
 }
 
 /// Why a file or a record was not used.
@@ -82,6 +85,9 @@ pub enum StateError {
     /// Written during another boot: its times mean nothing now.
     #[error("state file was written before the last reboot")]
     OtherBoot,
+    /// Written in another network namespace.
+    #[error("state file was written in another network namespace")]
+    OtherNamespace,
     /// Shorter than its header says.
     #[error("state file is truncated ({have} of {need} bytes)")]
     Truncated {
@@ -112,8 +118,8 @@ fn crc_words(words: &[u64]) -> u32 {
 
 impl Header {
     /// The header's words (the rest of [`HEADER_WORDS`] is zero).
-    pub fn encode(&self) -> [u64; 9] {
-        let mut w = [0u64; 9];
+    pub fn encode(&self) -> [u64; 10] {
+        let mut w = [0u64; 10];
         w[0] = MAGIC;
         w[1] = u64::from(VERSION) | (self.kind as u64) << 32;
         w[2] = self.records;
@@ -122,16 +128,17 @@ impl Header {
         w[5] = u64::from_le_bytes(self.boot_id[8..].try_into().unwrap_or([0; 8]));
         w[6] = RECORD_WORDS as u64;
         w[7] = self.seed;
-        w[8] = u64::from(crc_words(&w[..8]));
+        w[8] = self.netns;
+        w[9] = u64::from(crc_words(&w[..9]));
         w
     }
 
-    /// Reads a header, checking it belongs to this boot.
+    /// Reads a header, checking it belongs to this boot and this network namespace.
     ///
     /// # Errors
     /// [`StateError`] saying what is wrong.
-    pub fn decode(words: &[u64], boot_id: [u8; 16]) -> Result<Header, StateError> {
-        if words.len() < 9 {
+    pub fn decode(words: &[u64], boot_id: [u8; 16], netns: u64) -> Result<Header, StateError> {
+        if words.len() < 10 {
             return Err(StateError::Truncated {
                 have: words.len() * 8,
                 need: HEADER_WORDS * 8,
@@ -144,7 +151,7 @@ impl Header {
         if version != VERSION {
             return Err(StateError::Version { found: version });
         }
-        if words[8] != u64::from(crc_words(&words[..8])) {
+        if words[9] != u64::from(crc_words(&words[..9])) {
             return Err(StateError::Header("checksum"));
         }
         if words[6] != RECORD_WORDS as u64 {
@@ -168,7 +175,11 @@ impl Header {
             workers: (words[3] >> 32) as u32,
             boot_id: id,
             seed: words[7],
+            netns: words[8],
         };
+        if h.netns != 0 && netns != 0 && h.netns != netns {
+            return Err(StateError::OtherNamespace);
+        }
         if h.workers == 0 || h.worker >= h.workers {
             return Err(StateError::Header("worker"));
         }

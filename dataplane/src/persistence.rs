@@ -72,12 +72,13 @@ impl Persistence {
     ) -> io::Result<(Persistence, AffinityTable)> {
         let sd = StateDir::lock(dir, LOCK_WAIT)?;
         let boot = boot_id()?;
+        let netns = crate::sys::netns_cookie().unwrap_or(0);
         let workers = tables.len();
         let mut r = Restored::default();
 
         // Connection tables.
         for (_, path) in sd.conntrack_files() {
-            let old = match OldFile::read(&path, boot) {
+            let old = match OldFile::read(&path, boot, netns) {
                 Ok(Some(f)) if f.header.kind == Kind::Conntrack => f,
                 Ok(Some(_)) => {
                     r.bad_files
@@ -114,6 +115,7 @@ impl Persistence {
                 workers: workers as u32,
                 boot_id: boot,
                 seed: 0,
+                netns,
             };
             let f = StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?;
             t.enable_journal();
@@ -134,7 +136,7 @@ impl Persistence {
 
         // The affinity table: same shard seed as before, so that clients fit as they did.
         let path = sd.affinity();
-        let old = match OldFile::read(&path, boot) {
+        let old = match OldFile::read(&path, boot, netns) {
             Ok(Some(f)) if f.header.kind == Kind::Affinity => Some(f),
             Ok(Some(_)) => {
                 r.bad_files
@@ -158,6 +160,7 @@ impl Persistence {
             workers: 1,
             boot_id: boot,
             seed,
+            netns,
         };
         let file =
             Arc::new(StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?);
@@ -183,5 +186,108 @@ impl Persistence {
             },
             table,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use conntrack::persist::RECORD_WORDS;
+    use conntrack::tcp::flags::{ACK, SYN};
+    use conntrack::{SnatPorts, Timeouts};
+    use nat::{Protocol, Tuple};
+
+    const S: u64 = 1_000_000_000;
+
+    fn tables(n: usize) -> Vec<ConnTable> {
+        SnatPorts::for_workers(61000..=65535, n)
+            .unwrap()
+            .into_iter()
+            .map(|p| ConnTable::new(256, Timeouts::default(), p).unwrap())
+            .collect()
+    }
+
+    fn flow(i: u16) -> (Tuple, Tuple) {
+        let c = format!("203.0.113.7:{}", 40000 + i);
+        (
+            Tuple::new(c.parse().unwrap(), "198.19.0.10:80".parse().unwrap(), Protocol::Tcp),
+            Tuple::new("198.18.2.2:8080".parse().unwrap(), c.parse().unwrap(), Protocol::Tcp),
+        )
+    }
+
+    /// A process that journals flows, dies (its files are left as they are), and the next
+    /// one: every whole record is restored, a torn one is dropped and counted, a file of
+    /// another layout is reported and not read, and a smaller worker count keeps the
+    /// flows whose two directions still land on one worker.
+    #[test]
+    fn the_next_process_restores_what_is_whole_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("kxp-persist-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let now = 100 * S;
+        let mut ts = tables(2);
+        let (p, aff) = Persistence::start(&dir, &mut ts, 1024, now).unwrap();
+        assert_eq!(p.restored, Restored::default());
+        let files: Vec<StateFile> = p.conntrack.into_iter().map(Option::unwrap).collect();
+        let mut placed = 0;
+        for i in 0..40 {
+            let (o, r) = flow(i);
+            let w = flow_owner(o.src, o.sport, 2);
+            ts[w].insert(o, r, 1, SYN, now).unwrap();
+            ts[w].on_packet(&r, SYN | ACK, now);
+            placed += 1;
+        }
+        aff.remember(9, "203.0.113.7".parse().unwrap(), "198.18.2.2:8080".parse().unwrap(), now, 60 * S);
+        for (t, f) in ts.iter_mut().zip(&files) {
+            t.drain_journal(|slot, rec| {
+                f.write(slot, &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()));
+            });
+        }
+        // Killed in the middle of writing worker 0's slot 0: an odd sequence number.
+        let path0 = p.dir.conntrack(0);
+        drop(files);
+        drop(aff);
+        drop(p.dir);
+        let mut bytes = std::fs::read(&path0).unwrap();
+        let at = conntrack::persist::HEADER_WORDS * 8;
+        bytes[at] |= 1;
+        std::fs::write(&path0, &bytes).unwrap();
+        // A file from a kxp with another layout.
+        let mut other = vec![0u8; 4096 + RECORD_WORDS * 8];
+        other[..8].copy_from_slice(b"KXPSTATE");
+        other[8] = 99;
+        std::fs::write(dir.join("conntrack-7.state"), other).unwrap();
+
+        let mut next = tables(2);
+        let (p2, aff2) = Persistence::start(&dir, &mut next, 1024, now + S).unwrap();
+        let r = &p2.restored;
+        assert_eq!(r.flows, placed - 1, "{r:?}");
+        assert_eq!(r.bad_records, 1, "{r:?}");
+        assert_eq!(r.affinity, 1);
+        assert_eq!(r.bad_files.len(), 1, "{r:?}");
+        assert!(r.bad_files[0].contains("version 99"), "{r:?}");
+        let held: usize = next.iter().map(ConnTable::len).sum();
+        assert_eq!(held, placed - 1);
+        // The flows are where a packet of either direction will look for them.
+        for i in 0..40 {
+            let (o, rep) = flow(i);
+            let w = flow_owner(o.src, o.sport, 2);
+            assert_eq!(w, flow_owner(rep.dst, rep.dport, 2));
+            if let Some((_, e)) = next[w].get(&o, now + S) {
+                assert_eq!(e.reply(), &rep);
+            }
+        }
+        assert_eq!(
+            aff2.recall(9, "203.0.113.7".parse().unwrap(), now + S),
+            Some("198.18.2.2:8080".parse().unwrap())
+        );
+        drop(p2);
+        drop(aff2);
+        // One worker instead of two: every flow fits on it (both directions map to 0).
+        let mut one = tables(1);
+        let (p3, _) = Persistence::start(&dir, &mut one, 1024, now + 2 * S).unwrap();
+        assert_eq!(p3.restored.flows, placed - 1, "{:?}", p3.restored);
+        assert!(!dir.join("conntrack-1.state").exists(), "files of workers gone are removed");
+        drop(p3);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

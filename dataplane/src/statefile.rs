@@ -108,22 +108,63 @@ impl StateDir {
 /// `/proc/1/ns/net` cannot be read.
 const INIT_NETNS_INO: u64 = 0xEFFF_FFF9;
 
-/// `None` in the host's network namespace; `netns-INODE` in another (a test's, a
-/// container's), so that one kxp per namespace keeps its own state and pins.
+/// `None` in the host's network namespace; `netns-COOKIE` in another (a test's, a
+/// container's), so that one kxp per namespace keeps its own state. The cookie, unlike
+/// the namespace's inode number, is never reused during a boot: a new namespace never
+/// finds the state of one that is gone.
 pub fn netns_suffix() -> Option<String> {
     use std::os::unix::fs::MetadataExt;
     let ino = std::fs::metadata("/proc/thread-self/ns/net").ok()?.ino();
     let init = std::fs::metadata("/proc/1/ns/net").map_or(INIT_NETNS_INO, |m| m.ino());
-    (ino != init).then(|| format!("netns-{ino}"))
+    if ino == init {
+        return None;
+    }
+    Some(match crate::sys::netns_cookie() {
+        Ok(c) => format!("netns-{c}"),
+        Err(_) => format!("netns-ino-{ino}"),
+    })
 }
 
-/// `/run/kxp` on the host, `/run/kxp/netns-INODE` in another network namespace.
+/// `/run/kxp` on the host, `/run/kxp/netns-COOKIE` in another network namespace.
 pub fn default_state_dir() -> PathBuf {
     let base = PathBuf::from("/run/kxp");
     match netns_suffix() {
         Some(s) => base.join(s),
         None => base,
     }
+}
+
+/// Removes the state directories of other network namespaces under `/run/kxp` that no
+/// kxp holds and that nothing has written for `max_age`: the namespace is gone (a test's,
+/// a deleted pod's), or its kxp has been stopped so long that its connections are over.
+/// Returns how many were removed.
+pub fn remove_stale_dirs(max_age: std::time::Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir("/run/kxp") else {
+        return 0;
+    };
+    let mine = default_state_dir();
+    let mut n = 0;
+    for e in entries.filter_map(Result::ok) {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("netns-") || path == mine || !path.is_dir() {
+            continue;
+        }
+        let newest = std::fs::read_dir(&path)
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .filter_map(|f| f.metadata().ok()?.modified().ok())
+            .max();
+        let old = newest.is_none_or(|t| t.elapsed().is_ok_and(|a| a > max_age));
+        if old && let Ok(held) = StateDir::lock(&path, std::time::Duration::ZERO) {
+            crate::plane::remove_state(&held.path);
+            drop(held);
+            let _ = std::fs::remove_dir(&path);
+            n += 1;
+        }
+    }
+    n
 }
 
 /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`), 16 bytes.
@@ -158,7 +199,7 @@ impl OldFile {
     /// # Errors
     /// The file exists but cannot be read, or is not a usable state file (the caller
     /// logs it and starts clean).
-    pub fn read(path: &Path, boot_id: [u8; 16]) -> Result<Option<OldFile>, String> {
+    pub fn read(path: &Path, boot_id: [u8; 16], netns: u64) -> Result<Option<OldFile>, String> {
         let file = match File::open(path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -177,7 +218,7 @@ impl OldFile {
             .iter()
             .map(|w| w.load(Ordering::Relaxed))
             .collect();
-        let header = Header::decode(&head, boot_id).map_err(|e| e.to_string())?;
+        let header = Header::decode(&head, boot_id, netns).map_err(|e| e.to_string())?;
         if len < header.file_len() {
             return Err(StateError::Truncated {
                 have: len,
@@ -382,6 +423,7 @@ mod tests {
             workers: 1,
             boot_id: boot,
             seed: 0,
+            netns: 5,
         };
         let f = StateFile::create(&sd.conntrack(0), &h).unwrap();
         let r = FlowRecord {
@@ -408,17 +450,19 @@ mod tests {
         f.write(99, &r.encode()); // out of range: ignored
         f.commit().unwrap();
         assert_eq!(sd.conntrack_files(), vec![(0, sd.conntrack(0))]);
-        let old = OldFile::read(&sd.conntrack(0), boot).unwrap().unwrap();
+        let old = OldFile::read(&sd.conntrack(0), boot, 5).unwrap().unwrap();
         assert_eq!(old.header, h);
         let got: Vec<_> = old.records().collect();
         assert_eq!(got.len(), 1);
         assert_eq!(FlowRecord::decode(&got[0].clone().unwrap()), Ok(r));
         // Another boot's file is refused, with a reason.
-        let e = OldFile::read(&sd.conntrack(0), [9; 16]).unwrap_err();
+        let e = OldFile::read(&sd.conntrack(0), [9; 16], 5).unwrap_err();
         assert!(e.contains("reboot"), "{e}");
-        assert!(OldFile::read(&dir.join("none"), boot).unwrap().is_none());
+        let e = OldFile::read(&sd.conntrack(0), boot, 6).unwrap_err();
+        assert!(e.contains("namespace"), "{e}");
+        assert!(OldFile::read(&dir.join("none"), boot, 5).unwrap().is_none());
         std::fs::write(dir.join("junk.state"), b"hello").unwrap();
-        assert!(OldFile::read(&dir.join("junk.state"), boot).is_err());
+        assert!(OldFile::read(&dir.join("junk.state"), boot, 5).is_err());
         drop(f);
         drop(sd);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -203,3 +203,35 @@ pub fn monotonic_ns() -> u64 {
         .saturating_mul(1_000_000_000)
         .saturating_add(ts.tv_nsec as u64)
 }
+
+/// `SO_NETNS_COOKIE` (71 on every architecture kxp builds for).
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// The calling thread's network namespace cookie: unique per namespace for the whole
+/// boot, never reused (unlike the namespace's inode number).
+pub fn netns_cookie() -> io::Result<u64> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: plain integer arguments; a non-negative result is a new fd we own.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `cookie` is writable for `len` bytes, which the kernel does not exceed.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}

@@ -137,7 +137,34 @@ fn systemd_unit_runs_a_command_kxp_accepts() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(unit.contains("ExecStopPost=-/usr/local/bin/kxp cleanup"));
+    // Restarts keep every connection: nothing may clean up around them.
+    assert!(!unit.contains("ExecStopPost=-/usr/local/bin/kxp cleanup"));
+    assert!(!unit.contains("ExecStartPre=-/usr/local/bin/kxp cleanup"));
+    assert!(unit.contains("Restart=always"));
+}
+
+#[test]
+fn daemonset_keeps_the_state_directory_across_pods_and_never_runs_two_per_node() {
+    let docs = docs();
+    let ds = kind(&docs, "DaemonSet");
+    let spec = &ds["spec"]["template"]["spec"];
+    let mounts = spec["containers"][0]["volumeMounts"].as_sequence().unwrap();
+    let run = mounts
+        .iter()
+        .find(|m| m["mountPath"].as_str() == Some("/run/kxp"))
+        .expect("/run/kxp mounted");
+    let vol = spec["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == run["name"])
+        .unwrap();
+    assert_eq!(vol["hostPath"]["path"].as_str(), Some("/run/kxp"));
+    // A rolling update stops the old pod before the new one starts (no surge): the new
+    // kxp takes over the old one's state directory and programs.
+    let ru = &ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert!(ru["maxSurge"].is_null() || ru["maxSurge"].as_u64() == Some(0));
+    assert_eq!(ds["spec"]["updateStrategy"]["type"].as_str(), Some("RollingUpdate"));
 }
 
 #[test]

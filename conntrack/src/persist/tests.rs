@@ -81,24 +81,26 @@ fn header_is_checked() {
         workers: 2,
         boot_id: BOOT,
         seed: 5,
+        netns: 4096,
     };
     let w = h.encode();
-    assert_eq!(Header::decode(&w, BOOT), Ok(h));
-    assert_eq!(Header::decode(&w, [0; 16]), Err(StateError::OtherBoot));
+    assert_eq!(Header::decode(&w, BOOT, 4096), Ok(h));
+    assert_eq!(Header::decode(&w, [0; 16], 4096), Err(StateError::OtherBoot));
+    assert_eq!(Header::decode(&w, BOOT, 7), Err(StateError::OtherNamespace));
     let mut bad = w;
     bad[1] = u64::from(VERSION + 1) | 1 << 32;
     assert!(matches!(
-        Header::decode(&bad, BOOT),
+        Header::decode(&bad, BOOT, 4096),
         Err(StateError::Version { .. })
     ));
     let mut bad = w;
     bad[2] += 1;
     assert_eq!(
-        Header::decode(&bad, BOOT),
+        Header::decode(&bad, BOOT, 4096),
         Err(StateError::Header("checksum"))
     );
-    assert_eq!(Header::decode(&[0; 9], BOOT), Err(StateError::BadMagic));
-    assert!(Header::decode(&w[..3], BOOT).is_err());
+    assert_eq!(Header::decode(&[0; 10], BOOT, 0), Err(StateError::BadMagic));
+    assert!(Header::decode(&w[..3], BOOT, 0).is_err());
 }
 
 /// A record cut short at any store is reported torn or stale, never read as something
