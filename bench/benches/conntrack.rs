@@ -1,5 +1,8 @@
 //! Connection table: lookup of an established flow and insert of a new one, in a table
-//! holding 1M flows (and 1k for comparison). Memory per entry is printed once.
+//! holding 1M flows (and 1k for comparison). Memory per entry is printed once. The
+//! per-node state a new connection may touch: ClientIP affinity (alone and with another
+//! thread hammering the table, as a second worker would), and the state file written for
+//! every new flow (insert + journal + remove + journal, against the mapped file).
 
 use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -85,5 +88,90 @@ fn conntrack(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, conntrack);
+fn node_state(c: &mut Criterion) {
+    use conntrack::AffinityTable;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut g = c.benchmark_group("node");
+    g.sample_size(20)
+        .noise_threshold(0.03)
+        .measurement_time(Duration::from_secs(4));
+    let t = Arc::new(AffinityTable::new(262_144));
+    let ep: SocketAddr = "198.19.1.1:8080".parse().unwrap();
+    let client = |i: u32| IpAddr::V4(Ipv4Addr::from(0xC612_0000u32 + (i % 100_000)));
+    for i in 0..100_000 {
+        t.remember(7, client(i), ep, 0, 3600 * 1_000_000_000);
+    }
+    // What a new connection to an affine Service does: recall, and refresh.
+    let mut i = 0u32;
+    g.bench_function("affinity_recall_remember", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(7919);
+            let c = client(i);
+            let e = t.recall(7, black_box(c), 1).unwrap_or(ep);
+            t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+        })
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (t, stop) = (t.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut j = 1u32;
+            while !stop.load(Ordering::Relaxed) {
+                j = j.wrapping_add(104_729);
+                let c = client(j);
+                let e = t.recall(7, c, 1).unwrap_or(ep);
+                t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+            }
+        })
+    };
+    g.bench_function("affinity_recall_remember_while_another_worker_does", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(7919);
+            let c = client(i);
+            let e = t.recall(7, black_box(c), 1).unwrap_or(ep);
+            t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+        })
+    });
+    stop.store(true, Ordering::Relaxed);
+    let _ = other.join();
+
+    // A new flow and its end, each journaled to the mapped state file (the records a
+    // worker writes before the packet leaves).
+    let dir = std::env::temp_dir().join(format!("kxp-bench-state-{}", std::process::id()));
+    let sd = dataplane::statefile::StateDir::lock(&dir, Duration::ZERO).unwrap();
+    let mut table = filled(1_000);
+    let header = conntrack::persist::Header {
+        kind: conntrack::persist::Kind::Conntrack,
+        records: table.capacity() as u64,
+        worker: 0,
+        workers: 1,
+        boot_id: [0; 16],
+        seed: 0,
+        netns: 0,
+    };
+    let file = dataplane::statefile::StateFile::create(&sd.conntrack(0), &header).unwrap();
+    table.enable_journal();
+    let mut write = |slot: usize, r: Option<conntrack::persist::FlowRecord>| {
+        file.write(slot, &r.map_or(conntrack::persist::CLEARED, |r| r.encode()));
+    };
+    table.drain_journal(&mut write);
+    let mut next = 1_000_000u32;
+    g.bench_function("insert_remove_journaled", |b| {
+        b.iter(|| {
+            let (o, r) = flow(next);
+            next = next.wrapping_add(1);
+            black_box(table.insert(o, r, 0, SYN, 3).is_ok());
+            table.drain_journal(&mut write);
+            table.remove(&o);
+            table.drain_journal(&mut write);
+        })
+    });
+    g.finish();
+    drop(file);
+    drop(sd);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+criterion_group!(benches, conntrack, node_state);
 criterion_main!(benches);

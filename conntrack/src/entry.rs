@@ -82,6 +82,10 @@ pub(crate) mod flag {
     pub const ASSURED: u8 = 4;
     /// Changed since the journal was last drained (see `crate::persist`).
     pub const DIRTY: u8 = 8;
+    /// Its record in the journal holds this flow (see `crate::persist`).
+    pub const JOURNALED: u8 = 16;
+    /// Counted in the node's endpoint load (see `crate::load`).
+    pub const LOADED: u8 = 32;
 }
 
 /// "No slot", the end of an intrusive list.

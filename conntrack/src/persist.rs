@@ -291,6 +291,8 @@ pub struct FlowRecord {
     pub seen_reply: bool,
     /// See `seen_reply`.
     pub assured: bool,
+    /// Counted in the node's endpoint load (a least-connection Service's flow).
+    pub counted: bool,
 }
 
 impl FlowRecord {
@@ -305,6 +307,7 @@ impl FlowRecord {
             tcp: e.tcp,
             seen_reply: e.seen_reply(),
             assured: e.is_assured(),
+            counted: e.flags & flag::LOADED != 0,
         }
     }
 
@@ -315,7 +318,7 @@ impl FlowRecord {
         b[1] = self.orig.proto.number();
         b[2] = u8::from(self.orig.src.is_ipv6());
         b[3] = self.tcp as u8;
-        b[4] = u8::from(self.seen_reply) | u8::from(self.assured) << 1;
+        b[4] = u8::from(self.seen_reply) | u8::from(self.assured) << 1 | u8::from(self.counted) << 2;
         b[8..16].copy_from_slice(&self.created.to_le_bytes());
         b[16..24].copy_from_slice(&self.expires.to_le_bytes());
         b[24..28].copy_from_slice(&self.tag.to_le_bytes());
@@ -362,7 +365,7 @@ impl FlowRecord {
         let tcp = *TcpState::ALL
             .get(usize::from(b[3]))
             .ok_or(StateError::Invalid("TCP state"))?;
-        if b[4] & !3 != 0 || b[5..8].iter().any(|&x| x != 0) {
+        if b[4] & !7 != 0 || b[5..8].iter().any(|&x| x != 0) {
             return Err(StateError::Invalid("flags"));
         }
         let (created, expires) = (u64_at(&b, 8), u64_at(&b, 16));
@@ -386,6 +389,7 @@ impl FlowRecord {
             tcp,
             seen_reply: b[4] & 1 != 0,
             assured: b[4] & 2 != 0,
+            counted: b[4] & 4 != 0,
         })
     }
 }
@@ -455,33 +459,48 @@ impl ConnTable {
     pub fn enable_journal(&mut self) {
         self.journal = Some(Vec::new());
         for slot in 0..self.slots.len() {
-            self.slots[slot].flags &= !flag::DIRTY;
+            self.slots[slot].flags &= !(flag::DIRTY | flag::JOURNALED);
             self.mark_dirty(slot);
         }
     }
 
+    /// Lists `slot` for the journal if its record must change: a flow the endpoint has
+    /// answered (a new one, or one whose state changed), or a record that holds a flow
+    /// no longer there. Flows nobody answered are not journaled: after a restart their
+    /// next packet simply opens them again (the client's retransmitted SYN, its next
+    /// datagram), so a flood of new flows costs the journal nothing.
     pub(crate) fn mark_dirty(&mut self, slot: usize) {
         let Some(j) = &mut self.journal else {
             return;
         };
         let e = &mut self.slots[slot];
-        if e.flags & flag::DIRTY == 0 {
+        let answered = e.is_live() && e.seen_reply();
+        if e.flags & flag::DIRTY == 0 && (answered || e.flags & flag::JOURNALED != 0) {
             e.flags |= flag::DIRTY;
             j.push(slot as u32);
         }
     }
 
-    /// Hands every slot changed since the last call to `write`: the flow now in it, or
-    /// `None` if it is free. Expiry refreshes are not journaled (see
-    /// [`ConnTable::restore`]).
+    /// Hands every slot whose record must change to `write`: the flow now in it, or
+    /// `None` to clear it. Expiry refreshes are not journaled (see
+    /// [`ConnTable::restore`]), nor flows nobody answered (see `mark_dirty`).
     pub fn drain_journal(&mut self, mut write: impl FnMut(usize, Option<FlowRecord>)) {
         let Some(mut j) = self.journal.take() else {
             return;
         };
         for &slot in &j {
             let e = &mut self.slots[slot as usize];
+            if e.flags & flag::DIRTY == 0 {
+                continue; // listed twice
+            }
             e.flags &= !flag::DIRTY;
-            write(slot as usize, e.is_live().then(|| FlowRecord::of(e)));
+            if e.is_live() && e.seen_reply() {
+                e.flags |= flag::JOURNALED;
+                write(slot as usize, Some(FlowRecord::of(e)));
+            } else if e.flags & flag::JOURNALED != 0 {
+                e.flags &= !flag::JOURNALED;
+                write(slot as usize, None);
+            }
         }
         j.clear();
         self.journal = Some(j);
@@ -513,6 +532,9 @@ impl ConnTable {
         }
         if r.assured {
             flags |= flag::ASSURED;
+        }
+        if r.counted {
+            flags |= flag::LOADED;
         }
         let mut e = Entry {
             orig: r.orig,

@@ -242,13 +242,31 @@ impl ConnTable {
         })
     }
 
-    /// Counts this table's flows in `load` from now on (share one load between the
-    /// tables of a node). Flows already held are added to it.
+    /// Counts this table's flows inserted with [`ConnTable::insert_counted`] in `load`
+    /// from now on (share one load between the tables of a node). Such flows already
+    /// held are added to it.
     pub fn set_load(&mut self, load: Arc<EndpointLoad>) {
-        for e in self.slots.iter().filter(|e| e.is_live()) {
+        for e in self.slots.iter().filter(|e| e.is_live() && e.flags & flag::LOADED != 0) {
             load.add(e.reply.src_addr());
         }
         self.load = Some(load);
+    }
+
+    /// As [`ConnTable::insert`], and the flow counts in the node's endpoint load while it
+    /// lives (for a Service with a least-connection scheduler: IPVS counts connections
+    /// per destination of a virtual service, so only those Services' flows count).
+    ///
+    /// # Errors
+    /// As [`ConnTable::insert`].
+    pub fn insert_counted(
+        &mut self,
+        orig: Tuple,
+        reply: Tuple,
+        tag: u32,
+        tcp_flags: u8,
+        now: u64,
+    ) -> Result<&Entry, InsertError> {
+        self.insert_flags(orig, reply, tag, tcp_flags, now, flag::LOADED)
     }
 
     /// Most flows the table holds.
@@ -312,6 +330,18 @@ impl ConnTable {
         tcp_flags: u8,
         now: u64,
     ) -> Result<&Entry, InsertError> {
+        self.insert_flags(orig, reply, tag, tcp_flags, now, 0)
+    }
+
+    fn insert_flags(
+        &mut self,
+        orig: Tuple,
+        reply: Tuple,
+        tag: u32,
+        tcp_flags: u8,
+        now: u64,
+        extra: u8,
+    ) -> Result<&Entry, InsertError> {
         if orig.proto != reply.proto {
             return Err(InsertError::ProtocolMismatch { orig, reply });
         }
@@ -328,7 +358,7 @@ impl ConnTable {
                 prev: NIL,
                 next: NIL,
                 tcp,
-                flags: flag::LIVE,
+                flags: flag::LIVE | extra,
             },
             hashes,
             now,
@@ -386,10 +416,14 @@ impl ConnTable {
         }
         let endpoint = entry.reply.src_addr();
         let assured = entry.is_assured();
+        let loaded = entry.flags & flag::LOADED != 0;
         let slot = if self.free != NIL {
             let slot = self.free as usize;
             self.free = self.slots[slot].next;
+            // A removal not yet journaled stays pending for this slot.
+            let pending = self.slots[slot].flags & (flag::DIRTY | flag::JOURNALED);
             self.slots[slot] = entry;
+            self.slots[slot].flags |= pending;
             slot
         } else {
             self.slots.push(entry);
@@ -413,7 +447,7 @@ impl ConnTable {
         }
         self.len += 1;
         self.stats.inserts += 1;
-        if let Some(load) = &self.load {
+        if loaded && let Some(load) = &self.load {
             load.add(endpoint);
         }
         self.mark_dirty(slot);
@@ -524,7 +558,9 @@ impl ConnTable {
             let hash = hash_tuple(&self.hasher, e.tuple(dir));
             self.index.remove(hash, pack(slot, dir));
         }
-        if let Some(load) = &self.load {
+        if e.flags & flag::LOADED != 0
+            && let Some(load) = &self.load
+        {
             load.sub(e.reply.src_addr());
         }
         if !e.is_assured() {

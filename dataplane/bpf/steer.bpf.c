@@ -68,8 +68,11 @@ struct steer_config {
 #define CFG_SERVICE_DEVICE (1u << 1)
 /* Hold: a packet kxp must translate is dropped, not passed, when no socket sits on its
  * queue (kxp restarting: the peer retransmits and the new process translates it, instead
- * of the kernel answering an endpoint's segment with a RST). */
+ * of the kernel answering an endpoint's segment with a RST) -- for the queues kxp
+ * serves, the first (flags >> 16) of them; on the others the kernel's path (through
+ * the service device) stays the fallback. */
 #define CFG_HOLD (1u << 2)
+#define CFG_HOLD_QUEUES(f) ((f) >> 16)
 
 /* stats indices (PERCPU_ARRAY of u64); seen == redirected + passed */
 enum {
@@ -414,7 +417,8 @@ int kxp_steer(struct xdp_md *ctx)
 		return XDP_REDIRECT;
 	}
 	count(ST_NO_SOCKET);
-	if (cfg && (cfg->flags & CFG_HOLD))
+	if (cfg && (cfg->flags & CFG_HOLD) &&
+	    ctx->rx_queue_index < CFG_HOLD_QUEUES(cfg->flags))
 		return XDP_DROP;
 pass:
 	/* On the service device only a packet for a node address goes to the kernel (the

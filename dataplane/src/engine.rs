@@ -389,10 +389,14 @@ impl Engine {
             t.src_addr()
         };
         let reply = Tuple::new(ep.addr, reply_dst, t.proto);
-        match self
-            .table
-            .insert(t, reply, fwd.port_index, f.tcp_flags(), now)
-        {
+        let inserted = if sp.scheduler.uses_load() {
+            self.table
+                .insert_counted(t, reply, fwd.port_index, f.tcp_flags(), now)
+        } else {
+            self.table
+                .insert(t, reply, fwd.port_index, f.tcp_flags(), now)
+        };
+        match inserted {
             Ok(_) => {}
             Err(InsertError::Full { .. }) => return Verdict::Drop(DropCause::TableFull),
             Err(InsertError::Clash { .. }) => return Verdict::Drop(DropCause::Clash),

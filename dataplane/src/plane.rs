@@ -519,7 +519,7 @@ impl Dataplane {
         service_prog.set_snat_range(lo, hi)?;
         service_prog.set_service_device()?;
         if keep {
-            service_prog.set_hold()?;
+            service_prog.set_hold(cfg.workers as u32)?;
             // The rules a previous kxp kept, back in order before this one adds its own.
             crate::servicedev::cleanup_rules()?;
         }
@@ -648,8 +648,8 @@ impl Dataplane {
             .spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     // Woken by every change of the host's tables (links included), and
-                    // at least every half second.
-                    let _ = published.recv_timeout(Duration::from_millis(500));
+                    // at least ten times a second (a stop is seen within 0.1 s).
+                    let _ = published.recv_timeout(Duration::from_millis(100));
                     if stop.load(Ordering::Relaxed) {
                         break;
                     }
@@ -1010,7 +1010,7 @@ impl LinkCtl {
         s.prepare_for(&link.name, link.ifindex);
         s.set_snat_range(self.snat.0, self.snat.1)?;
         if self.keep {
-            s.set_hold()?;
+            s.set_hold(queues as u32)?;
         }
         prog.fill(&mut s)?;
         let mut opened = Vec::new();

@@ -443,6 +443,7 @@ mod tests {
             tcp: conntrack::TcpState::Established,
             seen_reply: true,
             assured: true,
+            counted: false,
         };
         f.write(3, &r.encode());
         f.write(5, &r.encode());

@@ -512,15 +512,18 @@ impl Steering {
         })
     }
 
-    /// Holds kxp's packets while no socket is there to take them (a restart): a packet
-    /// that a rule matches is dropped instead of passed to the kernel when its queue has
-    /// no socket. For a program that stays attached (pinned) across kxp's restarts.
+    /// Holds kxp's packets while no socket is there to take them (a restart): on the
+    /// first `queues` queues (those kxp serves), a packet that a rule matches is dropped
+    /// instead of passed to the kernel when its queue has no socket. For a program that
+    /// stays attached across kxp's restarts.
     ///
     /// # Errors
     /// [`XdpError::Map`].
-    pub fn set_hold(&self) -> Result<(), XdpError> {
+    pub fn set_hold(&self, queues: u32) -> Result<(), XdpError> {
         self.update_config(|c| {
-            let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) | CFG_HOLD;
+            let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) & 0xffff
+                | CFG_HOLD
+                | queues.min(0xffff) << 16;
             c[4..8].copy_from_slice(&flags.to_ne_bytes());
         })
     }

@@ -70,6 +70,17 @@ impl Scheduler {
         }
     }
 
+    /// Schedulers that weigh endpoints by their connections on the node.
+    pub fn uses_load(self) -> bool {
+        matches!(
+            self,
+            Scheduler::LeastConnection
+                | Scheduler::WeightedLeastConnection
+                | Scheduler::ShortestExpectedDelay
+                | Scheduler::NeverQueue
+        )
+    }
+
     /// Schedulers that keep a position between connections ([`RrCursor`]).
     pub fn uses_cursor(self) -> bool {
         matches!(self, Scheduler::RoundRobin | Scheduler::WeightedRoundRobin)

@@ -567,13 +567,16 @@ fn endpoint_load_follows_inserts_and_every_removal() {
     let load = Arc::new(EndpointLoad::new());
     let ep: SocketAddr = EP.parse().unwrap();
     let mut a = table(4);
-    let mut b = table(4);
+    let mut b = table(8);
     a.set_load(load.clone());
     b.set_load(load.clone());
     for p in 1..=3 {
         let (o, r) = flow(Protocol::Tcp, 40000 + p);
-        a.insert(o, r, 0, SYN, 0).unwrap();
+        a.insert_counted(o, r, 0, SYN, 0).unwrap();
         let (o, r) = flow(Protocol::Udp, 40000 + p);
+        b.insert_counted(o, r, 0, 0, 0).unwrap();
+        // A flow of a Service that does not weigh by load is not counted.
+        let (o, r) = flow(Protocol::Sctp, 40000 + p);
         b.insert(o, r, 0, 0, 0).unwrap();
     }
     assert_eq!(load.get(ep), 6, "both tables count");
@@ -586,14 +589,14 @@ fn endpoint_load_follows_inserts_and_every_removal() {
     assert_eq!(load.get(ep), 1);
     for p in 10..20 {
         let (o, r) = flow(Protocol::Tcp, 40000 + p);
-        a.insert(o, r, 0, SYN, 2).unwrap();
+        a.insert_counted(o, r, 0, SYN, 2).unwrap();
     }
     assert_eq!(a.len(), 4);
     assert_eq!(load.get(ep), 4, "evictions are taken off");
     // A table joining later adds what it holds.
     let mut c = table(4);
     let (o, r) = flow(Protocol::Udp, 50000);
-    c.insert(o, r, 0, 0, 0).unwrap();
+    c.insert_counted(o, r, 0, 0, 0).unwrap();
     c.set_load(load.clone());
     assert_eq!(load.get(ep), 5);
 }

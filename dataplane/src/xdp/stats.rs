@@ -5,9 +5,11 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
 use super::XdpError;
 
-/// The program's counters, summed over CPUs. `seen == redirected + passed`; a packet
-/// that matched a rule counts once in exactly one of the five rule counters, and in
-/// `no_socket` too if the queue had no socket (it was then passed).
+/// The program's counters, summed over CPUs. `seen == redirected + passed + held`, where
+/// `held` are the `no_socket` packets dropped while kxp restarts (see
+/// [`super::Steering::set_hold`]); a packet that matched a rule counts once in exactly
+/// one of the five rule counters, and in `no_socket` too if the queue had no socket (it
+/// was then passed, or held).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SteerStats {
     pub seen: u64,

@@ -774,3 +774,24 @@ fn bad_arguments_are_errors_that_say_what_to_do() {
     assert!(matches!(err, XdpError::InterfaceNotFound { .. }), "{err}");
     s.detach().unwrap(); // not attached: no-op
 }
+
+#[test]
+fn held_packets_are_dropped_on_served_queues_and_other_traffic_still_passes() {
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
+    let to_vip = frame(&e.original(Protocol::Tcp));
+    let ping = eth_ip(&pkt::icmp_echo(e.client.ip(), e.vip.ip()));
+    // Not held: fail-open, as when kxp runs without a state directory.
+    assert_eq!(s.test_run(&to_vip).unwrap(), XDP_PASS);
+    // Held on queue 0 (the test run's): kxp's packet waits for the next kxp.
+    s.set_hold(1).unwrap();
+    let before = s.stats().unwrap();
+    assert_eq!(s.test_run(&to_vip).unwrap(), XDP_DROP);
+    let d = s.stats().unwrap().since(&before);
+    assert_eq!((d.frontend, d.no_socket), (1, 1), "{d:?}");
+    assert_eq!(s.test_run(&ping).unwrap(), XDP_PASS, "not kxp's: the kernel's");
+    // Held on no queue (a queue kxp does not serve): the kernel's path stays.
+    s.set_hold(0).unwrap();
+    assert_eq!(s.test_run(&to_vip).unwrap(), XDP_PASS);
+}
