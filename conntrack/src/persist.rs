@@ -318,7 +318,8 @@ impl FlowRecord {
         b[1] = self.orig.proto.number();
         b[2] = u8::from(self.orig.src.is_ipv6());
         b[3] = self.tcp as u8;
-        b[4] = u8::from(self.seen_reply) | u8::from(self.assured) << 1 | u8::from(self.counted) << 2;
+        b[4] =
+            u8::from(self.seen_reply) | u8::from(self.assured) << 1 | u8::from(self.counted) << 2;
         b[8..16].copy_from_slice(&self.created.to_le_bytes());
         b[16..24].copy_from_slice(&self.expires.to_le_bytes());
         b[24..28].copy_from_slice(&self.tag.to_le_bytes());

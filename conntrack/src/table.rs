@@ -246,7 +246,11 @@ impl ConnTable {
     /// from now on (share one load between the tables of a node). Such flows already
     /// held are added to it.
     pub fn set_load(&mut self, load: Arc<EndpointLoad>) {
-        for e in self.slots.iter().filter(|e| e.is_live() && e.flags & flag::LOADED != 0) {
+        for e in self
+            .slots
+            .iter()
+            .filter(|e| e.is_live() && e.flags & flag::LOADED != 0)
+        {
             load.add(e.reply.src_addr());
         }
         self.load = Some(load);

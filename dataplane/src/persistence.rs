@@ -210,8 +210,16 @@ mod tests {
     fn flow(i: u16) -> (Tuple, Tuple) {
         let c = format!("203.0.113.7:{}", 40000 + i);
         (
-            Tuple::new(c.parse().unwrap(), "198.19.0.10:80".parse().unwrap(), Protocol::Tcp),
-            Tuple::new("198.18.2.2:8080".parse().unwrap(), c.parse().unwrap(), Protocol::Tcp),
+            Tuple::new(
+                c.parse().unwrap(),
+                "198.19.0.10:80".parse().unwrap(),
+                Protocol::Tcp,
+            ),
+            Tuple::new(
+                "198.18.2.2:8080".parse().unwrap(),
+                c.parse().unwrap(),
+                Protocol::Tcp,
+            ),
         )
     }
 
@@ -236,10 +244,19 @@ mod tests {
             ts[w].on_packet(&r, SYN | ACK, now);
             placed += 1;
         }
-        aff.remember(9, "203.0.113.7".parse().unwrap(), "198.18.2.2:8080".parse().unwrap(), now, 60 * S);
+        aff.remember(
+            9,
+            "203.0.113.7".parse().unwrap(),
+            "198.18.2.2:8080".parse().unwrap(),
+            now,
+            60 * S,
+        );
         for (t, f) in ts.iter_mut().zip(&files) {
             t.drain_journal(|slot, rec| {
-                f.write(slot, &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()));
+                f.write(
+                    slot,
+                    &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()),
+                );
             });
         }
         // Killed in the middle of writing worker 0's slot 0: an odd sequence number.
@@ -286,7 +303,10 @@ mod tests {
         let mut one = tables(1);
         let (p3, _) = Persistence::start(&dir, &mut one, 1024, now + 2 * S).unwrap();
         assert_eq!(p3.restored.flows, placed - 1, "{:?}", p3.restored);
-        assert!(!dir.join("conntrack-1.state").exists(), "files of workers gone are removed");
+        assert!(
+            !dir.join("conntrack-1.state").exists(),
+            "files of workers gone are removed"
+        );
         drop(p3);
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -351,11 +351,8 @@ impl Steering {
             AttachMode::Native => &[sys::XDP_FLAGS_DRV_MODE, sys::XDP_FLAGS_SKB_MODE],
             AttachMode::Generic => &[sys::XDP_FLAGS_SKB_MODE],
         };
-        resolve_ifindex(ifname).is_ok_and(|i| {
-            modes
-                .iter()
-                .any(|&f| cleanup::kept_program(i, f).is_some())
-        })
+        resolve_ifindex(ifname)
+            .is_ok_and(|i| modes.iter().any(|&f| cleanup::kept_program(i, f).is_some()))
     }
 
     /// Leaves the program attached when this instance is dropped (netlink modes: for the

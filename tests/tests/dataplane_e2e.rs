@@ -2006,12 +2006,15 @@ impl Drop for Echoer {
     }
 }
 
+/// When each datagram of a UDP stream was sent, and which backend answered it.
+type Datagrams = Vec<(Instant, Option<String>)>;
+
 /// A UDP stream to the ClusterIP: a datagram every 50 ms, the answering backend of each.
 fn udp_stream(
     ns: &str,
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<anyhow::Result<Vec<(Instant, Option<String>)>>> {
+) -> std::thread::JoinHandle<anyhow::Result<Datagrams>> {
     spawn_in(ns, move || {
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
         s.set_read_timeout(Some(Duration::from_millis(40))).unwrap();

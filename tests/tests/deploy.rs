@@ -164,7 +164,10 @@ fn daemonset_keeps_the_state_directory_across_pods_and_never_runs_two_per_node()
     // kxp takes over the old one's state directory and programs.
     let ru = &ds["spec"]["updateStrategy"]["rollingUpdate"];
     assert!(ru["maxSurge"].is_null() || ru["maxSurge"].as_u64() == Some(0));
-    assert_eq!(ds["spec"]["updateStrategy"]["type"].as_str(), Some("RollingUpdate"));
+    assert_eq!(
+        ds["spec"]["updateStrategy"]["type"].as_str(),
+        Some("RollingUpdate")
+    );
 }
 
 #[test]

@@ -1851,8 +1851,11 @@ fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
     let mut tg = lab.start_trafgen(&cfg, Mode::Est, plan, (total * 5e6) as u64, "restart")?;
     lab.stop.sleep(Duration::from_secs(1))?;
     if !tg.running() {
-        bail!("the generator exited early:
-{}", tg.log_text());
+        bail!(
+            "the generator exited early:
+{}",
+            tg.log_text()
+        );
     }
     let probe = Probe::start(lab, plan.probe_rate, Duration::from_secs_f64(total))?;
     let done = AtomicBool::new(false);
@@ -1883,7 +1886,9 @@ fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
             let _ = lab.stop.sleep(Duration::from_millis(2500));
         }
         done.store(true, Ordering::Relaxed);
-        let samples = sampler.join().map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+        let samples = sampler
+            .join()
+            .map_err(|_| anyhow::anyhow!("sampler panicked"))?;
         result.map(|()| (samples, marks))
     })?;
     let lat = probe.finish()?;
@@ -1919,15 +1924,24 @@ fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
         });
     }
     let median_gap = {
-        let mut d: Vec<f64> = samples.windows(2).map(|w| (w[1].0 - w[0].0).as_secs_f64()).collect();
+        let mut d: Vec<f64> = samples
+            .windows(2)
+            .map(|w| (w[1].0 - w[0].0).as_secs_f64())
+            .collect();
         d.sort_by(f64::total_cmp);
         d.get(d.len() / 2).copied().unwrap_or(0.0)
     };
     println!(
         "\n### kxp restarted under load (`macro-bench --restart --generator {}`)\n",
-        if plan.xsk_gen.is_some() { "xsk" } else { "trafgen" }
+        if plan.xsk_gen.is_some() {
+            "xsk"
+        } else {
+            "trafgen"
+        }
     );
-    println!("| restart | kxp back in | longest stall at the backend | packets lost | rate before (Mpps) |");
+    println!(
+        "| restart | kxp back in | longest stall at the backend | packets lost | rate before (Mpps) |"
+    );
     println!("|---|---|---|---|---|");
     for g in &gaps {
         println!(

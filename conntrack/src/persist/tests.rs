@@ -87,7 +87,10 @@ fn header_is_checked() {
     };
     let w = h.encode();
     assert_eq!(Header::decode(&w, BOOT, 4096), Ok(h));
-    assert_eq!(Header::decode(&w, [0; 16], 4096), Err(StateError::OtherBoot));
+    assert_eq!(
+        Header::decode(&w, [0; 16], 4096),
+        Err(StateError::OtherBoot)
+    );
     assert_eq!(Header::decode(&w, BOOT, 7), Err(StateError::OtherNamespace));
     let mut bad = w;
     bad[1] = u64::from(VERSION + 1) | 1 << 32;
@@ -205,8 +208,16 @@ fn journal_then_restore_keeps_every_flow() {
     assert_eq!(t.journal_pending(), 0);
     // A flood of new flows nobody answers costs the journal nothing.
     for p in 0..20 {
-        let o = tuple(Protocol::Udp, &format!("198.18.9.9:{}", 7000 + p), "198.19.0.10:53");
-        let r = tuple(Protocol::Udp, "198.18.2.10:53", &format!("198.18.9.9:{}", 7000 + p));
+        let o = tuple(
+            Protocol::Udp,
+            &format!("198.18.9.9:{}", 7000 + p),
+            "198.19.0.10:53",
+        );
+        let r = tuple(
+            Protocol::Udp,
+            "198.18.2.10:53",
+            &format!("198.18.9.9:{}", 7000 + p),
+        );
         t.insert(o, r, 4, 0, now).unwrap();
     }
     assert_eq!(t.journal_pending(), 0);

@@ -790,7 +790,11 @@ fn held_packets_are_dropped_on_served_queues_and_other_traffic_still_passes() {
     assert_eq!(s.test_run(&to_vip).unwrap(), XDP_DROP);
     let d = s.stats().unwrap().since(&before);
     assert_eq!((d.frontend, d.no_socket), (1, 1), "{d:?}");
-    assert_eq!(s.test_run(&ping).unwrap(), XDP_PASS, "not kxp's: the kernel's");
+    assert_eq!(
+        s.test_run(&ping).unwrap(),
+        XDP_PASS,
+        "not kxp's: the kernel's"
+    );
     // Held on no queue (a queue kxp does not serve): the kernel's path stays.
     s.set_hold(0).unwrap();
     assert_eq!(s.test_run(&to_vip).unwrap(), XDP_PASS);
