@@ -103,13 +103,16 @@ fn node_state(c: &mut Criterion) {
         t.remember(7, client(i), ep, 0, 3600 * 1_000_000_000);
     }
     // What a new connection to an affine Service does: recall, and refresh.
+    let new_conn = move |t: &AffinityTable, i: u32| {
+        let c = client(i);
+        let e = t.recall(7, black_box(c), 1).unwrap_or(ep);
+        t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+    };
     let mut i = 0u32;
     g.bench_function("affinity_recall_remember", |b| {
         b.iter(|| {
             i = i.wrapping_add(7919);
-            let c = client(i);
-            let e = t.recall(7, black_box(c), 1).unwrap_or(ep);
-            t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+            new_conn(&t, i);
         })
     });
     let stop = Arc::new(AtomicBool::new(false));
@@ -119,18 +122,14 @@ fn node_state(c: &mut Criterion) {
             let mut j = 1u32;
             while !stop.load(Ordering::Relaxed) {
                 j = j.wrapping_add(104_729);
-                let c = client(j);
-                let e = t.recall(7, c, 1).unwrap_or(ep);
-                t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+                new_conn(&t, j);
             }
         })
     };
     g.bench_function("affinity_recall_remember_while_another_worker_does", |b| {
         b.iter(|| {
             i = i.wrapping_add(7919);
-            let c = client(i);
-            let e = t.recall(7, black_box(c), 1).unwrap_or(ep);
-            t.remember(7, c, e, 1, 3600 * 1_000_000_000);
+            new_conn(&t, i);
         })
     });
     stop.store(true, Ordering::Relaxed);

@@ -239,7 +239,11 @@ impl Backend {
 
 /// One HTTP GET on a new connection; the body (the backend's name).
 pub fn http_get(addr: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+    http_get_on(TcpStream::connect_timeout(&addr, timeout)?, timeout)
+}
+
+/// One HTTP GET on a connected stream; the body.
+pub fn http_get_on(mut s: TcpStream, timeout: Duration) -> std::io::Result<String> {
     s.set_read_timeout(Some(timeout))?;
     s.write_all(b"GET / HTTP/1.0\r\nHost: web\r\n\r\n")?;
     let mut resp = String::new();
@@ -252,6 +256,21 @@ pub fn http_get(addr: SocketAddr, timeout: Duration) -> std::io::Result<String> 
         .to_string())
 }
 
+/// `exe run ARGS` in namespace `ns`, its output to `out`.
+fn run_in(exe: &Path, ns: &str, args: &[String], out: std::fs::File) -> anyhow::Result<Child> {
+    let err = out.try_clone()?;
+    Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(exe)
+        .arg("run")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .context("starting kxp run")
+}
+
 /// A `kxp run` child process in a namespace. On drop: SIGTERM, wait, then `kxp
 /// cleanup` in the namespace (a stopped kxp keeps its steering and state for the next
 /// one, see `dataplane::statefile`; this one is not coming back).
@@ -261,6 +280,8 @@ pub struct KxpProcess {
     pub log: PathBuf,
     exe: PathBuf,
     ns: String,
+    /// `kxp cleanup` ran.
+    cleaned: bool,
 }
 
 impl KxpProcess {
@@ -275,23 +296,13 @@ impl KxpProcess {
         args: &[String],
         log: &Path,
     ) -> anyhow::Result<KxpProcess> {
-        let out = std::fs::File::create(log)?;
-        let err = out.try_clone()?;
-        let child = Command::new("ip")
-            .args(["netns", "exec", ns])
-            .arg(exe)
-            .arg("run")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .context("starting kxp run")?;
+        let child = run_in(exe, ns, args, std::fs::File::create(log)?)?;
         Ok(KxpProcess {
             child,
             log: log.to_path_buf(),
             exe: exe.to_path_buf(),
             ns: ns.to_string(),
+            cleaned: false,
         })
     }
 
@@ -300,18 +311,9 @@ impl KxpProcess {
     pub fn restart(&mut self, exe: Option<&Path>, args: &[String]) -> anyhow::Result<()> {
         let exe = exe.map_or_else(|| self.exe.clone(), Path::to_path_buf);
         let out = std::fs::OpenOptions::new().append(true).open(&self.log)?;
-        let err = out.try_clone()?;
-        self.child = Command::new("ip")
-            .args(["netns", "exec", &self.ns])
-            .arg(&exe)
-            .arg("run")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .context("starting kxp run")?;
+        self.child = run_in(&exe, &self.ns, args, out)?;
         self.exe = exe;
+        self.cleaned = false;
         Ok(())
     }
 
@@ -321,8 +323,9 @@ impl KxpProcess {
         let _ = self.child.wait();
     }
 
-    /// `kxp cleanup` in the namespace (after the process has stopped).
-    pub fn cleanup(&self) -> anyhow::Result<String> {
+    /// `kxp cleanup` in the namespace (after the process has stopped); once.
+    pub fn cleanup(&mut self) -> anyhow::Result<String> {
+        self.cleaned = true;
         let out = Command::new("ip")
             .args(["netns", "exec", &self.ns])
             .arg(&self.exe)
@@ -361,7 +364,13 @@ impl Drop for KxpProcess {
         if let Ok(None) = self.child.try_wait() {
             self.terminate();
         }
-        if let Err(e) = self.cleanup() {
+        // A namespace already gone took everything kxp had in it (its state directory
+        // goes at a later kxp's start, see dataplane::statefile::remove_stale_dirs).
+        let gone = !Path::new("/run/netns").join(&self.ns).exists();
+        if !self.cleaned
+            && !gone
+            && let Err(e) = self.cleanup()
+        {
             tracing::warn!(error = %e, namespace = %self.ns, "kxp cleanup after the run");
         }
     }
@@ -568,13 +577,25 @@ pub fn demo() -> anyhow::Result<()> {
     for b in backends {
         b.join();
     }
-    let attached = in_ns(&node, &["ip", "-d", "link", "show"])
-        .map(|o| String::from_utf8_lossy(&o.stdout).contains("prog/xdp"))
-        .unwrap_or(false);
+    let programs = || {
+        in_ns(&node, &["ip", "-d", "link", "show"])
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .matches("prog/xdp")
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    // A stopped kxp keeps its programs (holding Service traffic) and connections for the
+    // next one; this one is not coming back: `kxp cleanup` removes them.
+    let kept = programs();
+    kxp.cleanup()?;
+    let left = programs();
     println!(
-        "kxp stopped (exit {}), XDP programs left on the interfaces: {}",
+        "kxp stopped (exit {}), keeping its steering for a next kxp ({kept} XDP programs); \
+         after `kxp cleanup`, XDP programs left on the interfaces: {}",
         code.map_or("signal".to_string(), |c| c.to_string()),
-        if attached {
+        if left > 0 {
             "some (unexpected)"
         } else {
             "none"

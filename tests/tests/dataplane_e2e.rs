@@ -665,7 +665,7 @@ fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
     );
     // `kxp cleanup` removes all of it: no program, no service device, routes or policy
     // rules (the local rule back at 0), no state directory.
-    let out = lab.kxp.as_ref().unwrap().cleanup().unwrap();
+    let out = lab.kxp.as_mut().unwrap().cleanup().unwrap();
     let text = show(&["ip", "-d", "link", "show"]);
     assert!(!text.contains("prog/xdp"), "{text}\n{out}");
     assert!(!text.contains("kxp0"), "{text}");

@@ -220,7 +220,7 @@ fn demo_runs_end_to_end_and_cleans_up() {
     }
     assert!(out.contains("the next connection was refused"), "{out}");
     assert!(
-        out.contains("XDP programs left on the interfaces: none"),
+        out.contains("after `kxp cleanup`, XDP programs left on the interfaces: none"),
         "{out}"
     );
     assert!(out.contains("removed the namespaces"), "{out}");

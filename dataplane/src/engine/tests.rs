@@ -20,12 +20,18 @@ const NODE: &str = "198.18.0.254";
 const VIP: &str = "198.19.0.10";
 
 fn snapshot(endpoints: &[&str], extra_service: &str) -> Snapshot {
+    snapshot_meta(endpoints, "", extra_service)
+}
+
+/// `web` with `extra_meta` in its metadata (e.g. annotations) and `extra_service` in its
+/// spec.
+fn snapshot_meta(endpoints: &[&str], extra_meta: &str, extra_service: &str) -> Snapshot {
     let eps: String = endpoints
         .iter()
         .map(|e| format!("- {{addresses: [{e}], nodeName: node-a}}\n"))
         .collect();
     let svc = format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo}}\nspec:\n  type: NodePort\n  clusterIP: {VIP}\n  ports: [{{port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP, name: http}}, {{port: 53, nodePort: 30053, protocol: UDP, name: dns}}]\n{extra_service}"
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo{extra_meta}}}\nspec:\n  type: NodePort\n  clusterIP: {VIP}\n  ports: [{{port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP, name: http}}, {{port: 53, nodePort: 30053, protocol: UDP, name: dns}}]\n{extra_service}"
     );
     let slice = format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints:{}",
@@ -515,30 +521,13 @@ fn snap_port_hash(snap: &Snapshot) -> u64 {
     snap.port(f.port).name_hash
 }
 
-/// `web` (port 80 only) with the `kxp.dev/scheduler` annotation.
+/// `web` with the `kxp.dev/scheduler` annotation.
 fn snapshot_with_annotation(endpoints: &[&str], scheduler: &str) -> Snapshot {
-    let eps: String = endpoints
-        .iter()
-        .map(|e| format!("- {{addresses: [{e}], nodeName: node-a}}\n"))
-        .collect();
-    let svc = format!(
-        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo, annotations: {{kxp.dev/scheduler: {scheduler}}}}}\nspec:\n  clusterIP: {VIP}\n  ports: [{{port: 80, targetPort: 8080, protocol: TCP, name: http}}]\n"
-    );
-    let slice = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints:\n{eps}"
-    );
-    let state = ClusterState {
-        services: vec![serde_yaml::from_str::<Service>(&svc).unwrap()],
-        endpoint_slices: vec![serde_yaml::from_str::<EndpointSlice>(&slice).unwrap()],
-        ..Default::default()
-    };
-    let settings = NodeSettings {
-        node_name: "node-a".into(),
-        node_ips: vec![NODE.parse().unwrap()],
-        cluster_cidrs: vec!["198.18.128.0/17".parse().unwrap()],
-        ..Default::default()
-    };
-    build(&state, &settings, 1).unwrap().snapshot
+    snapshot_meta(
+        endpoints,
+        &format!(", annotations: {{kxp.dev/scheduler: {scheduler}}}"),
+        "",
+    )
 }
 
 /// Masqueraded flows get SNAT ports that map back to the worker that opened them, and
