@@ -26,7 +26,8 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Explain what kxp does with the first packet of a connection.
     Trace(TraceArgs),
-    /// Remove what a kxp that died left behind (XDP programs on interfaces).
+    /// Remove everything kxp leaves for its next start: XDP programs, the service device,
+    /// its routes and rules, the state directory (an uninstall; refused while kxp runs).
     Cleanup(CleanupArgs),
     /// Build a throw-away topology and show kxp carrying real connections.
     Demo,
@@ -195,7 +196,7 @@ pub struct RunArgs {
     /// PATH and exit, as `kube-proxy --write-config-to` does.
     #[arg(long, value_name = "PATH")]
     pub write_config_to: Option<PathBuf>,
-    /// Remove what a kxp that died left behind and exit (`kxp cleanup`), as
+    /// Remove everything kxp leaves for its next start and exit (`kxp cleanup`), as
     /// `kube-proxy --cleanup` does.
     #[arg(long)]
     pub cleanup: bool,
