@@ -1819,17 +1819,7 @@ fn http_from(src: SocketAddr, dst: SocketAddr) -> std::io::Result<String> {
     s.set_reuse_address(true)?;
     s.bind(&src.into())?;
     s.connect_timeout(&dst.into(), Duration::from_secs(3))?;
-    let mut s: TcpStream = s.into();
-    s.set_read_timeout(Some(Duration::from_secs(3)))?;
-    s.write_all(b"GET / HTTP/1.0\r\nHost: web\r\n\r\n")?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
-    Ok(resp
-        .split("\r\n\r\n")
-        .nth(1)
-        .unwrap_or("")
-        .trim()
-        .to_string())
+    controlplane::demo::http_get_on(s.into(), Duration::from_secs(3))
 }
 
 #[test]
