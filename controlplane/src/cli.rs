@@ -31,6 +31,85 @@ pub enum Command {
     Cleanup(CleanupArgs),
     /// Build a throw-away topology and show kxp carrying real connections.
     Demo,
+    /// What the running kxp serves (its admin socket).
+    #[command(subcommand)]
+    Service(ServiceCmd),
+    /// The running kxp's connection tracking (its admin socket).
+    #[command(subcommand)]
+    Conntrack(ConntrackCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ServiceCmd {
+    /// One entry per frontend, with its endpoints and their connections now.
+    List {
+        /// Only this Service.
+        #[arg(long, value_name = "NS/NAME")]
+        service: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConntrackCmd {
+    /// The flows of every worker, filtered.
+    List {
+        #[command(flatten)]
+        filter: FlowFilterArgs,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Remove the matching flows (at least one filter) from every worker.
+    Delete {
+        #[command(flatten)]
+        filter: FlowFilterArgs,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Per worker: entries, capacity, insertions, evictions, failed insertions.
+    Stats {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+}
+
+/// How to reach the running kxp, and how to print its answer.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdminArgs {
+    /// The running kxp's admin socket (default /run/kxp/kxp.sock, or the state
+    /// directory's kxp.sock outside the host's network namespace).
+    #[arg(long, value_name = "PATH")]
+    pub admin_socket: Option<PathBuf>,
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct FlowFilterArgs {
+    /// Flows to a frontend of this Service.
+    #[arg(long, value_name = "NS/NAME")]
+    pub service: Option<String>,
+    /// Flows to this endpoint.
+    #[arg(long, value_name = "IP[:PORT]")]
+    pub endpoint: Option<String>,
+    /// Flows from this client (as it sent them).
+    #[arg(long, value_name = "IP[:PORT]")]
+    pub client: Option<String>,
+    /// TCP, UDP or SCTP.
+    #[arg(long, value_name = "P")]
+    pub protocol: Option<String>,
+}
+
+impl FlowFilterArgs {
+    fn filter(&self) -> crate::admin::Filter {
+        crate::admin::Filter {
+            service: self.service.clone(),
+            endpoint: self.endpoint.clone(),
+            client: self.client.clone(),
+            protocol: self.protocol.clone(),
+        }
+    }
 }
 
 /// Flags that say which node kxp is on (shared by `run` and `trace`).
@@ -210,6 +289,11 @@ pub struct RunArgs {
     /// network namespace; "" for memory only).
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Where to serve the admin API that `kxp service list` and `kxp conntrack ...` use
+    /// (a Unix socket, mode 0600; default the state directory's kxp.sock, i.e.
+    /// /run/kxp/kxp.sock on the host; "" for none).
+    #[arg(long, value_name = "PATH")]
+    pub admin_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -352,8 +436,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             snat_ports: args.snat_port_range,
             busy_poll: args.busy_poll,
             state_dir: args.state_dir,
+            admin_socket: args.admin_socket,
         }),
         Command::Cleanup(args) => run_cleanup(args),
+        Command::Service(cmd) => run_admin_service(cmd),
+        Command::Conntrack(cmd) => run_admin_conntrack(cmd),
         Command::Demo => crate::demo::demo(),
     }
 }
@@ -421,6 +508,84 @@ fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
             for n in &built.notes {
                 println!("  note:       {n}");
             }
+        }
+    }
+    Ok(())
+}
+
+fn admin_ask(a: &AdminArgs, req: &crate::admin::Request) -> anyhow::Result<serde_json::Value> {
+    let path = a
+        .admin_socket
+        .clone()
+        .unwrap_or_else(crate::admin::default_socket);
+    crate::admin::ask(&path, req)
+}
+
+fn print_answer(
+    a: &AdminArgs,
+    v: &serde_json::Value,
+    text: impl FnOnce(&serde_json::Value) -> String,
+) {
+    match a.output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
+        Output::Text => print!("{}", text(v)),
+    }
+}
+
+fn run_admin_service(cmd: ServiceCmd) -> anyhow::Result<()> {
+    let ServiceCmd::List { service, admin } = cmd;
+    let v = admin_ask(&admin, &crate::admin::Request::ServiceList { service })?;
+    print_answer(&admin, &v, crate::admin::service_table);
+    Ok(())
+}
+
+fn run_admin_conntrack(cmd: ConntrackCmd) -> anyhow::Result<()> {
+    use crate::admin::{Request, table};
+    match cmd {
+        ConntrackCmd::List { filter, admin } => {
+            let v = admin_ask(&admin, &Request::ConntrackList(filter.filter()))?;
+            print_answer(&admin, &v, |v| {
+                let rows = v.as_array().cloned().unwrap_or_default();
+                table(
+                    &rows,
+                    &[
+                        "protocol",
+                        "client",
+                        "frontend",
+                        "endpoint",
+                        "snat",
+                        "state",
+                        "expires_in_s",
+                        "worker",
+                        "service",
+                    ],
+                )
+            });
+        }
+        ConntrackCmd::Delete { filter, admin } => {
+            let v = admin_ask(&admin, &Request::ConntrackDelete(filter.filter()))?;
+            print_answer(&admin, &v, |v| {
+                format!("deleted {} flow(s)\n", v["deleted"])
+            });
+        }
+        ConntrackCmd::Stats { admin } => {
+            let v = admin_ask(&admin, &Request::ConntrackStats)?;
+            print_answer(&admin, &v, |v| {
+                let rows = v.as_array().cloned().unwrap_or_default();
+                table(
+                    &rows,
+                    &[
+                        "worker",
+                        "entries",
+                        "capacity",
+                        "insertions",
+                        "evictions",
+                        "insert_failed_full",
+                        "expired",
+                        "removed",
+                    ],
+                )
+            });
         }
     }
     Ok(())

@@ -210,6 +210,10 @@ pub struct KxpSection {
     /// `""` keeps them in memory only (a restart then loses every connection).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub state_directory: Option<std::path::PathBuf>,
+    /// The admin socket `kxp service list` / `kxp conntrack` use (default the state
+    /// directory's `kxp.sock`; `""` for none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_socket: Option<std::path::PathBuf>,
 }
 
 /// A Go `time.Duration` string as metav1.Duration writes it (`1h0m0s`, `30s`, `250ms`).

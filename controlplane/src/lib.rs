@@ -2,6 +2,7 @@
 //! `kxp` command line.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod demo;

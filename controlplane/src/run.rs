@@ -44,6 +44,8 @@ pub struct RunOptions {
     /// `--state-dir`: `Some("")` turns persistence off; `None`: the config's, else the
     /// default.
     pub state_dir: Option<PathBuf>,
+    /// `--admin-socket`: `Some("")` serves none; `None`: the config's, else the default.
+    pub admin_socket: Option<PathBuf>,
 }
 
 /// Reads the configuration, starts the dataplane and serves until a signal.
@@ -207,6 +209,18 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // Started empty (nothing is redirected yet); the first sync follows once the node's
     // addresses are known: without --node-ip they are the host's own (generation 2).
     let mut dp = Dataplane::start(&dp_cfg, Snapshot::empty(0, Default::default()))?;
+    let admin_path = match opts
+        .admin_socket
+        .clone()
+        .or_else(|| kxp.admin_socket.clone())
+    {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+        None => Some(crate::admin::default_socket()),
+    };
+    let admin = admin_path
+        .map(|p| crate::admin::AdminServer::start(&p, dp.shared.clone()))
+        .transpose()?;
     let mut generation = 1;
     if !explicit_node_ips {
         settings.node_ips = host_addresses(&dp);
@@ -397,6 +411,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             dp_cfg.interfaces.join(", ")
         ),
     }
+    drop(admin);
     dp.stop();
     hc.stop();
     server.stop();

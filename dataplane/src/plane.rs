@@ -718,20 +718,7 @@ impl Dataplane {
 
     /// Every worker's flows.
     pub fn list_flows(&self, timeout: Duration) -> Vec<FlowInfo> {
-        let mut out = Vec::new();
-        let mut replies = Vec::new();
-        for tx in &self.shared.commands {
-            let (rtx, rrx) = crossbeam::channel::bounded(1);
-            if tx.send(Command::ListFlows(rtx)).is_ok() {
-                replies.push(rrx);
-            }
-        }
-        for r in replies {
-            if let Ok(mut v) = r.recv_timeout(timeout) {
-                out.append(&mut v);
-            }
-        }
-        out
+        self.shared.flows(Arc::new(|_| true), false, timeout).0
     }
 
     /// Sums of the workers' counters.
@@ -1224,7 +1211,11 @@ pub fn remove_state(dir: &std::path::Path) {
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.filter_map(Result::ok) {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name == "lock" || name.ends_with(".state") || name.ends_with(".new") {
+            if name == "lock"
+                || name == "kxp.sock"
+                || name.ends_with(".state")
+                || name.ends_with(".new")
+            {
                 let _ = std::fs::remove_file(e.path());
             }
         }

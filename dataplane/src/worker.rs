@@ -44,12 +44,18 @@ pub struct Handoff {
 }
 
 /// A request from the control plane to a worker.
-#[derive(Debug)]
 pub enum Command {
     /// Remove UDP flows to an endpoint that went away (kube-proxy's conntrack cleanup).
     RemoveUdpTo(IpAddr, u16),
-    /// Send back a description of every flow (for `kxp conntrack list`).
-    ListFlows(crossbeam::channel::Sender<Vec<FlowInfo>>),
+    /// Send back a description of every flow `filter` accepts (for `kxp conntrack
+    /// list`), or remove them and send back how many (`delete`).
+    Flows {
+        filter: FlowFilter,
+        delete: bool,
+        reply: crossbeam::channel::Sender<(Vec<FlowInfo>, usize)>,
+    },
+    /// Send back the connection table's counters.
+    TableStats(crossbeam::channel::Sender<TableStats>),
     /// Open a socket on a newly attached interface at this worker's queue and send back
     /// its descriptor (for the interface's XSKMAP) or why it failed.
     AddPort {
@@ -65,14 +71,38 @@ pub enum Command {
     },
 }
 
+/// Which flows a [`Command::Flows`] is about (evaluated by each worker on its own table).
+pub type FlowFilter = Arc<dyn Fn(&conntrack::Entry) -> bool + Send + Sync>;
+
 /// One conntrack entry, for display.
 #[derive(Debug, Clone)]
 pub struct FlowInfo {
     pub worker: usize,
     pub orig: Tuple,
     pub reply: Tuple,
-    pub state: String,
+    pub state: conntrack::State,
     pub expires_in_ms: u64,
+}
+
+/// One worker's connection table, for `kxp conntrack stats`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TableStats {
+    pub worker: usize,
+    pub entries: usize,
+    pub capacity: usize,
+    pub stats: conntrack::Stats,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::RemoveUdpTo(ip, port) => write!(f, "RemoveUdpTo({ip}, {port})"),
+            Command::Flows { delete, .. } => write!(f, "Flows {{ delete: {delete} }}"),
+            Command::TableStats(_) => f.write_str("TableStats"),
+            Command::AddPort { ifname, .. } => write!(f, "AddPort({ifname})"),
+            Command::RemovePort { ifindex, .. } => write!(f, "RemovePort({ifindex})"),
+        }
+    }
 }
 
 /// Counters of one worker, written by it (Relaxed stores once per batch) and summed by
@@ -125,6 +155,56 @@ pub struct Shared {
     /// the worker that owns its flow, its other fragments (no ports) to whichever worker
     /// received them. Only fragments take this lock.
     pub frags: std::sync::Mutex<conntrack::FragTable>,
+}
+
+impl Shared {
+    /// The flows of every worker that `filter` accepts (or, with `delete`, removes them):
+    /// the flows and how many. A worker that does not answer within `timeout` is left out.
+    pub fn flows(
+        &self,
+        filter: FlowFilter,
+        delete: bool,
+        timeout: std::time::Duration,
+    ) -> (Vec<FlowInfo>, usize) {
+        let replies: Vec<_> = self
+            .commands
+            .iter()
+            .filter_map(|tx| {
+                let (rtx, rrx) = crossbeam::channel::bounded(1);
+                tx.send(Command::Flows {
+                    filter: filter.clone(),
+                    delete,
+                    reply: rtx,
+                })
+                .ok()
+                .map(|()| rrx)
+            })
+            .collect();
+        let (mut all, mut n) = (Vec::new(), 0);
+        for r in replies {
+            if let Ok((mut v, k)) = r.recv_timeout(timeout) {
+                all.append(&mut v);
+                n += k;
+            }
+        }
+        (all, n)
+    }
+
+    /// Every worker's connection-table counters.
+    pub fn table_stats(&self, timeout: std::time::Duration) -> Vec<TableStats> {
+        let replies: Vec<_> = self
+            .commands
+            .iter()
+            .filter_map(|tx| {
+                let (rtx, rrx) = crossbeam::channel::bounded(1);
+                tx.send(Command::TableStats(rtx)).ok().map(|()| rrx)
+            })
+            .collect();
+        replies
+            .into_iter()
+            .filter_map(|r| r.recv_timeout(timeout).ok())
+            .collect()
+    }
 }
 
 /// Everything a worker thread needs.
@@ -386,20 +466,43 @@ impl Worker {
             Command::RemoveUdpTo(ip, port) => {
                 self.engine.table.remove_udp_to_endpoint(ip, port);
             }
-            Command::ListFlows(reply) => {
-                let flows = self
-                    .engine
-                    .table
-                    .iter(now)
-                    .map(|e| FlowInfo {
-                        worker: self.id,
-                        orig: *e.orig(),
-                        reply: *e.reply(),
-                        state: e.state().to_string(),
-                        expires_in_ms: e.remaining(now) / 1_000_000,
-                    })
-                    .collect();
-                let _ = reply.send(flows);
+            Command::Flows {
+                filter,
+                delete,
+                reply,
+            } => {
+                if delete {
+                    let n = self
+                        .engine
+                        .table
+                        .remove_if(|e| !e.is_expired(now) && filter(e));
+                    let _ = reply.send((Vec::new(), n));
+                } else {
+                    let flows: Vec<FlowInfo> = self
+                        .engine
+                        .table
+                        .iter(now)
+                        .filter(|e| filter(e))
+                        .map(|e| FlowInfo {
+                            worker: self.id,
+                            orig: *e.orig(),
+                            reply: *e.reply(),
+                            state: e.state(),
+                            expires_in_ms: e.remaining(now) / 1_000_000,
+                        })
+                        .collect();
+                    let n = flows.len();
+                    let _ = reply.send((flows, n));
+                }
+            }
+            Command::TableStats(reply) => {
+                let t = &self.engine.table;
+                let _ = reply.send(TableStats {
+                    worker: self.id,
+                    entries: t.len(),
+                    capacity: t.capacity(),
+                    stats: *t.stats(),
+                });
             }
             Command::AddPort {
                 ifname,

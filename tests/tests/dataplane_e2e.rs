@@ -2148,3 +2148,166 @@ fn connections_survive_kill_restart_and_binary_replacement() {
         assert!(!l.contains(" 0 affinity"), "{l}");
     }
 }
+
+/// `kxp ARGS` in the node's namespace: (success, stdout, stderr).
+fn kxp_cli(lab: &Lab, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &lab.node])
+        .arg(kxp_bin())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json_of(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+#[test]
+fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe22",
+        ..Default::default()
+    });
+    // 10 open TCP connections through the ClusterIP's echo port (masqueraded: the
+    // client is outside the cluster CIDR).
+    let conns: Vec<(TcpStream, String)> = lab.in_client(|| {
+        (0..10)
+            .map(|i| {
+                let mut s = TcpStream::connect_timeout(&vip(7), Duration::from_secs(3)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                s.write_all(format!("hello{i}").as_bytes()).unwrap();
+                let mut buf = [0u8; 64];
+                let n = s.read(&mut buf).unwrap();
+                let who = String::from_utf8_lossy(&buf[..n])
+                    .split(':')
+                    .next()
+                    .unwrap()
+                    .to_string();
+                (s, who)
+            })
+            .collect()
+    });
+    let (ok, out, err) = kxp_cli(&lab, &["service", "list", "-o", "json"]);
+    assert!(ok, "{err}");
+    let v = json_of(&out);
+    let echo: Vec<&serde_json::Value> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["service"] == "demo/web:echo" && f["kind"] == "ClusterIP")
+        .collect();
+    assert_eq!(echo.len(), 1, "{out}");
+    assert_eq!(echo[0]["frontend"], "198.19.0.10:7/TCP");
+    let active: u64 = echo[0]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["active_connections"].as_u64().unwrap())
+        .sum();
+    assert_eq!(active, 10, "{out}");
+    let (ok, text, _) = kxp_cli(&lab, &["service", "list", "--service", "demo/web"]);
+    assert!(
+        ok && text.contains("demo/web:http") && text.contains("198.18.2.2:8080"),
+        "{text}"
+    );
+    println!("$ kxp service list --service demo/web\n{text}");
+    let (_, text, _) = kxp_cli(&lab, &["conntrack", "list", "--service", "demo/web"]);
+    println!("$ kxp conntrack list --service demo/web\n{text}");
+    let (_, text, _) = kxp_cli(&lab, &["conntrack", "stats"]);
+    println!("$ kxp conntrack stats\n{text}");
+
+    // The flows to one endpoint: exactly those of our connections that went there.
+    let to_web1 = conns.iter().filter(|(_, w)| w == "web-1").count();
+    let (ok, out, err) = kxp_cli(
+        &lab,
+        &[
+            "conntrack",
+            "list",
+            "--endpoint",
+            "198.18.2.2:7000",
+            "-o",
+            "json",
+        ],
+    );
+    assert!(ok, "{err}");
+    let flows = json_of(&out);
+    let flows = flows.as_array().unwrap();
+    assert_eq!(flows.len(), to_web1, "{out}");
+    for f in flows {
+        assert_eq!(f["endpoint"], "198.18.2.2:7000");
+        assert_eq!(f["frontend"], "198.19.0.10:7");
+        assert_eq!(f["state"], "ESTABLISHED");
+        assert_eq!(f["service"], "demo/web:echo");
+        let snat = f["snat"].as_str().expect("masqueraded: a SNAT address");
+        let port: u16 = snat.rsplit(':').next().unwrap().parse().unwrap();
+        assert!((61000..=65535).contains(&port), "{snat}");
+        assert!(f["client"].as_str().unwrap().starts_with("198.18.1.2:"));
+    }
+    let (ok, stats, _) = kxp_cli(&lab, &["conntrack", "stats", "-o", "json"]);
+    assert!(ok);
+    assert!(
+        json_of(&stats)[0]["entries"].as_u64().unwrap() >= 10,
+        "{stats}"
+    );
+
+    // Delete them: they are gone, and a new connection still works.
+    let (ok, out, err) = kxp_cli(&lab, &["conntrack", "delete", "--endpoint", "198.18.2.2"]);
+    assert!(ok, "{err}");
+    assert!(out.contains(&format!("deleted {to_web1} flow(s)")), "{out}");
+    let (_, out, _) = kxp_cli(
+        &lab,
+        &[
+            "conntrack",
+            "list",
+            "--endpoint",
+            "198.18.2.2",
+            "-o",
+            "json",
+        ],
+    );
+    assert_eq!(json_of(&out).as_array().unwrap().len(), 0, "{out}");
+    let (ok, _, err) = kxp_cli(&lab, &["conntrack", "delete"]);
+    assert!(!ok && err.contains("at least one filter"), "{err}");
+    let (spread, _, failed) = lab.http_spread(vip(80), 3);
+    assert_eq!(failed, 0, "{spread:?}");
+
+    // Not root: a permission error.
+    let sock = lab
+        .log()
+        .lines()
+        .find_map(|l| l.split("state restored dir=").nth(1))
+        .map(|d| format!("{}/kxp.sock", d.split_whitespace().next().unwrap()))
+        .unwrap();
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &lab.node,
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ])
+        .arg(kxp_bin())
+        .args(["conntrack", "stats", "--admin-socket", &sock])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("permission denied"),
+        "{err}"
+    );
+    // The socket goes with kxp.
+    assert!(std::path::Path::new(&sock).exists());
+    assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
+    assert!(!std::path::Path::new(&sock).exists(), "{sock} left behind");
+    let (ok, _, err) = kxp_cli(&lab, &["conntrack", "stats"]);
+    assert!(!ok && err.contains("no kxp is running"), "{err}");
+    drop(conns);
+}
