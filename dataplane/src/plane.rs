@@ -755,7 +755,7 @@ impl Dataplane {
             t.to_kernel += g(&s.to_kernel);
             *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
             t.passed += g(&s.passed);
-            t.forwarded_bytes += g(&s.rx_bytes);
+            t.forwarded_bytes += g(&s.forwarded_bytes);
             t.conntrack_inserts += g(&s.conntrack_inserts);
             t.conntrack_evictions += g(&s.conntrack_evictions);
             let it = g(&s.iterations);

@@ -111,6 +111,9 @@ impl std::fmt::Debug for Command {
 pub struct WorkerStats {
     pub rx_packets: AtomicU64,
     pub rx_bytes: AtomicU64,
+    /// Bytes of the packets forwarded (each counted once, by the worker that
+    /// translated it).
+    pub forwarded_bytes: AtomicU64,
     pub tx_packets: AtomicU64,
     pub forwarded: AtomicU64,
     pub new_flows: AtomicU64,
@@ -441,6 +444,8 @@ impl Worker {
         }
         let c = &self.engine.counters;
         s.forwarded.store(c.forwarded, Ordering::Relaxed);
+        s.forwarded_bytes
+            .store(c.forwarded_bytes, Ordering::Relaxed);
         s.new_flows.store(c.new_flows, Ordering::Relaxed);
         s.rejected.store(c.rejected, Ordering::Relaxed);
         s.passed.store(c.passed, Ordering::Relaxed);
