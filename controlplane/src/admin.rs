@@ -59,10 +59,22 @@ impl Filter {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
-    ServiceList { service: Option<String> },
+    ServiceList {
+        service: Option<String>,
+    },
     ConntrackList(Filter),
     ConntrackDelete(Filter),
     ConntrackStats,
+    /// `kxp trace --live`: the decision for a first packet on the running snapshot, and
+    /// the flow it would belong to if one is tracked (given `sport`).
+    Trace {
+        src: IpAddr,
+        sport: Option<u16>,
+        dst: IpAddr,
+        dport: u16,
+        protocol: String,
+        in_interface: Option<String>,
+    },
 }
 
 /// `IP` or `IP:PORT` (IPv6 as `[IP]:PORT` or a bare address).
@@ -254,6 +266,48 @@ fn answer(shared: &Shared, req: Request) -> anyhow::Result<Value> {
             let pred = predicate(&f, shared.snapshot.load_full())?;
             let (_, n) = shared.flows(pred, true, WORKER_WAIT);
             Ok(json!({ "deleted": n }))
+        }
+        Request::Trace {
+            src,
+            sport,
+            dst,
+            dport,
+            protocol,
+            in_interface,
+        } => {
+            let snap = shared.snapshot.load_full();
+            let input = crate::trace::TraceInput {
+                src,
+                dst,
+                dport,
+                proto: parse_proto(&protocol)?,
+                in_interface,
+            };
+            let (result, detail) = crate::trace::trace(&snap, &input);
+            let text = crate::trace::render_text(&input, &result, &detail);
+            // The tracked flow of this packet, if any: by its tuple as the client sends it.
+            let flow = match sport {
+                Some(sport) => {
+                    let proto = input.proto;
+                    let pred: FlowFilter = Arc::new(move |e: &conntrack::Entry| {
+                        let o = e.orig();
+                        o.proto == proto
+                            && o.src == src
+                            && o.sport == sport
+                            && o.dst == dst
+                            && o.dport == dport
+                    });
+                    let (flows, _) = shared.flows(pred, false, WORKER_WAIT);
+                    flows.first().map(|f| flow_json(&snap, f))
+                }
+                None => None,
+            };
+            Ok(json!({
+                "trace": serde_json::to_value(&result)?,
+                "text": text,
+                "flow": flow,
+                "generation": snap.generation,
+            }))
         }
         Request::ConntrackStats => Ok(Value::Array(
             shared

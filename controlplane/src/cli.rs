@@ -358,8 +358,18 @@ pub enum ProtoArg {
 pub struct TraceArgs {
     /// Services, EndpointSlices, Nodes and ServiceCIDRs as YAML (several documents or a
     /// `kind: List`, e.g. `kubectl get svc,endpointslices,nodes,servicecidrs -A -o yaml`).
-    #[arg(long, value_name = "STATE.yaml")]
-    pub state: PathBuf,
+    #[arg(long, value_name = "STATE.yaml", required_unless_present = "live")]
+    pub state: Option<PathBuf>,
+    /// Ask the running kxp instead (its admin socket): its current snapshot, and the
+    /// tracked flow of the packet if one exists (give --sport).
+    #[arg(long, conflicts_with = "state")]
+    pub live: bool,
+    /// Source port of the packet (with --live: finds its tracked flow).
+    #[arg(long, value_name = "PORT")]
+    pub sport: Option<u16>,
+    /// With --live: the running kxp's admin socket.
+    #[arg(long, value_name = "PATH")]
+    pub admin_socket: Option<PathBuf>,
     #[command(flatten)]
     pub node: NodeArgs,
     /// Source address of the packet.
@@ -485,10 +495,14 @@ fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
         .config
         .as_ref()
         .map_or_else(|| "flags".to_string(), |p| p.display().to_string());
+    if args.live {
+        return run_trace_live(&args);
+    }
     let settings = node_settings(cfg.as_ref(), &args.node.flags(), &origin)?;
-    let state = load_state(&args.state)?;
+    let state_path = args.state.clone().unwrap_or_default();
+    let state = load_state(&state_path)?;
     let built = nat::k8s::build(&state, &settings, 1)
-        .map_err(|e| anyhow::anyhow!("state file {}: {e}", args.state.display()))?;
+        .map_err(|e| anyhow::anyhow!("state file {}: {e}", state_path.display()))?;
     let input = TraceInput {
         src: args.src,
         dst: args.dst,
@@ -510,6 +524,56 @@ fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `kxp trace --live`: the running kxp's answer.
+fn run_trace_live(args: &TraceArgs) -> anyhow::Result<()> {
+    let admin = AdminArgs {
+        admin_socket: args.admin_socket.clone(),
+        output: args.output,
+    };
+    let proto = match args.protocol {
+        ProtoArg::Tcp => "TCP",
+        ProtoArg::Udp => "UDP",
+        ProtoArg::Sctp => "SCTP",
+    };
+    let v = admin_ask(
+        &admin,
+        &crate::admin::Request::Trace {
+            src: args.src,
+            sport: args.sport,
+            dst: args.dst,
+            dport: args.dport,
+            protocol: proto.to_string(),
+            in_interface: args.in_interface.clone(),
+        },
+    )?;
+    print_answer(&admin, &v, |v| {
+        let mut t = v["text"].as_str().unwrap_or_default().to_string();
+        match (&v["flow"], args.sport) {
+            (serde_json::Value::Null, Some(p)) => {
+                t.push_str(&format!("  tracked:    no flow from port {p} (a new connection would be decided as above)\n"));
+            }
+            (serde_json::Value::Null, None) => {}
+            (f, _) => t.push_str(&format!(
+                "  tracked:    {} flow to {} ({}{}), worker {}\n",
+                f["state"].as_str().unwrap_or("?"),
+                f["endpoint"].as_str().unwrap_or("?"),
+                match f["snat"].as_str() {
+                    Some(s) => format!("SNAT {s}, "),
+                    None => String::new(),
+                },
+                format_args!("expires in {} s", f["expires_in_s"]),
+                f["worker"]
+            )),
+        }
+        t.push_str(&format!(
+            "  snapshot:   generation {} of the running kxp\n",
+            v["generation"]
+        ));
+        t
+    });
     Ok(())
 }
 

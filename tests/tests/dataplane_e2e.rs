@@ -2261,6 +2261,57 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
         assert!((61000..=65535).contains(&port), "{snat}");
         assert!(f["client"].as_str().unwrap().starts_with("198.18.1.2:"));
     }
+    // trace --live names the existing flow's endpoint.
+    let (first, who) = (&conns[0].0, conns[0].1.clone());
+    let sport = first.local_addr().unwrap().port().to_string();
+    let (ok, out, err) = kxp_cli(
+        &lab,
+        &[
+            "trace",
+            "--live",
+            "--src",
+            "198.18.1.2",
+            "--sport",
+            &sport,
+            "--dst",
+            "198.19.0.10",
+            "--dport",
+            "7",
+            "--output",
+            "json",
+        ],
+    );
+    assert!(ok, "{err}");
+    let t = json_of(&out);
+    assert_eq!(t["flow"]["state"], "ESTABLISHED", "{out}");
+    let ep = t["flow"]["endpoint"].as_str().unwrap().to_string();
+    let web = ["198.18.2.2:7000", "198.18.2.6:7000", "198.18.2.10:7000"];
+    let names = ["web-1", "web-2", "web-3"];
+    let i = web.iter().position(|w| *w == ep).unwrap();
+    assert_eq!(names[i], who, "{out}");
+    assert_eq!(t["trace"]["service"], "demo/web:echo", "{out}");
+    let (ok, text, _) = kxp_cli(
+        &lab,
+        &[
+            "trace",
+            "--live",
+            "--src",
+            "198.18.1.2",
+            "--sport",
+            &sport,
+            "--dst",
+            "198.19.0.10",
+            "--dport",
+            "7",
+        ],
+    );
+    assert!(
+        ok && text.contains(&format!("ESTABLISHED flow to {ep}")),
+        "{text}"
+    );
+    println!(
+        "$ kxp trace --live --src 198.18.1.2 --sport {sport} --dst 198.19.0.10 --dport 7\n{text}"
+    );
     let (ok, stats, _) = kxp_cli(&lab, &["conntrack", "stats", "-o", "json"]);
     assert!(ok);
     assert!(
