@@ -65,6 +65,8 @@ pub enum Request {
     ConntrackList(Filter),
     ConntrackDelete(Filter),
     ConntrackStats,
+    /// Every worker's counters now (cumulative; `kxp stats` turns two into rates).
+    Stats,
     /// `kxp trace --live`: the decision for a first packet on the running snapshot, and
     /// the flow it would belong to if one is tracked (given `sport`).
     Trace {
@@ -309,6 +311,40 @@ fn answer(shared: &Shared, req: Request) -> anyhow::Result<Value> {
                 "generation": snap.generation,
             }))
         }
+        Request::Stats => Ok(Value::Array(
+            shared
+                .stats
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                    let drops: serde_json::Map<String, Value> = w
+                        .drop_detail
+                        .lock()
+                        .map(|d| {
+                            d.iter()
+                                .filter(|(_, n)| *n > 0)
+                                .map(|(k, n)| (k.to_string(), json!(n)))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let it = g(&w.iterations);
+                    json!({
+                        "worker": i,
+                        "rx_packets": g(&w.rx_packets),
+                        "tx_packets": g(&w.tx_packets),
+                        "forwarded": g(&w.forwarded),
+                        "new_flows": g(&w.new_flows),
+                        "dropped": g(&w.dropped),
+                        "drops": drops,
+                        "handoffs_out": g(&w.handoffs_out),
+                        "handoffs_in": g(&w.handoffs_in),
+                        "busy_ratio": if it == 0 { 0.0 } else { g(&w.busy_iterations) as f64 / it as f64 },
+                        "conntrack_entries": g(&w.conntrack_entries),
+                    })
+                })
+                .collect(),
+        )),
         Request::ConntrackStats => Ok(Value::Array(
             shared
                 .table_stats(WORKER_WAIT)
@@ -466,6 +502,57 @@ pub fn table(rows: &[Value], cols: &[&str]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// The text form of `kxp stats`: per worker, the rates between two samples `secs` apart
+/// and the state at the second.
+pub fn stats_table(before: &Value, after: &Value, secs: f64) -> String {
+    let rate = |a: &Value, b: &Value, k: &str| {
+        let d = b[k]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(a[k].as_u64().unwrap_or(0));
+        format!("{:.0}", d as f64 / secs.max(1e-3))
+    };
+    let mut rows = Vec::new();
+    for (a, b) in before
+        .as_array()
+        .into_iter()
+        .flatten()
+        .zip(after.as_array().into_iter().flatten())
+    {
+        let drops: Vec<String> = b["drops"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        rows.push(json!({
+            "worker": b["worker"],
+            "rx_pps": rate(a, b, "rx_packets"),
+            "tx_pps": rate(a, b, "tx_packets"),
+            "new_flows_s": rate(a, b, "new_flows"),
+            "drops_s": rate(a, b, "dropped"),
+            "handoffs_s": rate(a, b, "handoffs_out"),
+            "busy": format!("{:.0}%", b["busy_ratio"].as_f64().unwrap_or(0.0) * 100.0),
+            "conntrack": b["conntrack_entries"],
+            "drops_total": if drops.is_empty() { "-".to_string() } else { drops.join(" ") },
+        }));
+    }
+    table(
+        &rows,
+        &[
+            "worker",
+            "rx_pps",
+            "tx_pps",
+            "new_flows_s",
+            "drops_s",
+            "handoffs_s",
+            "busy",
+            "conntrack",
+            "drops_total",
+        ],
+    )
 }
 
 /// The text form of `kxp service list`: one line per frontend and endpoint.

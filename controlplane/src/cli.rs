@@ -37,6 +37,15 @@ pub enum Command {
     /// The running kxp's connection tracking (its admin socket).
     #[command(subcommand)]
     Conntrack(ConntrackCmd),
+    /// Per worker: packets/s in and out, new flows/s, drops, hand-offs, busy ratio,
+    /// conntrack fill (its admin socket).
+    Stats {
+        /// Refresh every second, in place, until interrupted.
+        #[arg(long)]
+        watch: bool,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -451,6 +460,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Cleanup(args) => run_cleanup(args),
         Command::Service(cmd) => run_admin_service(cmd),
         Command::Conntrack(cmd) => run_admin_conntrack(cmd),
+        Command::Stats { watch, admin } => run_admin_stats(watch, &admin),
         Command::Demo => crate::demo::demo(),
     }
 }
@@ -601,6 +611,32 @@ fn run_admin_service(cmd: ServiceCmd) -> anyhow::Result<()> {
     let v = admin_ask(&admin, &crate::admin::Request::ServiceList { service })?;
     print_answer(&admin, &v, crate::admin::service_table);
     Ok(())
+}
+
+fn run_admin_stats(watch: bool, admin: &AdminArgs) -> anyhow::Result<()> {
+    use crate::admin::Request;
+    let mut before = admin_ask(admin, &Request::Stats)?;
+    let mut t0 = std::time::Instant::now();
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        let after = admin_ask(admin, &Request::Stats)?;
+        let secs = t0.elapsed().as_secs_f64();
+        match admin.output {
+            Output::Json => println!("{}", serde_json::to_string(&after)?),
+            Output::Text => {
+                if watch {
+                    // Clear the screen and home the cursor, as `watch`/`top` do.
+                    print!("\x1b[2J\x1b[H");
+                }
+                print!("{}", crate::admin::stats_table(&before, &after, secs));
+            }
+        }
+        if !watch {
+            return Ok(());
+        }
+        before = after;
+        t0 = std::time::Instant::now();
+    }
 }
 
 fn run_admin_conntrack(cmd: ConntrackCmd) -> anyhow::Result<()> {

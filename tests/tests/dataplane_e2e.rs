@@ -2312,6 +2312,15 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
     println!(
         "$ kxp trace --live --src 198.18.1.2 --sport {sport} --dst 198.19.0.10 --dport 7\n{text}"
     );
+    let (ok, text, err) = kxp_cli(&lab, &["stats"]);
+    assert!(ok && text.starts_with("WORKER  RX_PPS"), "{text}{err}");
+    println!("$ kxp stats\n{text}");
+    let (ok, out, _) = kxp_cli(&lab, &["stats", "-o", "json"]);
+    assert!(ok);
+    assert!(
+        json_of(&out)[0]["rx_packets"].as_u64().unwrap() > 0,
+        "{out}"
+    );
     let (ok, stats, _) = kxp_cli(&lab, &["conntrack", "stats", "-o", "json"]);
     assert!(ok);
     assert!(
