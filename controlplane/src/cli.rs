@@ -298,6 +298,18 @@ pub struct RunArgs {
     /// network namespace; "" for memory only).
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Log verbosity, as kube-proxy's: up to 2 info (the default), 3-4 debug, 5 and above
+    /// trace (`RUST_LOG` wins when set).
+    #[arg(short = 'v', long = "v", value_name = "N")]
+    pub verbosity: Option<u8>,
+    /// Log lines as text or JSON objects (kube-proxy's --logging-format is the same).
+    #[arg(
+        long = "log-format",
+        alias = "logging-format",
+        value_enum,
+        value_name = "text|json"
+    )]
+    pub log_format: Option<LogFormat>,
     /// Where to serve the admin API that `kxp service list` and `kxp conntrack ...` use
     /// (a Unix socket, mode 0600; default the state directory's kxp.sock, i.e.
     /// /run/kxp/kxp.sock on the host; "" for none).
@@ -401,29 +413,54 @@ pub struct TraceArgs {
     pub output: Output,
 }
 
-/// Runs the command line; returns the process exit status.
-/// Installs the process's one log subscriber: text lines on stderr, level `info` unless
-/// `RUST_LOG` says otherwise.
-fn init_logging() {
+/// How log lines are written (`--log-format`, kube-proxy's `--logging-format`).
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// kube-proxy's verbosity (`--v`) as a level: up to 2 (kube-proxy's usual) info, 3–4
+/// debug, 5 and above trace.
+fn level_of(v: u8) -> &'static str {
+    match v {
+        0..=2 => "info",
+        3..=4 => "debug",
+        _ => "trace",
+    }
+}
+
+/// Installs the process's one log subscriber on stderr: `RUST_LOG` if set, else the
+/// level `--v` gives (info by default); text lines or JSON objects.
+fn init_logging(verbosity: Option<u8>, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level_of(verbosity.unwrap_or(0))));
+    let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(false)
-        .with_target(false)
-        .try_init();
+        .with_target(false);
+    let _ = match format {
+        LogFormat::Text => b.try_init(),
+        LogFormat::Json => b.json().flatten_event(true).try_init(),
+    };
 }
 
+/// Runs the command line; returns the process exit status.
 pub fn main() -> i32 {
-    init_logging();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
+            init_logging(None, LogFormat::Text);
             let _ = e.print();
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
+    match &cli.command {
+        Command::Run(a) => init_logging(a.verbosity, a.log_format.unwrap_or_default()),
+        _ => init_logging(None, LogFormat::Text),
+    }
     match run(cli) {
         Ok(()) => 0,
         Err(e) => {

@@ -634,8 +634,8 @@ where
                                 watcher::Error::WatchError(s) if s.code == 410 => "relisting",
                                 _ => "retrying with backoff",
                             };
-                            eprintln!(
-                                "kxp: watch {}: {text} ({then}; the last good state is kept)",
+                            tracing::warn!(
+                                "watch {}: {text} ({then}; the last good state is kept)",
                                 c.st.resource
                             );
                         }

@@ -57,8 +57,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         Some(path) => {
             let (_, given) = &opts.flag_config;
             if !given.is_empty() {
-                eprintln!(
-                    "kxp: {} ignored: --config is given, and as in kube-proxy the file wins",
+                tracing::warn!(
+                    "{} ignored: --config is given, and as in kube-proxy the file wins",
                     given.join(", ")
                 );
             }
@@ -81,12 +81,12 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     };
     let configz_text = serde_json::json!({ "kubeproxy.config.k8s.io": &cfg }).to_string();
     for (field, why) in cfg.not_honoured() {
-        eprintln!("kxp: {origin}: {field} is not honoured: {why}");
+        tracing::warn!("{origin}: {field} is not honoured: {why}");
     }
     // kube-proxy's oomScoreAdj (default -999): the node's proxy is the last to be killed.
     let oom = cfg.oom_score_adj.unwrap_or(-999).clamp(-1000, 1000);
     if let Err(e) = std::fs::write("/proc/self/oom_score_adj", oom.to_string()) {
-        eprintln!("kxp: cannot set oomScoreAdj {oom}: {e}");
+        tracing::warn!("cannot set oomScoreAdj {oom}: {e}");
     }
     let cfg = Some(cfg);
     let mut settings = node_settings(cfg.as_ref(), &opts.flags, &origin)?;
@@ -232,7 +232,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut hc = ServiceHealthServers::start(health.clone())
         .context("starting the service health servers")?;
     for e in hc.sync(&first.update) {
-        eprintln!("kxp: {e}");
+        tracing::warn!("{e}");
     }
     dp.publish(first.update)?;
     // Filled with the first state: the new programs replace the ones a previous kxp left
@@ -241,16 +241,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         tracing::warn!(error = %e, "taking over the previous kxp's XDP links");
     }
     if let Some(r) = dp.restored() {
-        eprintln!(
-            "kxp: restored {} flow(s) and {} affinity entries from the previous process",
-            r.flows, r.affinity
+        tracing::info!(
+            "restored {} flow(s) and {} affinity entries from the previous process",
+            r.flows,
+            r.affinity
         );
     }
     health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
     health.programmed();
     metrics.set_last_sync_now();
-    eprintln!(
-        "kxp: initial sync: {} Services, {} EndpointSlices, {} Service ports programmed in {:.1} ms",
+    tracing::info!(
+        "initial sync: {} Services, {} EndpointSlices, {} Service ports programmed in {:.1} ms",
         tracker.service_count(),
         tracker.slice_count(),
         dp.current().port_count(),
@@ -267,8 +268,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     })?;
     let mut last_metrics = Instant::now();
     let attached: Vec<String> = dp.attached().into_iter().map(|(n, _)| n).collect();
-    eprintln!(
-        "kxp: running on {} (attached now: {}; service device {}) with {} worker(s); health on http://{}/healthz",
+    tracing::info!(
+        "running on {} (attached now: {}; service device {}) with {} worker(s); health on http://{}/healthz",
         dp_cfg.interfaces.join(", "),
         if attached.is_empty() {
             "none yet".to_string()
@@ -302,7 +303,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             && last_stats.elapsed() >= every
         {
             last_stats = Instant::now();
-            eprintln!("kxp: {}", totals_line(&dp));
+            tracing::info!("{}", totals_line(&dp));
         }
         if last_metrics.elapsed() >= Duration::from_secs(1) {
             last_metrics = Instant::now();
@@ -344,10 +345,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         let fed = input.feed(&mut tracker, periodic);
         let t_feed = started.elapsed();
         if let Err(e) = fed {
-            eprintln!(
-                "kxp: {}: {e:#}; keeping the last good state",
-                input.describe()
-            );
+            tracing::warn!("{}: {e:#}; keeping the last good state", input.describe());
             health.programmed();
             continue;
         }
@@ -365,13 +363,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         update.full |= periodic;
         let rebuilt = synced.rebuilt;
         for e in hc.sync(&update) {
-            eprintln!("kxp: {e}");
+            tracing::warn!("{e}");
         }
         let published = dp.publish(update);
         let done = started.elapsed();
         if let Err(e) = published {
-            eprintln!(
-                "kxp: programming the XDP maps: {e:#}; retrying in {} s",
+            tracing::error!(
+                "programming the XDP maps: {e:#}; retrying in {} s",
                 resync.as_secs()
             );
             retry_at = Some(Instant::now() + resync);
@@ -390,8 +388,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             }
         }
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        eprintln!(
-            "kxp: {} applied (generation {generation}, {rebuilt} Service(s) rebuilt; \
+        tracing::info!(
+            "{} applied (generation {generation}, {rebuilt} Service(s) rebuilt; \
              changes {:.3} + tracker {:.3} + dataplane {:.3} = {:.3} ms)",
             input.describe(),
             ms(t_feed),
@@ -400,16 +398,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             ms(done)
         );
     }
-    eprintln!("kxp: {}", totals_line(&dp));
+    tracing::info!("{}", totals_line(&dp));
     match &dp_cfg.state_dir {
-        Some(dir) => eprintln!(
-            "kxp: stopping: connections and steering kept for the next kxp ({}); `kxp cleanup` removes them",
+        Some(dir) => tracing::info!(
+            "stopping: connections and steering kept for the next kxp ({}); `kxp cleanup` removes them",
             dir.display()
         ),
-        None => eprintln!(
-            "kxp: stopping: detaching from {}",
-            dp_cfg.interfaces.join(", ")
-        ),
+        None => tracing::info!("stopping: detaching from {}", dp_cfg.interfaces.join(", ")),
     }
     drop(admin);
     dp.stop();
@@ -431,11 +426,11 @@ fn since_trigger(t: &str, now: SystemTime) -> Option<Duration> {
 /// error (each keeps its last good version).
 fn report(s: &Synced, input: &Input) {
     for n in &s.notes {
-        eprintln!("kxp: note: {n}");
+        tracing::info!("note: {n}");
     }
     for e in &s.errors {
-        eprintln!(
-            "kxp: {}: {e}; its last good version stays in force",
+        tracing::warn!(
+            "{}: {e}; its last good version stays in force",
             input.describe()
         );
     }
@@ -564,14 +559,14 @@ impl Input {
             }
             waited += 1;
             if waited % 10 == 0 {
-                eprintln!(
-                    "kxp: still waiting for the first lists from the API server ({waited} s)"
+                tracing::warn!(
+                    "still waiting for the first lists from the API server ({waited} s)"
                 );
             }
         }
         let objects: usize = source.status().resources.iter().map(|r| r.objects).sum();
-        eprintln!(
-            "kxp: first lists from the API server: {objects} objects in {:.1} ms",
+        tracing::info!(
+            "first lists from the API server: {objects} objects in {:.1} ms",
             listing.elapsed().as_secs_f64() * 1e3
         );
         let changes = source.subscribe();

@@ -312,7 +312,7 @@ impl Worker {
         if let Some(cpu) = self.cpu
             && let Err(e) = crate::sys::pin_to_cpu(cpu)
         {
-            eprintln!("kxp: worker {}: cannot pin to CPU {cpu}: {e}", self.id);
+            tracing::warn!("worker {}: cannot pin to CPU {cpu}: {e}", self.id);
         }
         let mut fds = self.io.fds();
         let mut batch: Vec<Frame> = Vec::with_capacity(crate::xsk::BATCH);

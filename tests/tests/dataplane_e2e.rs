@@ -2148,7 +2148,7 @@ fn connections_survive_kill_restart_and_binary_replacement() {
     // client's affinity.
     let restored: Vec<&str> = text
         .lines()
-        .filter(|l| l.contains("kxp: restored"))
+        .filter(|l| l.contains("restored ") && l.contains("from the previous process"))
         .collect();
     assert_eq!(
         restored.len(),

@@ -234,3 +234,51 @@ fn demo_runs_end_to_end_and_cleans_up() {
         .collect();
     assert!(left.is_empty(), "demo namespaces left behind: {left:?}");
 }
+
+#[test]
+fn logs_go_through_one_subscriber_as_text_or_json_at_the_verbosity_asked() {
+    let dir = std::env::temp_dir().join(format!("kxp-run-logs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.yaml");
+    let (code, err) = kxp(&["run", "--write-config-to", cfg.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    let state = fixture("web.yaml");
+    // A flag ignored because --config is given: a warning, before the start fails on
+    // the missing interface (the CLI's own error line stays plain).
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--cluster-cidr",
+            "198.18.0.0/16",
+            "--interface",
+            "kxp-no-such-if0",
+            "--state-file",
+            &state,
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        kxp(&args)
+    };
+    let (code, err) = run(&["--log-format", "json", "--v=4"]);
+    assert_eq!(code, Some(2), "{err}");
+    let warn = err
+        .lines()
+        .find(|l| l.contains("ignored"))
+        .unwrap_or_else(|| panic!("{err}"));
+    let v: serde_json::Value = serde_json::from_str(warn).unwrap_or_else(|e| panic!("{e}: {warn}"));
+    assert_eq!(v["level"], "WARN", "{warn}");
+    assert!(
+        v["message"].as_str().unwrap().contains("--cluster-cidr"),
+        "{warn}"
+    );
+    assert!(err.contains("interface kxp-no-such-if0 not found"), "{err}");
+    let (_, err) = run(&["-v", "2"]);
+    let warn = err.lines().find(|l| l.contains("ignored")).unwrap();
+    assert!(warn.contains(" WARN ") && !warn.starts_with('{'), "{warn}");
+    let (code, err) = kxp(&["run", "--log-format", "xml"]);
+    assert_eq!(code, Some(2), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

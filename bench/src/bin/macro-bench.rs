@@ -891,7 +891,7 @@ impl<'a> Router<'a> {
         t.lines()
             .rev()
             .find(|l| l.contains("totals:"))
-            .map(|l| l.trim_start_matches("kxp: ").to_string())
+            .and_then(|l| l.find("totals:").map(|i| l[i..].to_string()))
     }
 
     /// Stops kxp (its exit prints the final totals) and returns that line.
@@ -903,7 +903,7 @@ impl<'a> Router<'a> {
             .lines()
             .rev()
             .find(|l| l.contains("totals:"))
-            .map(|l| l.trim_start_matches("kxp: ").to_string());
+            .and_then(|l| l.find("totals:").map(|i| l[i..].to_string()));
         self.kxp = Some(p);
         line
     }

@@ -125,11 +125,11 @@ fn run_one(kxp_bin: &std::path::Path, services: u32, changes: u32) -> anyhow::Re
     )?;
     let ready = started.elapsed();
     let log = kxp.log_text();
+    // The message itself, without the log line's timestamp and level.
     let find = |what: &str| {
         log.lines()
-            .find(|l| l.contains(what))
+            .find_map(|l| l.find(what).map(|i| &l[i..]))
             .unwrap_or("")
-            .trim_start_matches("kxp: ")
             .to_string()
     };
     let initial_line = format!("{}; {}", find("first lists"), find("initial sync"));
