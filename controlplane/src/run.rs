@@ -172,15 +172,15 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         dp_cfg.snat_ports = r;
     }
     dp_cfg.xsk.busy_poll = opts.busy_poll;
-    dp_cfg.state_dir = match opts
-        .state_dir
-        .clone()
-        .or_else(|| kxp.state_directory.clone())
-    {
-        Some(p) if p.as_os_str().is_empty() => None,
-        Some(p) => Some(p),
-        None => Some(dataplane::statefile::default_state_dir()),
-    };
+    dp_cfg.state_dir = path_setting(&opts.state_dir, &kxp.state_directory, || {
+        let gone = dataplane::statefile::remove_stale_dirs(Duration::from_secs(600));
+        if gone > 0 {
+            tracing::info!(
+                "removed {gone} state director(ies) of other network namespaces, unused for 10 minutes"
+            );
+        }
+        dataplane::statefile::default_state_dir()
+    });
     if let Some(n) = kxp.session_affinity_max_entries {
         anyhow::ensure!(
             n > 0,
@@ -209,15 +209,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // Started empty (nothing is redirected yet); the first sync follows once the node's
     // addresses are known: without --node-ip they are the host's own (generation 2).
     let mut dp = Dataplane::start(&dp_cfg, Snapshot::empty(0, Default::default()))?;
-    let admin_path = match opts
-        .admin_socket
-        .clone()
-        .or_else(|| kxp.admin_socket.clone())
-    {
-        Some(p) if p.as_os_str().is_empty() => None,
-        Some(p) => Some(p),
-        None => Some(crate::admin::default_socket()),
-    };
+    let admin_path = path_setting(
+        &opts.admin_socket,
+        &kxp.admin_socket,
+        crate::admin::default_socket,
+    );
     let admin = admin_path
         .map(|p| crate::admin::AdminServer::start(&p, dp.shared.clone()))
         .transpose()?;
@@ -698,6 +694,20 @@ fn node_eligible(node: Option<&k8s_openapi::api::core::v1::Node>) -> bool {
         .as_ref()
         .and_then(|s| s.taints.as_ref())
         .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"))
+}
+
+/// A path from its flag, else the config's `kxp:` field, else `default()`; `""` in
+/// either turns the feature off (`None`).
+fn path_setting(
+    flag: &Option<PathBuf>,
+    config: &Option<PathBuf>,
+    default: impl FnOnce() -> PathBuf,
+) -> Option<PathBuf> {
+    match flag.clone().or_else(|| config.clone()) {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+        None => Some(default()),
+    }
 }
 
 fn totals_line(dp: &Dataplane) -> String {

@@ -2264,23 +2264,19 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
     // trace --live names the existing flow's endpoint.
     let (first, who) = (&conns[0].0, conns[0].1.clone());
     let sport = first.local_addr().unwrap().port().to_string();
-    let (ok, out, err) = kxp_cli(
-        &lab,
-        &[
-            "trace",
-            "--live",
-            "--src",
-            "198.18.1.2",
-            "--sport",
-            &sport,
-            "--dst",
-            "198.19.0.10",
-            "--dport",
-            "7",
-            "--output",
-            "json",
-        ],
-    );
+    let trace = [
+        "trace",
+        "--live",
+        "--src",
+        "198.18.1.2",
+        "--sport",
+        &sport,
+        "--dst",
+        "198.19.0.10",
+        "--dport",
+        "7",
+    ];
+    let (ok, out, err) = kxp_cli(&lab, &[&trace[..], &["--output", "json"]].concat());
     assert!(ok, "{err}");
     let t = json_of(&out);
     assert_eq!(t["flow"]["state"], "ESTABLISHED", "{out}");
@@ -2290,21 +2286,7 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
     let i = web.iter().position(|w| *w == ep).unwrap();
     assert_eq!(names[i], who, "{out}");
     assert_eq!(t["trace"]["service"], "demo/web:echo", "{out}");
-    let (ok, text, _) = kxp_cli(
-        &lab,
-        &[
-            "trace",
-            "--live",
-            "--src",
-            "198.18.1.2",
-            "--sport",
-            &sport,
-            "--dst",
-            "198.19.0.10",
-            "--dport",
-            "7",
-        ],
-    );
+    let (ok, text, _) = kxp_cli(&lab, &trace);
     assert!(
         ok && text.contains(&format!("ESTABLISHED flow to {ep}")),
         "{text}"
