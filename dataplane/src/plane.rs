@@ -754,6 +754,10 @@ impl Dataplane {
             t.too_big_icmp += g(&s.too_big_icmp);
             t.to_kernel += g(&s.to_kernel);
             *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
+            // Dropped after waiting for their next hop's MAC (the queue full, or 1 s
+            // passed), and with no route at all: drops like the others.
+            *t.drops.entry("neighbour_unresolved").or_default() += g(&s.neighbour_pending);
+            *t.drops.entry("no_route").or_default() += g(&s.no_route);
             t.passed += g(&s.passed);
             t.forwarded_bytes += g(&s.forwarded_bytes);
             t.conntrack_inserts += g(&s.conntrack_inserts);
