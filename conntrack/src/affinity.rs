@@ -115,8 +115,18 @@ pub struct AffinityTable {
 impl AffinityTable {
     /// A table for at most about `capacity` clients (at least one per shard).
     pub fn new(capacity: usize) -> AffinityTable {
-        let seed = DefaultHashBuilder::default().hash_one(0u8);
-        AffinityTable::with_sink(capacity, seed, None)
+        AffinityTable::with_sink(capacity, AffinityTable::random_seed(), None)
+    }
+
+    /// A shard seed drawn at random (for a table with no predecessor).
+    pub fn random_seed() -> u64 {
+        DefaultHashBuilder::default().hash_one(0u8)
+    }
+
+    /// Clients a table made for `capacity` holds (at least one per shard): the number of
+    /// records its sink needs.
+    pub fn capacity_for(capacity: usize) -> usize {
+        capacity.div_ceil(SHARDS).max(1) * SHARDS
     }
 
     /// As [`AffinityTable::new`] with the shard seed `seed` (a previous table's
@@ -131,7 +141,7 @@ impl AffinityTable {
             seed,
             hasher: FixedState::with_seed(seed),
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            per_shard: capacity.div_ceil(SHARDS).max(1),
+            per_shard: AffinityTable::capacity_for(capacity) / SHARDS,
             hand: AtomicUsize::new(0),
             remembered: AtomicU64::new(0),
             expired: AtomicU64::new(0),

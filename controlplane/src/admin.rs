@@ -8,7 +8,6 @@
 //! closes. The filters run inside each worker, on its own table, so a filtered query
 //! over a million flows moves only what matches.
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
@@ -103,11 +102,7 @@ fn parse_proto(s: &str) -> anyhow::Result<Protocol> {
 
 /// The Service port a flow was sent to (by its frontend), as `ns/name:port`.
 fn service_of(snap: &Snapshot, f: &FlowInfo) -> Option<String> {
-    let (dst, proto, dport) = (f.orig.dst, f.orig.proto, f.orig.dport);
-    let port = snap
-        .lookup_addr(dst, proto, dport)
-        .map(|fe| fe.port)
-        .or_else(|| snap.lookup_node_port(dst, proto, dport))?;
+    let port = snap.port_for(f.orig.dst, f.orig.proto, f.orig.dport)?;
     Some(snap.port(port).name.to_string())
 }
 
@@ -134,11 +129,7 @@ fn predicate(f: &Filter, snap: Arc<Snapshot>) -> anyhow::Result<FlowFilter> {
             && matches_addr(endpoint, r.src, r.sport)
             && matches_addr(client, o.src, o.sport)
             && service.as_ref().is_none_or(|s| {
-                let port = snap
-                    .lookup_addr(o.dst, o.proto, o.dport)
-                    .map(|fe| fe.port)
-                    .or_else(|| snap.lookup_node_port(o.dst, o.proto, o.dport));
-                port.is_some_and(|p| {
+                snap.port_for(o.dst, o.proto, o.dport).is_some_and(|p| {
                     let n = &snap.port(p).name;
                     format!("{}/{}", n.namespace, n.name) == *s
                 })
@@ -182,11 +173,7 @@ fn frontend(ip: IpAddr, port: u16, proto: Protocol) -> String {
 fn service_list(shared: &Shared, want: Option<&str>) -> anyhow::Result<Value> {
     let snap = shared.snapshot.load_full();
     // Active connections per endpoint, all workers (one pass over every table).
-    let (flows, _) = shared.flows(Arc::new(|_| true), false, WORKER_WAIT);
-    let mut active: HashMap<SocketAddr, u64> = HashMap::new();
-    for f in &flows {
-        *active.entry(f.reply.src_addr()).or_default() += 1;
-    }
+    let active = shared.flows_per_endpoint(WORKER_WAIT);
     let mut out = Vec::new();
     for sp in snap.ports_sorted() {
         let n = &sp.name;

@@ -151,8 +151,8 @@ impl Persistence {
         };
         let seed = old
             .as_ref()
-            .map_or_else(|| AffinityTable::new(1).seed(), |f| f.header.seed);
-        let capacity = AffinityTable::new(affinity_capacity).capacity();
+            .map_or_else(AffinityTable::random_seed, |f| f.header.seed);
+        let capacity = AffinityTable::capacity_for(affinity_capacity);
         let h = Header {
             kind: Kind::Affinity,
             records: capacity as u64,

@@ -27,7 +27,7 @@ use nat::tuple::Protocol;
 use crate::engine::{Engine, NodeState};
 use crate::fib::{FibMirror, LinkInfo};
 use crate::servicedev::ServiceDevice;
-use crate::worker::{Command, FlowInfo, Shared, Worker, WorkerStats};
+use crate::worker::{Command, Shared, Worker, WorkerStats};
 use crate::xdp::{AttachMode, SteerKey, Steering};
 use crate::xsk::{WorkerIo, XskConfig};
 
@@ -714,11 +714,6 @@ impl Dataplane {
     /// The snapshot workers use now.
     pub fn current(&self) -> Arc<Snapshot> {
         self.shared.snapshot.load_full()
-    }
-
-    /// Every worker's flows.
-    pub fn list_flows(&self, timeout: Duration) -> Vec<FlowInfo> {
-        self.shared.flows(Arc::new(|_| true), false, timeout).0
     }
 
     /// Sums of the workers' counters.

@@ -56,6 +56,10 @@ pub enum Command {
     },
     /// Send back the connection table's counters.
     TableStats(crossbeam::channel::Sender<TableStats>),
+    /// Send back the live flows per endpoint (for `kxp service list`).
+    EndpointCounts(
+        crossbeam::channel::Sender<std::collections::HashMap<std::net::SocketAddr, u64>>,
+    ),
     /// Open a socket on a newly attached interface at this worker's queue and send back
     /// its descriptor (for the interface's XSKMAP) or why it failed.
     AddPort {
@@ -99,6 +103,7 @@ impl std::fmt::Debug for Command {
             Command::RemoveUdpTo(ip, port) => write!(f, "RemoveUdpTo({ip}, {port})"),
             Command::Flows { delete, .. } => write!(f, "Flows {{ delete: {delete} }}"),
             Command::TableStats(_) => f.write_str("TableStats"),
+            Command::EndpointCounts(_) => f.write_str("EndpointCounts"),
             Command::AddPort { ifname, .. } => write!(f, "AddPort({ifname})"),
             Command::RemovePort { ifindex, .. } => write!(f, "RemovePort({ifindex})"),
         }
@@ -161,52 +166,64 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// The flows of every worker that `filter` accepts (or, with `delete`, removes them):
-    /// the flows and how many. A worker that does not answer within `timeout` is left out.
-    pub fn flows(
+    /// Sends every worker the command `make` builds around a reply channel and collects
+    /// the answers; a worker that does not answer within `timeout` is left out.
+    fn ask_all<T>(
         &self,
-        filter: FlowFilter,
-        delete: bool,
+        make: impl Fn(crossbeam::channel::Sender<T>) -> Command,
         timeout: std::time::Duration,
-    ) -> (Vec<FlowInfo>, usize) {
+    ) -> Vec<T> {
         let replies: Vec<_> = self
             .commands
             .iter()
             .filter_map(|tx| {
                 let (rtx, rrx) = crossbeam::channel::bounded(1);
-                tx.send(Command::Flows {
-                    filter: filter.clone(),
-                    delete,
-                    reply: rtx,
-                })
-                .ok()
-                .map(|()| rrx)
-            })
-            .collect();
-        let (mut all, mut n) = (Vec::new(), 0);
-        for r in replies {
-            if let Ok((mut v, k)) = r.recv_timeout(timeout) {
-                all.append(&mut v);
-                n += k;
-            }
-        }
-        (all, n)
-    }
-
-    /// Every worker's connection-table counters.
-    pub fn table_stats(&self, timeout: std::time::Duration) -> Vec<TableStats> {
-        let replies: Vec<_> = self
-            .commands
-            .iter()
-            .filter_map(|tx| {
-                let (rtx, rrx) = crossbeam::channel::bounded(1);
-                tx.send(Command::TableStats(rtx)).ok().map(|()| rrx)
+                tx.send(make(rtx)).ok().map(|()| rrx)
             })
             .collect();
         replies
             .into_iter()
             .filter_map(|r| r.recv_timeout(timeout).ok())
             .collect()
+    }
+
+    /// The flows of every worker that `filter` accepts (or, with `delete`, removes them):
+    /// the flows and how many.
+    pub fn flows(
+        &self,
+        filter: FlowFilter,
+        delete: bool,
+        timeout: std::time::Duration,
+    ) -> (Vec<FlowInfo>, usize) {
+        let answers = self.ask_all(
+            |reply| Command::Flows {
+                filter: filter.clone(),
+                delete,
+                reply,
+            },
+            timeout,
+        );
+        let n = answers.iter().map(|(_, k)| k).sum();
+        (answers.into_iter().flat_map(|(v, _)| v).collect(), n)
+    }
+
+    /// Live flows per endpoint, all workers (counted where they are, not moved).
+    pub fn flows_per_endpoint(
+        &self,
+        timeout: std::time::Duration,
+    ) -> std::collections::HashMap<std::net::SocketAddr, u64> {
+        let mut all = std::collections::HashMap::new();
+        for m in self.ask_all(Command::EndpointCounts, timeout) {
+            for (ep, n) in m {
+                *all.entry(ep).or_default() += n;
+            }
+        }
+        all
+    }
+
+    /// Every worker's connection-table counters.
+    pub fn table_stats(&self, timeout: std::time::Duration) -> Vec<TableStats> {
+        self.ask_all(Command::TableStats, timeout)
     }
 }
 
@@ -499,6 +516,13 @@ impl Worker {
                     let n = flows.len();
                     let _ = reply.send((flows, n));
                 }
+            }
+            Command::EndpointCounts(reply) => {
+                let mut m = std::collections::HashMap::new();
+                for e in self.engine.table.iter(now) {
+                    *m.entry(e.endpoint()).or_default() += 1;
+                }
+                let _ = reply.send(m);
             }
             Command::TableStats(reply) => {
                 let t = &self.engine.table;
@@ -942,8 +966,7 @@ pub fn owner(snap: &Snapshot, l3: &[u8], workers: usize) -> usize {
 }
 
 fn owner_of_tuple(snap: &Snapshot, t: &Tuple, workers: usize) -> usize {
-    let is_frontend = snap.lookup_addr(t.dst, t.proto, t.dport).is_some()
-        || snap.lookup_node_port(t.dst, t.proto, t.dport).is_some();
+    let is_frontend = snap.port_for(t.dst, t.proto, t.dport).is_some();
     let (ip, port) = if is_frontend {
         (t.src, t.sport)
     } else {

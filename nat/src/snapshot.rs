@@ -244,6 +244,15 @@ impl Snapshot {
         }
     }
 
+    /// The Service port a packet to `dst:dport` is for: by its frontend address, else by
+    /// a NodePort of `dst`'s family.
+    #[inline]
+    pub fn port_for(&self, dst: IpAddr, proto: Protocol, dport: u16) -> Option<u32> {
+        self.lookup_addr(dst, proto, dport)
+            .map(|f| f.port)
+            .or_else(|| self.lookup_node_port(dst, proto, dport))
+    }
+
     /// The Service port owning a NodePort of `dst`'s family.
     #[inline]
     pub fn lookup_node_port(&self, dst: IpAddr, proto: Protocol, dport: u16) -> Option<u32> {
