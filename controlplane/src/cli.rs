@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use nat::tuple::Protocol;
 
 use crate::config::KubeProxyConfiguration;
+use crate::kpflags::KubeProxyFlags;
 use crate::settings::{NodeFlags, node_settings};
 use crate::state::load_state;
 use crate::trace::{TraceInput, render_text, trace};
@@ -22,7 +23,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the dataplane on interfaces, fed from the API server or a state file.
+    /// Run the dataplane on interfaces, fed from the API server or a state file (takes
+    /// every kube-proxy flag; `kube-proxy ARGS` and `kxp ARGS` without a subcommand are
+    /// this too).
+    #[command(args_override_self = true)]
     Run(Box<RunArgs>),
     /// Explain what kxp does with the first packet of a connection.
     Trace(TraceArgs),
@@ -146,108 +150,6 @@ impl NodeArgs {
     }
 }
 
-/// kube-proxy's own command-line flags, with the same names. As in kube-proxy, they are
-/// ignored when `--config` is given (the file wins), except `--hostname-override`.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct KubeProxyFlags {
-    /// The pods' CIDR range(s), comma-separated for dual-stack ("" = no local detector).
-    #[arg(long, value_name = "CIDR[,CIDR]")]
-    pub cluster_cidr: Option<String>,
-    /// Masquerade all traffic sent to Service ClusterIPs.
-    #[arg(long)]
-    pub masquerade_all: bool,
-    /// Node addresses (CIDRs, or "primary") that accept NodePort traffic.
-    #[arg(long, value_name = "CIDR,...", value_delimiter = ',')]
-    pub nodeport_addresses: Vec<String>,
-    /// ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix.
-    #[arg(long, value_name = "MODE")]
-    pub detect_local_mode: Option<String>,
-    /// Where /metrics, /proxyMode and /configz are served (kube-proxy's default
-    /// 127.0.0.1:10249).
-    #[arg(long, value_name = "ADDR:PORT")]
-    pub metrics_bind_address: Option<String>,
-    /// Connection-tracking entries per CPU (kube-proxy's default 32768).
-    #[arg(long, value_name = "N")]
-    pub conntrack_max_per_core: Option<i32>,
-    /// Minimum connection-tracking entries (kube-proxy's default 131072).
-    #[arg(long, value_name = "N")]
-    pub conntrack_min: Option<i32>,
-    /// Idle timeout of established TCP flows (e.g. 24h0m0s).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
-    pub conntrack_tcp_timeout_established: Option<crate::config::GoDuration>,
-    /// Timeout of TCP flows in CLOSE_WAIT (e.g. 1h0m0s).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
-    pub conntrack_tcp_timeout_close_wait: Option<crate::config::GoDuration>,
-    /// Timeout of unreplied UDP flows (0 = Linux's 30s).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
-    pub conntrack_udp_timeout: Option<crate::config::GoDuration>,
-    /// Timeout of UDP streams (0 = Linux's 120s).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
-    pub conntrack_udp_timeout_stream: Option<crate::config::GoDuration>,
-}
-
-fn parse_duration(s: &str) -> Result<crate::config::GoDuration, String> {
-    crate::config::parse_go_duration(s).map(crate::config::GoDuration)
-}
-
-impl KubeProxyFlags {
-    /// The flags as a KubeProxyConfiguration (what kube-proxy builds when there is no
-    /// `--config`), and the names of the flags that were given.
-    pub fn to_config(
-        &self,
-        healthz: Option<std::net::SocketAddr>,
-    ) -> (KubeProxyConfiguration, Vec<&'static str>) {
-        use crate::config::{Conntrack, NfTables};
-        let mut given = Vec::new();
-        let mut c = KubeProxyConfiguration {
-            api_version: Some(crate::config::API_VERSIONS[0].to_string()),
-            kind: Some("KubeProxyConfiguration".to_string()),
-            mode: Some("nftables".to_string()),
-            ..Default::default()
-        };
-        if let Some(v) = &self.cluster_cidr {
-            c.cluster_cidr = Some(v.clone());
-            given.push("--cluster-cidr");
-        }
-        if self.masquerade_all {
-            c.nftables = Some(NfTables {
-                masquerade_all: Some(true),
-                ..Default::default()
-            });
-            given.push("--masquerade-all");
-        }
-        if !self.nodeport_addresses.is_empty() {
-            c.node_port_addresses = Some(self.nodeport_addresses.clone());
-            given.push("--nodeport-addresses");
-        }
-        if let Some(v) = &self.detect_local_mode {
-            c.detect_local_mode = Some(v.clone());
-            given.push("--detect-local-mode");
-        }
-        if let Some(v) = &self.metrics_bind_address {
-            c.metrics_bind_address = Some(v.clone());
-            given.push("--metrics-bind-address");
-        }
-        if let Some(h) = healthz {
-            c.healthz_bind_address = Some(h.to_string());
-        }
-        let ct = Conntrack {
-            max_per_core: self.conntrack_max_per_core,
-            min: self.conntrack_min,
-            tcp_established_timeout: self.conntrack_tcp_timeout_established,
-            tcp_close_wait_timeout: self.conntrack_tcp_timeout_close_wait,
-            udp_timeout: self.conntrack_udp_timeout,
-            udp_stream_timeout: self.conntrack_udp_timeout_stream,
-            ..Default::default()
-        };
-        if ct != Conntrack::default() {
-            c.conntrack = Some(ct);
-            given.push("--conntrack-*");
-        }
-        (c, given)
-    }
-}
-
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// An interface to attach to, or a shell pattern (`veth*`, `cali*`): links that appear
@@ -272,9 +174,6 @@ pub struct RunArgs {
     /// CPUs to pin the workers to (one worker each), e.g. 1 or 0,1.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub cpus: Option<Vec<usize>>,
-    /// Where /healthz and /livez are served.
-    #[arg(long, value_name = "ADDR:PORT")]
-    pub healthz_bind_address: Option<std::net::SocketAddr>,
     /// Source ports for masquerade (keep outside the kernel's ephemeral range).
     #[arg(long, value_name = "LO-HI", value_parser = parse_port_range)]
     pub snat_port_range: Option<(u16, u16)>,
@@ -286,8 +185,8 @@ pub struct RunArgs {
     pub write_config_to: Option<PathBuf>,
     /// Remove everything kxp leaves for its next start and exit (`kxp cleanup`), as
     /// `kube-proxy --cleanup` does.
-    #[arg(long)]
-    pub cleanup: bool,
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = crate::kpflags::parse_go_bool)]
+    pub cleanup: Option<bool>,
     /// Preferred busy polling on the AF_XDP sockets: USECS[,BUDGET] (SO_BUSY_POLL,
     /// SO_PREFER_BUSY_POLL, SO_BUSY_POLL_BUDGET, default budget 64); pair it with the
     /// interfaces' napi_defer_hard_irqs and gro_flush_timeout. Off by default.
@@ -431,17 +330,79 @@ fn level_of(v: u8) -> &'static str {
     }
 }
 
-/// Installs the process's one log subscriber on stderr: `RUST_LOG` if set, else the
-/// level `--v` gives (info by default); text lines or JSON objects.
-fn init_logging(verbosity: Option<u8>, format: LogFormat) {
+/// How the process logs: verbosity, format, and whether errors go apart to stderr.
+#[derive(Debug, Clone, Copy, Default)]
+struct Logging {
+    verbosity: Option<u8>,
+    format: LogFormat,
+    split_stream: bool,
+}
+
+impl Logging {
+    /// `kxp run`'s: the flags, else the config file's `logging` section (as kube-proxy,
+    /// the command line wins field by field).
+    fn of_run(a: &RunArgs) -> Logging {
+        let file = a
+            .node
+            .config
+            .as_deref()
+            .and_then(|p| KubeProxyConfiguration::load(p).ok())
+            .and_then(|c| c.logging)
+            .unwrap_or(serde_yaml::Value::Null);
+        let format =
+            a.log_format
+                .unwrap_or_else(|| match file.get("format").and_then(|f| f.as_str()) {
+                    Some("json") => LogFormat::Json,
+                    _ => LogFormat::Text,
+                });
+        let json = format == LogFormat::Json;
+        let verbosity = a.verbosity.or_else(|| {
+            file.get("verbosity")
+                .and_then(serde_yaml::Value::as_u64)
+                .map(|v| v.min(255) as u8)
+        });
+        let section = if json { "json" } else { "text" };
+        let split_file = file
+            .get("options")
+            .and_then(|o| o.get(section))
+            .and_then(|o| o.get("splitStream"))
+            .and_then(serde_yaml::Value::as_bool);
+        let flag = if json {
+            a.kube_proxy.log_json_split_stream
+        } else {
+            a.kube_proxy.log_text_split_stream
+        };
+        Logging {
+            verbosity,
+            format,
+            split_stream: flag.or(split_file).unwrap_or(false),
+        }
+    }
+}
+
+/// Installs the process's one log subscriber: `RUST_LOG` if set, else the level `--v`
+/// gives (info by default); text lines or JSON objects; on stderr, or with split streams
+/// errors on stderr and the rest on stdout.
+fn init_logging(l: Logging) {
+    use tracing_subscriber::fmt::writer::MakeWriterExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level_of(verbosity.unwrap_or(0))));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level_of(l.verbosity.unwrap_or(0))));
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
+    let writer = if l.split_stream {
+        BoxMakeWriter::new(
+            std::io::stderr
+                .with_max_level(tracing::Level::ERROR)
+                .or_else(std::io::stdout),
+        )
+    } else {
+        BoxMakeWriter::new(std::io::stderr)
+    };
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(false)
         .with_target(false);
-    let _ = match format {
+    let _ = match l.format {
         LogFormat::Text => b.try_init(),
         LogFormat::Json => b.json().flatten_event(true).try_init(),
     };
@@ -449,17 +410,18 @@ fn init_logging(verbosity: Option<u8>, format: LogFormat) {
 
 /// Runs the command line; returns the process exit status.
 pub fn main() -> i32 {
-    let cli = match Cli::try_parse() {
+    let args = crate::kpflags::normalize_args(std::env::args_os().collect());
+    let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
-            init_logging(None, LogFormat::Text);
+            init_logging(Logging::default());
             let _ = e.print();
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
     match &cli.command {
-        Command::Run(a) => init_logging(a.verbosity, a.log_format.unwrap_or_default()),
-        _ => init_logging(None, LogFormat::Text),
+        Command::Run(a) => init_logging(Logging::of_run(a)),
+        _ => init_logging(Logging::default()),
     }
     match run(cli) {
         Ok(()) => 0,
@@ -473,27 +435,40 @@ pub fn main() -> i32 {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Trace(args) => run_trace(args),
-        Command::Run(args) if args.cleanup => run_cleanup(CleanupArgs {
+        Command::Run(args)
+            if args
+                .kube_proxy
+                .version
+                .as_deref()
+                .is_some_and(|v| v != "false") =>
+        {
+            print_version(args.kube_proxy.version.as_deref() == Some("raw"));
+            Ok(())
+        }
+        Command::Run(args) if args.cleanup == Some(true) => run_cleanup(CleanupArgs {
             interfaces: args.interfaces,
             state_dir: args.state_dir,
         }),
         Command::Run(args) if args.write_config_to.is_some() => write_config(&args),
-        Command::Run(args) => crate::run::run(crate::run::RunOptions {
-            interfaces: args.interfaces,
-            state_file: args.state_file,
-            kubeconfig: args.kubeconfig,
-            master: args.master,
-            config: args.node.config.clone(),
-            flag_config: args.kube_proxy.to_config(args.healthz_bind_address),
-            flags: args.node.flags(),
-            workers: args.workers,
-            cpus: args.cpus,
-            healthz_bind_address: args.healthz_bind_address,
-            snat_ports: args.snat_port_range,
-            busy_poll: args.busy_poll,
-            state_dir: args.state_dir,
-            admin_socket: args.admin_socket,
-        }),
+        Command::Run(args) => {
+            let flag_config = args.kube_proxy.to_config();
+            crate::run::run(crate::run::RunOptions {
+                interfaces: args.interfaces,
+                state_file: args.state_file,
+                kubeconfig: args.kubeconfig,
+                master: args.master,
+                config: args.node.config.clone(),
+                flag_config,
+                kube_proxy: args.kube_proxy.clone(),
+                flags: args.node.flags(),
+                workers: args.workers,
+                cpus: args.cpus,
+                snat_ports: args.snat_port_range,
+                busy_poll: args.busy_poll,
+                state_dir: args.state_dir,
+                admin_socket: args.admin_socket,
+            })
+        }
         Command::Cleanup(args) => run_cleanup(args),
         Command::Service(cmd) => run_admin_service(cmd),
         Command::Conntrack(cmd) => run_admin_conntrack(cmd),
@@ -502,9 +477,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// `--version` (kube-proxy's, on `kxp run` and when invoked as `kube-proxy`).
+fn print_version(raw: bool) {
+    let v = env!("CARGO_PKG_VERSION");
+    if raw {
+        println!(
+            "kxp version: {v}\nkube-proxy flags and configuration: v1.34\nplatform: {}/{}",
+            std::env::consts::OS,
+            std::env::consts::ARCH
+        );
+    } else {
+        println!("kxp v{v} (kube-proxy v1.34 flags and configuration)");
+    }
+}
+
 /// `--write-config-to`: the configuration kxp would run with, as YAML.
 fn write_config(args: &RunArgs) -> anyhow::Result<()> {
-    let (from_flags, _) = args.kube_proxy.to_config(args.healthz_bind_address);
+    let (from_flags, _) = args.kube_proxy.to_config();
     let mut cfg = match &args.node.config {
         Some(p) => KubeProxyConfiguration::load(p)?,
         None => from_flags,

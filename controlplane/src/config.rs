@@ -216,6 +216,21 @@ pub struct KxpSection {
     pub admin_socket: Option<std::path::PathBuf>,
 }
 
+/// A value as a generated configuration writes an unset field: null, false, 0, "", "0",
+/// "0s", or a mapping of only such values.
+fn zeroish(v: &serde_yaml::Value) -> bool {
+    use serde_yaml::Value;
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => matches!(s.as_str(), "" | "0" | "0s"),
+        Value::Mapping(m) => m.values().all(zeroish),
+        Value::Sequence(s) => s.is_empty(),
+        Value::Tagged(t) => zeroish(&t.value),
+    }
+}
+
 /// A Go `time.Duration` string as metav1.Duration writes it (`1h0m0s`, `30s`, `250ms`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GoDuration(pub Duration);
@@ -500,11 +515,25 @@ impl KubeProxyConfiguration {
                 "kxp's flow timeouts come from conntrack.*",
             );
         }
-        note(
-            self.logging.as_ref().is_some_and(|l| !l.is_null()),
-            "logging",
-            "kxp logs to stderr without verbosity levels",
-        );
+        let other_logging: Vec<String> = self
+            .logging
+            .as_ref()
+            .and_then(|l| l.as_mapping())
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, v)| !zeroish(v))
+                    .filter_map(|(k, _)| k.as_str())
+                    .filter(|k| !matches!(*k, "format" | "verbosity" | "options"))
+                    .map(|k| format!("logging.{k}"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for field in other_logging {
+            out.push((
+                field,
+                "kxp honours logging.format, logging.verbosity and logging.options.*.splitStream; it writes each line unbuffered",
+            ));
+        }
         out
     }
 

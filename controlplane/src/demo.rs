@@ -259,10 +259,12 @@ pub fn http_get_on(mut s: TcpStream, timeout: Duration) -> std::io::Result<Strin
 /// `exe run ARGS` in namespace `ns`, its output to `out`.
 fn run_in(exe: &Path, ns: &str, args: &[String], out: std::fs::File) -> anyhow::Result<Child> {
     let err = out.try_clone()?;
+    // Invoked as `kube-proxy`, kxp is `kxp run` already.
+    let as_kube_proxy = exe.file_name().is_some_and(|n| n == "kube-proxy");
     Command::new("ip")
         .args(["netns", "exec", ns])
         .arg(exe)
-        .arg("run")
+        .args((!as_kube_proxy).then_some("run"))
         .args(args)
         .stdin(Stdio::null())
         .stdout(out)

@@ -152,6 +152,22 @@ impl HealthServer {
             .map(HealthServer)
     }
 
+    /// Serves, or (without `hard_fail`) keeps trying to bind every 5 s in the background
+    /// (kube-proxy's `bindAddressHardFail`).
+    ///
+    /// # Errors
+    /// With `hard_fail`, the address cannot be bound.
+    pub fn start_or_retry(
+        addr: SocketAddr,
+        health: Arc<Health>,
+        hard_fail: bool,
+    ) -> std::io::Result<HealthServer> {
+        crate::http::HttpServer::start_or_retry(addr, "kxp-healthz", hard_fail, move |_, path| {
+            answer(&health, path)
+        })
+        .map(HealthServer)
+    }
+
     pub fn local_addr(&self) -> SocketAddr {
         self.0.local_addr()
     }

@@ -50,15 +50,74 @@ impl HttpServer {
         handler: impl Fn(&str, &str) -> Response + Send + 'static,
     ) -> std::io::Result<HttpServer> {
         let listener = TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
-        let local = listener.local_addr()?;
+        Self::serve_on(Some(listener), addr, name, handler)
+    }
+
+    /// As [`HttpServer::start`], but an address that cannot be bound now is logged and
+    /// tried again every 5 s in the server's thread until it can, as kube-proxy does for
+    /// its health and metrics servers without `bindAddressHardFail`.
+    ///
+    /// # Errors
+    /// With `hard_fail`, the address cannot be bound now.
+    pub fn start_or_retry(
+        addr: SocketAddr,
+        name: &str,
+        hard_fail: bool,
+        handler: impl Fn(&str, &str) -> Response + Send + 'static,
+    ) -> std::io::Result<HttpServer> {
+        match TcpListener::bind(addr) {
+            Ok(l) => Self::serve_on(Some(l), addr, name, handler),
+            Err(e) if hard_fail => Err(e),
+            Err(e) => {
+                tracing::error!(
+                    "cannot serve {name} on {addr}: {e}; trying again every 5 s (bindAddressHardFail makes this fatal)"
+                );
+                Self::serve_on(None, addr, name, handler)
+            }
+        }
+    }
+
+    fn serve_on(
+        listener: Option<TcpListener>,
+        addr: SocketAddr,
+        name: &str,
+        handler: impl Fn(&str, &str) -> Response + Send + 'static,
+    ) -> std::io::Result<HttpServer> {
+        let local = match &listener {
+            Some(l) => {
+                l.set_nonblocking(true)?;
+                l.local_addr()?
+            }
+            None => addr,
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let what = name.to_string();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                let mut listener = listener;
+                let mut next_try = std::time::Instant::now() + Duration::from_secs(5);
                 while !stop2.load(Ordering::Relaxed) {
-                    match listener.accept() {
+                    let Some(l) = &listener else {
+                        std::thread::sleep(Duration::from_millis(50));
+                        if std::time::Instant::now() < next_try {
+                            continue;
+                        }
+                        next_try = std::time::Instant::now() + Duration::from_secs(5);
+                        match TcpListener::bind(addr).and_then(|l| {
+                            l.set_nonblocking(true)?;
+                            Ok(l)
+                        }) {
+                            Ok(l) => {
+                                tracing::info!("serving {what} on {addr} now");
+                                listener = Some(l);
+                            }
+                            Err(e) => tracing::debug!("still cannot serve {what} on {addr}: {e}"),
+                        }
+                        continue;
+                    };
+                    match l.accept() {
                         Ok((stream, _)) => {
                             let _ = serve(stream, &handler);
                         }

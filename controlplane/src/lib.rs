@@ -9,6 +9,7 @@ pub mod demo;
 pub mod hcnp;
 pub mod health;
 pub mod http;
+pub mod kpflags;
 pub mod kube_source;
 pub mod metrics;
 pub mod netns;

@@ -485,6 +485,27 @@ impl MetricsServer {
         .map(MetricsServer)
     }
 
+    /// As [`MetricsServer::start`]; without `hard_fail`, an address that cannot be bound
+    /// now is tried again every 5 s (kube-proxy's `bindAddressHardFail`).
+    ///
+    /// # Errors
+    /// With `hard_fail`, the address cannot be bound.
+    pub fn start_or_retry(
+        addr: SocketAddr,
+        metrics: Arc<Metrics>,
+        proxy_mode: &'static str,
+        configz: ConfigzFn,
+        hard_fail: bool,
+    ) -> std::io::Result<MetricsServer> {
+        crate::http::HttpServer::start_or_retry(
+            addr,
+            "kxp-metrics",
+            hard_fail,
+            move |method, path| answer(method, path, &metrics, proxy_mode, &configz),
+        )
+        .map(MetricsServer)
+    }
+
     pub fn local_addr(&self) -> SocketAddr {
         self.0.local_addr()
     }

@@ -4,7 +4,7 @@
 //! while traffic flows; an edit that cannot be read is logged with the reason and the last
 //! good state stays in force. SIGTERM / SIGINT detach everything kxp attached and exit 0.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,10 +34,11 @@ pub struct RunOptions {
     /// kube-proxy's flags as a configuration, and which were given (used without
     /// `--config`; ignored with it, as kube-proxy does).
     pub flag_config: (KubeProxyConfiguration, Vec<&'static str>),
+    /// kube-proxy's flags as given (for the ones that are not configuration).
+    pub kube_proxy: crate::kpflags::KubeProxyFlags,
     pub flags: NodeFlags,
     pub workers: Option<usize>,
     pub cpus: Option<Vec<usize>>,
-    pub healthz_bind_address: Option<SocketAddr>,
     pub snat_ports: Option<(u16, u16)>,
     /// Preferred busy polling on the AF_XDP sockets: (µs, budget).
     pub busy_poll: Option<(u32, u32)>,
@@ -69,45 +70,70 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         None => (opts.flag_config.0.clone(), "flags".to_string()),
     };
-    let metrics_addr: SocketAddr = match cfg
-        .metrics_bind_address
-        .as_deref()
-        .filter(|m| !m.is_empty())
-    {
-        Some(m) => m
-            .parse()
-            .with_context(|| format!("metricsBindAddress {m:?} is not ADDR:PORT"))?,
-        None => SocketAddr::from(([127, 0, 0, 1], 10249)),
+    let from_file = opts.config.is_some();
+    // kube-proxy's defaulting of a file: an empty address is the default, an IP alone
+    // gets the default port. From flags, "" turns the server off (as in kube-proxy).
+    let bind = |value: Option<&str>, default: &str, port: u16, what: &str| {
+        let v = match value {
+            Some(v) if !(from_file && v.is_empty()) => v,
+            _ => default,
+        };
+        crate::kpflags::bind_address(v, port).map_err(|e| anyhow::anyhow!("{what}: {e}"))
     };
+    let metrics_addr = bind(
+        cfg.metrics_bind_address.as_deref(),
+        crate::kpflags::METRICS_DEFAULT,
+        10249,
+        "metricsBindAddress",
+    )?;
+    // --healthz-bind-address wins over the file (kxp's one exception, for tests and
+    // several kxp on one host).
+    let healthz = match &opts.kube_proxy.healthz_bind_address {
+        Some(h) if from_file => crate::kpflags::bind_address(h, 10256)
+            .map_err(|e| anyhow::anyhow!("--healthz-bind-address: {e}"))?,
+        _ => bind(
+            cfg.healthz_bind_address.as_deref(),
+            crate::kpflags::HEALTHZ_DEFAULT,
+            10256,
+            "healthzBindAddress",
+        )?,
+    };
+    let hard_fail = cfg.bind_address_hard_fail.unwrap_or(false);
     let configz_text = serde_json::json!({ "kubeproxy.config.k8s.io": &cfg }).to_string();
-    for (field, why) in cfg.not_honoured() {
-        tracing::warn!("{origin}: {field} is not honoured: {why}");
+    if from_file {
+        for (field, why) in cfg.not_honoured() {
+            tracing::warn!("{origin}: {field} is not honoured: {why}");
+        }
+    } else {
+        for (flag, why) in opts.kube_proxy.not_applicable() {
+            tracing::warn!("{flag} is not applicable to kxp: {why}");
+        }
     }
-    // kube-proxy's oomScoreAdj (default -999): the node's proxy is the last to be killed.
-    let oom = cfg.oom_score_adj.unwrap_or(-999).clamp(-1000, 1000);
-    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", oom.to_string()) {
-        tracing::warn!("cannot set oomScoreAdj {oom}: {e}");
+    if opts.kube_proxy.healthz_port.is_some() || opts.kube_proxy.metrics_port.is_some() {
+        tracing::warn!(
+            "--healthz-port and --metrics-port are deprecated (as in kube-proxy): give --healthz-bind-address / --metrics-bind-address"
+        );
+    }
+    if let Some(mode) = cfg.mode.as_deref().filter(|m| !m.is_empty()) {
+        tracing::info!("proxy mode {mode:?}: kxp's AF_XDP dataplane carries its Service semantics");
     }
     let cfg = Some(cfg);
     let mut settings = node_settings(cfg.as_ref(), &opts.flags, &origin)?;
-
-    let healthz = match opts.healthz_bind_address {
-        Some(a) => a,
-        None => cfg
-            .as_ref()
-            .and_then(|c| c.healthz_bind_address.as_deref())
-            .filter(|s| !s.is_empty())
-            .map(|s| {
-                s.parse()
-                    .with_context(|| format!("healthzBindAddress {s:?} is not ADDR:PORT"))
-            })
-            .transpose()?
-            .unwrap_or_else(|| {
-                "0.0.0.0:10256"
-                    .parse()
-                    .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 10256)))
-            }),
-    };
+    if opts.kube_proxy.init_only == Some(true) {
+        tracing::info!(
+            "--init-only: kxp has no separate privileged initialisation (its dataplane needs its capabilities while it runs); the configuration is valid, exiting"
+        );
+        return Ok(());
+    }
+    // kube-proxy's oomScoreAdj (default -999): the node's proxy is the last to be killed.
+    let oom = cfg
+        .as_ref()
+        .and_then(|c| c.oom_score_adj)
+        .unwrap_or(-999)
+        .clamp(-1000, 1000);
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", oom.to_string()) {
+        tracing::warn!("cannot set oomScoreAdj {oom}: {e}");
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -147,10 +173,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
 
     let kxp = cfg.as_ref().and_then(|c| c.kxp.clone()).unwrap_or_default();
     let mut dp_cfg = DataplaneConfig {
-        interfaces: if opts.interfaces.is_empty() {
-            kxp.interfaces.clone().unwrap_or_default()
-        } else {
+        interfaces: if !opts.interfaces.is_empty() {
             opts.interfaces.clone()
+        } else if let Some(i) = kxp.interfaces.clone().filter(|i| !i.is_empty()) {
+            i
+        } else {
+            // A kube-proxy configuration without kxp's section: the node's traffic, all of
+            // it, as kube-proxy's rules see it.
+            tracing::info!(
+                "no --interface or kxp.interfaces: attaching to every Ethernet link as it comes (not loopback, bridges or bond ports)"
+            );
+            vec!["*".to_string()]
         },
         ..Default::default()
     };
@@ -202,9 +235,15 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let health = Arc::new(Health::with_timeout(resync * 2));
     health.set_metrics(metrics.clone());
-    let server = HealthServer::start(healthz, health.clone()).with_context(|| {
-        format!("cannot serve /healthz on {healthz}; give --healthz-bind-address ADDR:PORT")
-    })?;
+    let server = healthz
+        .map(|a| HealthServer::start_or_retry(a, health.clone(), hard_fail))
+        .transpose()
+        .with_context(|| {
+            format!(
+                "cannot serve /healthz on {}; give --healthz-bind-address ADDR:PORT",
+                healthz.map_or_else(String::new, |a| a.to_string())
+            )
+        })?;
 
     // Started empty (nothing is redirected yet); the first sync follows once the node's
     // addresses are known: without --node-ip they are the host's own (generation 2).
@@ -253,19 +292,27 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         dp.current().port_count(),
         listed.elapsed().as_secs_f64() * 1e3
     );
-    let metrics_server = crate::metrics::MetricsServer::start(
-        metrics_addr,
-        metrics.clone(),
-        "kxp",
-        Arc::new(move || configz_text.clone()),
-    )
-    .with_context(|| {
-        format!("cannot serve /metrics on {metrics_addr}; give --metrics-bind-address ADDR:PORT")
-    })?;
+    let metrics_server = metrics_addr
+        .map(|a| {
+            crate::metrics::MetricsServer::start_or_retry(
+                a,
+                metrics.clone(),
+                "kxp",
+                Arc::new(move || configz_text.clone()),
+                hard_fail,
+            )
+        })
+        .transpose()
+        .with_context(|| {
+            format!(
+                "cannot serve /metrics on {}; give --metrics-bind-address ADDR:PORT",
+                metrics_addr.map_or_else(String::new, |a| a.to_string())
+            )
+        })?;
     let mut last_metrics = Instant::now();
     let attached: Vec<String> = dp.attached().into_iter().map(|(n, _)| n).collect();
     tracing::info!(
-        "running on {} (attached now: {}; service device {}) with {} worker(s); health on http://{}/healthz",
+        "running on {} (attached now: {}; service device {}) with {} worker(s); health on {}",
         dp_cfg.interfaces.join(", "),
         if attached.is_empty() {
             "none yet".to_string()
@@ -274,7 +321,10 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         },
         dp.service_device().unwrap_or("-"),
         dp_cfg.workers,
-        server.local_addr()
+        server.as_ref().map_or_else(
+            || "no address".to_string(),
+            |s| format!("http://{}/healthz", s.local_addr())
+        )
     );
 
     let stats_every = std::env::var("KXP_LOG_STATS")
@@ -405,8 +455,12 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     drop(admin);
     dp.stop();
     hc.stop();
-    server.stop();
-    metrics_server.stop();
+    if let Some(s) = server {
+        s.stop();
+    }
+    if let Some(s) = metrics_server {
+        s.stop();
+    }
     Ok(())
 }
 

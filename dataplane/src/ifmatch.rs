@@ -16,6 +16,29 @@ pub fn matches(pattern: &str, name: &str) -> bool {
     glob(pattern.as_bytes(), name.as_bytes())
 }
 
+/// Whether a link a *pattern* matched is one kxp attaches to: an Ethernet link
+/// (`ARPHRD_ETHER`: physical NICs, veths, VXLAN) that is neither a bridge (kxp attaches to
+/// its ports) nor a bond's port (kxp attaches to the bond). Loopback, tunnels without an
+/// Ethernet header (`tunl0`, WireGuard) and the like are left alone. A link named without
+/// a wildcard is attached whatever it is.
+pub fn eligible_for_pattern(name: &str) -> bool {
+    let dev = std::path::Path::new("/sys/class/net").join(name);
+    let ether = std::fs::read_to_string(dev.join("type")).is_ok_and(|t| t.trim() == "1");
+    ether && !dev.join("bridge").exists() && !dev.join("bonding_slave").exists()
+}
+
+/// Whether a link is wanted: named by a literal, or matched by a pattern and
+/// [`eligible_for_pattern`].
+pub fn wanted(patterns: &[String], name: &str) -> bool {
+    patterns.iter().any(|p| {
+        if is_pattern(p) {
+            matches(p, name) && eligible_for_pattern(name)
+        } else {
+            p == name
+        }
+    })
+}
+
 /// Checks that a pattern is well-formed (a `[` set is closed).
 ///
 /// # Errors

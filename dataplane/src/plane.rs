@@ -396,7 +396,7 @@ fn matching_links(patterns: &[String]) -> Vec<(String, usize)> {
     };
     dir.filter_map(Result::ok)
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| patterns.iter().any(|p| crate::ifmatch::matches(p, n)))
+        .filter(|n| crate::ifmatch::wanted(patterns, n))
         .map(|n| {
             let mtu = std::fs::read_to_string(format!("/sys/class/net/{n}/mtu"))
                 .ok()
@@ -937,6 +937,7 @@ impl LinkCtl {
             if !self.wanted_name(&l.name)
                 || prog.steering.iter().any(|s| s.ifindex() == l.ifindex)
                 || prog.failed.contains_key(&l.ifindex)
+                || !crate::ifmatch::wanted(&self.patterns, &l.name)
             {
                 continue;
             }

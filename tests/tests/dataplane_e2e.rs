@@ -72,6 +72,10 @@ struct Opts<'a> {
     state: Option<String>,
     /// MTU of every link (both ends), set before kxp starts.
     mtu: Option<u32>,
+    /// Start kxp as a kube-proxy DaemonSet would: through a `kube-proxy` symlink, with
+    /// only these arguments (`@KUBECONFIG@`, `@CONFIG@` and `@CLUSTER_CIDR@` replaced),
+    /// no kxp flag and no `--interface`; with `@CONFIG@`, the config is kubeadm's.
+    kube_proxy_args: Option<&'a [&'a str]>,
 }
 
 impl Default for Opts<'_> {
@@ -89,6 +93,7 @@ impl Default for Opts<'_> {
             interfaces: None,
             state: None,
             mtu: None,
+            kube_proxy_args: None,
         }
     }
 }
@@ -230,8 +235,25 @@ impl Lab {
             ]
             .map(String::from),
         );
-        let mut kxp =
-            KxpProcess::spawn_exe(&kxp_bin(), &node, &args, &dir.join("kxp.log")).unwrap();
+        let mut exe = kxp_bin();
+        if let Some(kp) = o.kube_proxy_args {
+            let kc = dir.join("kubeconfig").display().to_string();
+            let kubeadm = dir.join("config.conf");
+            let fill = |t: &str| {
+                t.replace("@KUBECONFIG@", &kc)
+                    .replace("@CLUSTER_CIDR@", o.cluster_cidr)
+                    .replace("@CONFIG@", kubeadm.to_str().unwrap())
+            };
+            let text = std::fs::read_to_string(
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/kubeadm-kube-proxy.conf"),
+            )
+            .unwrap();
+            std::fs::write(&kubeadm, fill(&text)).unwrap();
+            exe = dir.join("kube-proxy");
+            std::os::unix::fs::symlink(kxp_bin(), &exe).unwrap();
+            args = kp.iter().map(|a| fill(a)).collect();
+        }
+        let mut kxp = KxpProcess::spawn_exe(&exe, &node, &args, &dir.join("kxp.log")).unwrap();
         wait_healthy(
             &node,
             "127.0.0.1:10256".parse().unwrap(),
@@ -902,6 +924,120 @@ fn health_status(lab: &Lab, path: &'static str) -> String {
         .next()
         .unwrap_or("")
         .to_string()
+}
+
+/// kubeadm's kube-proxy DaemonSet runs `kube-proxy --config=/var/lib/kube-proxy/config.conf
+/// --hostname-override=$(NODE_NAME)` with kubeadm's generated config (every field written,
+/// nulls and zeros for unset ones, no kxp section): the same command starts kxp, which
+/// attaches to every Ethernet link of the node, serves /healthz on kube-proxy's default
+/// address, and carries the Services.
+#[test]
+fn kubeadm_kube_proxy_daemonset_arguments_run_kxp_unchanged() {
+    let lab = Lab::new(Opts {
+        prefix: "kxekp",
+        api: true,
+        kube_proxy_args: Some(&["--config=@CONFIG@", "--hostname-override=node-a"]),
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.len(), 3, "{spread:?}");
+    let log = lab.log();
+    assert!(log.contains("attaching to every Ethernet link"), "{log}");
+    assert!(
+        !log.contains("is not honoured"),
+        "kubeadm's zeros are defaults:\n{log}"
+    );
+    // kube-proxy's metrics address by default.
+    assert!(
+        node_http(&lab, 10249, "/metrics").contains("kubeproxy_sync_proxy_rules_duration_seconds")
+    );
+}
+
+/// A kube-proxy command line with every flag of kube-proxy 1.34 (no `--config`) starts
+/// kxp: the ones kxp applies take effect (cluster CIDR, addresses, scheduler, timeouts,
+/// verbosity), the others are named once as not applicable.
+#[test]
+fn kube_proxy_command_line_with_every_flag_runs_kxp() {
+    let every: &[&str] = &[
+        "--bind-address=0.0.0.0",
+        "--bind-address-hard-fail=false",
+        "--boot-id-file=/proc/sys/kernel/random/boot_id",
+        "--cleanup=false",
+        "--cluster-cidr=@CLUSTER_CIDR@",
+        "--config-sync-period=15m0s",
+        "--conntrack-max-per-core=32768",
+        "--conntrack-min=131072",
+        "--conntrack-tcp-be-liberal=false",
+        "--conntrack-tcp-timeout-close-wait=1h0m0s",
+        "--conntrack-tcp-timeout-established=24h0m0s",
+        "--conntrack-udp-timeout=0s",
+        "--conntrack-udp-timeout-stream=0s",
+        "--detect-local-mode=ClusterCIDR",
+        "--feature-gates=AllAlpha=false",
+        "--healthz-bind-address=0.0.0.0:10256",
+        "--hostname-override=node-a",
+        "--init-only=false",
+        "--iptables-localhost-nodeports=true",
+        "--iptables-masquerade-bit=14",
+        "--iptables-min-sync-period=1s",
+        "--iptables-sync-period=30s",
+        "--ipvs-exclude-cidrs=10.0.0.0/8",
+        "--ipvs-min-sync-period=0s",
+        "--ipvs-scheduler=rr",
+        "--ipvs-strict-arp=false",
+        "--ipvs-sync-period=30s",
+        "--ipvs-tcp-timeout=0s",
+        "--ipvs-tcpfin-timeout=0s",
+        "--ipvs-udp-timeout=0s",
+        "--kube-api-burst=10",
+        "--kube-api-content-type=application/vnd.kubernetes.protobuf",
+        "--kube-api-qps=5",
+        "--kubeconfig=@KUBECONFIG@",
+        "--log-flush-frequency=5s",
+        "--log-json-info-buffer-size=0",
+        "--log-json-split-stream=false",
+        "--log-text-info-buffer-size=0",
+        "--log-text-split-stream=false",
+        "--logging-format=text",
+        "--machine-id-file=/etc/machine-id,/var/lib/dbus/machine-id",
+        "--masquerade-all=false",
+        "--metrics-bind-address=127.0.0.1:10249",
+        "--nodeport-addresses=primary",
+        "--oom-score-adj=-999",
+        "--pod-bridge-interface=",
+        "--pod-interface-name-prefix=",
+        "--profiling=false",
+        "--proxy-mode=ipvs",
+        "--show-hidden-metrics-for-version=",
+        "--v=2",
+        "--vmodule=",
+    ];
+    let lab = Lab::new(Opts {
+        prefix: "kxekf",
+        api: true,
+        kube_proxy_args: Some(every),
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!(failed, 0, "{}", lab.log());
+    // --ipvs-scheduler=rr: round robin over the three endpoints.
+    assert_eq!(
+        spread.values().copied().collect::<Vec<_>>(),
+        vec![10, 10, 10],
+        "{spread:?}"
+    );
+    let log = lab.log();
+    for named in [
+        "--iptables-masquerade-bit is not applicable",
+        "--kube-api-content-type is not applicable",
+        "--machine-id-file is not applicable",
+    ] {
+        assert_eq!(log.matches(named).count(), 1, "{named} once:\n{log}");
+    }
+    assert!(
+        node_http(&lab, 10249, "/metrics").contains("kubeproxy_sync_proxy_rules_duration_seconds")
+    );
 }
 
 #[test]

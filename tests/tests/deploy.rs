@@ -206,3 +206,28 @@ fn daemonset_reaches_the_api_server_without_a_cluster_ip_and_attaches_by_pattern
         dataplane::ifmatch::check(i).unwrap();
     }
 }
+
+#[test]
+fn image_answers_to_kube_proxys_command() {
+    let text = std::fs::read_to_string(deploy("Containerfile")).unwrap();
+    assert!(
+        text.contains("ln -s kxp /usr/local/bin/kube-proxy"),
+        "a kube-proxy DaemonSet's command (/usr/local/bin/kube-proxy) must exist in the image"
+    );
+    // What that link does: kxp named kube-proxy takes kube-proxy's arguments as `kxp run`.
+    let dir = std::env::temp_dir().join(format!("kxp-image-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join("kube-proxy");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(kxp_bin(), &link).unwrap();
+    let out = Command::new(&link)
+        .args(["--hostname-override=n", "--write-config-to=/dev/null"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -282,3 +282,121 @@ fn logs_go_through_one_subscriber_as_text_or_json_at_the_verbosity_asked() {
     assert_eq!(code, Some(2), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// kube-proxy 1.34's `--help` on Linux, flag by flag, each with a value of the kind it
+/// takes (and its two hidden deprecated flags): all of them parse, in pflag's forms
+/// (`--flag=value`, `--flag value`, a bare bool, `_` for `-`), and make a configuration.
+#[test]
+fn every_kube_proxy_1_34_flag_parses() {
+    let dir = std::env::temp_dir().join(format!("kxp-every-flag-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("config.yaml");
+    let args: Vec<String> = [
+        "--bind-address=198.18.0.1",
+        "--bind-address-hard-fail",
+        "--boot-id-file=/proc/sys/kernel/random/boot_id",
+        "--cleanup=false",
+        "--cluster-cidr=10.244.0.0/16,fd00:10:244::/56",
+        "--config-sync-period=15m0s",
+        "--conntrack-max-per-core=0",
+        "--conntrack-min=131072",
+        "--conntrack-tcp-be-liberal",
+        "--conntrack-tcp-timeout-close-wait=1h0m0s",
+        "--conntrack-tcp-timeout-established=24h0m0s",
+        "--conntrack-udp-timeout=30s",
+        "--conntrack-udp-timeout-stream=2m0s",
+        "--detect-local-mode=ClusterCIDR",
+        "--feature-gates=AllAlpha=false,AllBeta=false",
+        "--healthz-bind-address=0.0.0.0:10256",
+        "--healthz-port=10256",
+        "--hostname-override=node-1",
+        "--init-only=false",
+        "--iptables-localhost-nodeports=false",
+        "--iptables-masquerade-bit=14",
+        "--iptables-min-sync-period=1s",
+        "--iptables-sync-period=30s",
+        "--ipvs-exclude-cidrs=10.0.0.0/8,192.168.0.0/16",
+        "--ipvs-min-sync-period=0s",
+        "--ipvs-scheduler=wrr",
+        "--ipvs-strict-arp=true",
+        "--ipvs-sync-period=30s",
+        "--ipvs-tcp-timeout=0s",
+        "--ipvs-tcpfin-timeout=0s",
+        "--ipvs-udp-timeout=0s",
+        "--kube-api-burst=10",
+        "--kube-api-content-type=application/vnd.kubernetes.protobuf",
+        "--kube-api-qps=5",
+        "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf",
+        "--log-flush-frequency=5s",
+        "--log-json-info-buffer-size=0",
+        "--log-json-split-stream=false",
+        "--log-text-info-buffer-size=0",
+        "--log-text-split-stream=false",
+        "--logging-format=text",
+        "--machine-id-file=/etc/machine-id,/var/lib/dbus/machine-id",
+        "--masquerade_all",
+        "--master=https://198.18.0.1:6443",
+        "--metrics-bind-address=0.0.0.0:10249",
+        "--metrics-port=10249",
+        "--nodeport-addresses=primary",
+        "--oom-score-adj=-999",
+        "--pod-bridge-interface=cni0",
+        "--pod-interface-name-prefix=veth",
+        "--profiling=false",
+        "--proxy-mode",
+        "nftables",
+        "--show-hidden-metrics-for-version=1.33",
+        "-v",
+        "4",
+        "--vmodule=proxier*=5",
+        "--version=false",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain(["--write-config-to".into(), out.display().to_string()])
+    .collect();
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    // Invoked as kube-proxy, without kxp's `run`.
+    let link = dir.join("kube-proxy");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(kxp_tests::kxp_bin(), &link).unwrap();
+    let o = Command::new(&link).args(&refs).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    for want in [
+        "bindAddress: 198.18.0.1",
+        "bindAddressHardFail: true",
+        "clusterCIDR: 10.244.0.0/16,fd00:10:244::/56",
+        "configSyncPeriod: 15m0s",
+        "tcpBeLiberal: true",
+        "udpStreamTimeout: 2m0s",
+        "AllBeta: false",
+        "hostnameOverride: node-1",
+        "masqueradeBit: 14",
+        "scheduler: wrr",
+        "strictARP: true",
+        "burst: 10",
+        "masqueradeAll: true",
+        "metricsBindAddress: 0.0.0.0:10249",
+        "oomScoreAdj: -999",
+        "bridgeInterface: cni0",
+        "interfaceNamePrefix: veth",
+        "mode: nftables",
+        "syncPeriod: 30s",
+    ] {
+        assert!(text.contains(want), "{want} missing from:\n{text}");
+    }
+    // `kxp FLAGS` without a subcommand is `kxp run FLAGS` too.
+    let o = Command::new(kxp_tests::kxp_bin())
+        .args(["--proxy-mode=kernelspace", "--write-config-to=/dev/null"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("kernelspace is the Windows mode"), "{err}");
+    let o = Command::new(&link).arg("--version").output().unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("kube-proxy v1.34"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
