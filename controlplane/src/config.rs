@@ -485,6 +485,11 @@ impl KubeProxyConfiguration {
             "kxp has no hidden metrics",
         );
         note(
+            self.config_sync_period.is_some_and(|d| !d.0.is_zero()),
+            "configSyncPeriod",
+            "an informer's resync; kxp's watches deliver every change, and its periodic full sync is the sync period",
+        );
+        note(
             self.port_range.as_deref().is_some_and(|v| !v.is_empty()),
             "portRange",
             "deprecated and unused (kube-proxy ignores it too)",

@@ -181,3 +181,42 @@ pub fn serve(stream: TcpStream, handler: &impl Fn(&str, &str) -> Response) -> st
     }
     stream.flush()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(_: &str, _: &str) -> Response {
+        Response {
+            status: "200 OK",
+            content_type: "text/plain",
+            body: "ok".into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// kube-proxy's bindAddressHardFail: false keeps trying until the address is free,
+    /// true refuses at once.
+    #[test]
+    fn a_busy_address_is_fatal_only_with_hard_fail() {
+        let busy = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = busy.local_addr().unwrap();
+        assert!(HttpServer::start_or_retry(addr, "t", true, ok).is_err());
+        let server = HttpServer::start_or_retry(addr, "t", false, ok).unwrap();
+        drop(busy);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut s) = TcpStream::connect(addr) {
+                s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+                let mut text = String::new();
+                let _ = std::io::Read::read_to_string(&mut s, &mut text);
+                if text.ends_with("ok") {
+                    break;
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "never served");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        server.stop();
+    }
+}

@@ -210,7 +210,7 @@ pub struct KubeProxyFlags {
     /// Timeout of UDP streams (0 = Linux's 120s).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub conntrack_udp_timeout_stream: Option<GoDuration>,
-    /// How often the API server's objects are listed again (watch resync).
+    /// Informer resync period (not applicable: kxp's full sync is the sync period).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub config_sync_period: Option<GoDuration>,
     /// Deprecated: the health port (0 = no health server) when --healthz-bind-address
@@ -576,6 +576,11 @@ impl KubeProxyFlags {
                 || self.ipvs_udp_timeout.is_some(),
             "--ipvs-tcp-timeout/--ipvs-tcpfin-timeout/--ipvs-udp-timeout",
             "kxp's flow timeouts come from --conntrack-*",
+        );
+        n(
+            self.config_sync_period.is_some(),
+            "--config-sync-period",
+            "an informer's resync; kxp's watches deliver every change, and its periodic full sync is the sync period",
         );
         n(
             self.vmodule.is_some(),
