@@ -72,6 +72,9 @@ pub struct ResourceStatus {
     /// Whether the API server's last answer to a list or watch of this resource was an
     /// error (or none came): an error streak is going on.
     pub failing: bool,
+    /// Objects changed since the last [`KubeSource::take_changes`] (all of the store
+    /// after a relist): kube-proxy's pending changes.
+    pub pending: usize,
 }
 
 /// Counters of every watched resource.
@@ -108,7 +111,13 @@ pub enum ClientError {
 #[derive(Debug, Clone, Default)]
 pub struct ApiObserver {
     last: Arc<Mutex<std::collections::HashMap<String, Outcomes>>>,
+    /// Requests by (code, host, method), as client-go's `rest_client_requests_total`
+    /// counts them (`<error>` when no answer came).
+    requests: Arc<Mutex<std::collections::BTreeMap<RequestKey, u64>>>,
 }
+
+/// A request's (status code, host, method).
+pub type RequestKey = (String, String, String);
 
 /// When a request last succeeded and last failed.
 type Outcomes = (Option<Instant>, Option<Instant>);
@@ -123,6 +132,17 @@ impl ApiObserver {
         } else {
             e.1 = Some(Instant::now());
         }
+    }
+
+    fn count(&self, code: String, host: String, method: String) {
+        let mut m = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        *m.entry((code, host, method)).or_insert(0) += 1;
+    }
+
+    /// Requests made so far, by (code, host, method).
+    pub fn requests(&self) -> Vec<(RequestKey, u64)> {
+        let m = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
     /// Whether the last request for `resource` (`services`, …) failed.
@@ -180,12 +200,23 @@ where
 
     fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
         let path = req.uri().path().to_string();
+        let host = req
+            .uri()
+            .authority()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let method = req.method().to_string();
         let observer = self.observer.clone();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let r = fut.await;
             let ok = r.as_ref().is_ok_and(|resp| resp.status().is_success());
             observer.record(&path, ok);
+            let code = r.as_ref().map_or_else(
+                |_| "<error>".to_string(),
+                |resp| resp.status().as_u16().to_string(),
+            );
+            observer.count(code, host, method);
             r
         })
     }
@@ -527,6 +558,11 @@ impl KubeSource {
         self.shared.bump.subscribe()
     }
 
+    /// The API client's requests so far, by (code, host, method).
+    pub fn rest_requests(&self) -> Vec<(RequestKey, u64)> {
+        self.shared.observer.requests()
+    }
+
     /// Per-resource counters.
     pub fn status(&self) -> SourceStatus {
         let stores = [
@@ -538,7 +574,14 @@ impl KubeSource {
         SourceStatus {
             resources: (0..RESOURCES.len())
                 .map(|i| {
-                    let mut st = self.shared.counters(i).st.clone();
+                    let c = self.shared.counters(i);
+                    let mut st = c.st.clone();
+                    st.pending = if c.dirty_full {
+                        stores[i]
+                    } else {
+                        c.dirty.len()
+                    };
+                    drop(c);
                     st.objects = stores[i];
                     st.failing = self.shared.observer.failing(RESOURCES[i]);
                     st

@@ -70,6 +70,17 @@ impl Totals {
 pub struct Metrics {
     registry: Registry,
     sync_duration: Histogram,
+    sync_full: Histogram,
+    sync_partial: Histogram,
+    service_pending: Gauge,
+    endpoint_pending: Gauge,
+    rest_requests: Family<Labels, Counter>,
+    cpu_seconds: Counter<f64, AtomicU64>,
+    resident_memory: Gauge,
+    virtual_memory: Gauge,
+    open_fds: Gauge,
+    max_fds: Gauge,
+    start_time: F64Gauge,
     network_programming: Histogram,
     last_sync: F64Gauge,
     last_queued: F64Gauge,
@@ -108,6 +119,8 @@ pub struct ApiCounters {
     pub relists: u64,
     pub failing: bool,
     pub objects: usize,
+    /// Objects changed and not synced yet.
+    pub pending: usize,
 }
 
 impl Default for Metrics {
@@ -147,6 +160,17 @@ impl Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
             sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            sync_full: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            sync_partial: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            service_pending: Gauge::default(),
+            endpoint_pending: Gauge::default(),
+            rest_requests: Family::default(),
+            cpu_seconds: Counter::default(),
+            resident_memory: Gauge::default(),
+            virtual_memory: Gauge::default(),
+            open_fds: Gauge::default(),
+            max_fds: Gauge::default(),
+            start_time: F64Gauge::default(),
             network_programming: Histogram::new(network_programming_buckets()),
             last_sync: F64Gauge::default(),
             last_queued: F64Gauge::default(),
@@ -182,6 +206,26 @@ impl Metrics {
                 "sync_proxy_rules_duration_seconds",
                 "SyncProxyRules latency in seconds",
                 m.sync_duration.clone(),
+            );
+            kp.register(
+                "sync_full_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds for full resyncs",
+                m.sync_full.clone(),
+            );
+            kp.register(
+                "sync_partial_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds for partial resyncs",
+                m.sync_partial.clone(),
+            );
+            kp.register(
+                "sync_proxy_rules_service_changes_pending",
+                "Pending proxy rules Service changes",
+                m.service_pending.clone(),
+            );
+            kp.register(
+                "sync_proxy_rules_endpoint_changes_pending",
+                "Pending proxy rules Endpoint changes",
+                m.endpoint_pending.clone(),
             );
             kp.register(
                 "network_programming_duration_seconds",
@@ -225,6 +269,42 @@ impl Metrics {
                 m.livez.clone(),
             );
         }
+        // client-go's and the Prometheus client's standard metrics, by their names.
+        registry.register(
+            "rest_client_requests",
+            "Number of HTTP requests, partitioned by status code, method, and host",
+            m.rest_requests.clone(),
+        );
+        registry.register(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            m.cpu_seconds.clone(),
+        );
+        registry.register(
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes",
+            m.resident_memory.clone(),
+        );
+        registry.register(
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes",
+            m.virtual_memory.clone(),
+        );
+        registry.register(
+            "process_open_fds",
+            "Number of open file descriptors",
+            m.open_fds.clone(),
+        );
+        registry.register(
+            "process_max_fds",
+            "Maximum number of open file descriptors",
+            m.max_fds.clone(),
+        );
+        registry.register(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds",
+            m.start_time.clone(),
+        );
         {
             let kxp = registry.sub_registry_with_prefix("kxp");
             kxp.register(
@@ -317,9 +397,57 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// One sync of the dataplane took `d`.
-    pub fn observe_sync(&self, d: Duration) {
+    /// One sync of the dataplane took `d`; `full`: a full resync (the first, a periodic
+    /// one, a retry), else partial (the changed Services only).
+    pub fn observe_sync(&self, d: Duration, full: bool) {
         self.sync_duration.observe(d.as_secs_f64());
+        if full {
+            self.sync_full.observe(d.as_secs_f64());
+        } else {
+            self.sync_partial.observe(d.as_secs_f64());
+        }
+    }
+
+    /// The API client's requests so far, by (code, host, method).
+    pub fn update_rest_requests(&self, requests: &[(crate::kube_source::RequestKey, u64)]) {
+        let Ok(mut t) = self.totals.lock() else {
+            return;
+        };
+        for ((code, host, method), n) in requests {
+            let l = vec![
+                ("code".to_string(), code.clone()),
+                ("host".to_string(), host.clone()),
+                ("method".to_string(), method.clone()),
+            ];
+            t.advance(
+                &format!("rest/{code}/{host}/{method}"),
+                *n,
+                &self.rest_requests.get_or_create(&l),
+            );
+        }
+    }
+
+    /// Reads this process's CPU time, memory, descriptors and start time from /proc.
+    pub fn update_process(&self) {
+        let Some(p) = ProcessStats::read() else {
+            return;
+        };
+        let Ok(mut t) = self.totals.lock() else {
+            return;
+        };
+        // CPU time in clock ticks is a total; the counter advances by whole ticks.
+        let hz = dataplane::sys::clock_ticks_per_sec().max(1);
+        let last = t.last.entry("process/cpu_ticks".into()).or_insert(0);
+        if p.cpu_ticks > *last {
+            self.cpu_seconds
+                .inc_by((p.cpu_ticks - *last) as f64 / hz as f64);
+            *last = p.cpu_ticks;
+        }
+        self.resident_memory.set(to_i64(p.resident_bytes));
+        self.virtual_memory.set(to_i64(p.virtual_bytes));
+        self.open_fds.set(to_i64(p.open_fds));
+        self.max_fds.set(to_i64(p.max_fds));
+        self.start_time.set(p.start_time);
     }
 
     /// A change reached the dataplane `d` after it was made in the cluster.
@@ -392,6 +520,15 @@ impl Metrics {
                 &self.api_relists.get_or_create(&l),
             );
             self.api_failing.get_or_create(&l).set(i64::from(r.failing));
+            match r.resource.as_str() {
+                "services" => {
+                    self.service_pending.set(to_i64(r.pending as u64));
+                }
+                "endpointslices" => {
+                    self.endpoint_pending.set(to_i64(r.pending as u64));
+                }
+                _ => {}
+            }
             self.api_objects
                 .get_or_create(&l)
                 .set(to_i64(r.objects as u64));
@@ -458,6 +595,70 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// What /proc says of this process.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProcessStats {
+    /// utime + stime, in clock ticks.
+    pub cpu_ticks: u64,
+    pub resident_bytes: u64,
+    pub virtual_bytes: u64,
+    pub open_fds: u64,
+    pub max_fds: u64,
+    /// Seconds since the epoch.
+    pub start_time: f64,
+}
+
+impl ProcessStats {
+    /// From /proc/self (None if /proc cannot be read).
+    pub fn read() -> Option<ProcessStats> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+        let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+        let mut p = Self::parse(
+            &stat,
+            &boot,
+            &limits,
+            dataplane::sys::clock_ticks_per_sec(),
+            dataplane::sys::page_size(),
+        )?;
+        p.open_fds = open;
+        Some(p)
+    }
+
+    /// `/proc/self/stat`, `/proc/stat` (for btime) and `/proc/self/limits`.
+    pub fn parse(stat: &str, proc_stat: &str, limits: &str, hz: u64, page: u64) -> Option<Self> {
+        // The command name may hold spaces and parentheses: fields start after the last ')'.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // After the name: state is field 3, so field N is f[N - 3].
+        let num = |n: usize| f.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        let utime = num(14)?;
+        let stime = num(15)?;
+        let start_ticks = num(22)?;
+        let vsize = num(23)?;
+        let rss_pages = num(24)?;
+        let btime: u64 = proc_stat
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse().ok())?;
+        let max_fds = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Some(ProcessStats {
+            cpu_ticks: utime + stime,
+            resident_bytes: rss_pages * page,
+            virtual_bytes: vsize,
+            open_fds: 0,
+            max_fds,
+            start_time: btime as f64 + start_ticks as f64 / hz.max(1) as f64,
+        })
     }
 }
 
@@ -559,9 +760,85 @@ mod tests {
     }
 
     #[test]
+    fn full_and_partial_syncs_pending_changes_requests_and_the_process() {
+        let m = Metrics::new();
+        m.observe_sync(Duration::from_millis(3), true);
+        m.observe_sync(Duration::from_millis(3), false);
+        m.observe_sync(Duration::from_millis(3), false);
+        m.update_api(&[
+            ApiCounters {
+                resource: "services".into(),
+                pending: 2,
+                ..Default::default()
+            },
+            ApiCounters {
+                resource: "endpointslices".into(),
+                pending: 7,
+                ..Default::default()
+            },
+        ]);
+        let req = |n| {
+            vec![(
+                (
+                    "200".to_string(),
+                    "198.18.0.1:6443".to_string(),
+                    "GET".to_string(),
+                ),
+                n,
+            )]
+        };
+        m.update_rest_requests(&req(3));
+        m.update_rest_requests(&req(5));
+        m.update_process();
+        let t = m.render();
+        for needle in [
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count 1",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 3",
+            "kubeproxy_sync_proxy_rules_service_changes_pending 2",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 7",
+            "rest_client_requests_total{code=\"200\",host=\"198.18.0.1:6443\",method=\"GET\"} 5",
+            "# TYPE process_cpu_seconds counter",
+        ] {
+            assert!(t.contains(needle), "missing {needle:?} in\n{t}");
+        }
+        assert!(
+            sample(&t, "process_resident_memory_bytes").unwrap() > 1e5,
+            "{t}"
+        );
+        assert!(sample(&t, "process_open_fds").unwrap() >= 3.0, "{t}");
+        let start = sample(&t, "process_start_time_seconds").unwrap();
+        let now = unix_now();
+        assert!(
+            start <= now + 1.0 && start > now - 86400.0 * 365.0,
+            "{start} vs {now}"
+        );
+    }
+
+    #[test]
+    fn proc_stat_is_read_after_the_command_name() {
+        // A name with spaces and a parenthesis, as a thread can be named.
+        let stat = "1234 (kxp (x) y) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 5000 123456789 2000 18446744073709551615";
+        let p = ProcessStats::parse(
+            stat,
+            "cpu 1 2\nbtime 1700000000\n",
+            "Max open files            1024                 524288               files\n",
+            100,
+            4096,
+        )
+        .unwrap();
+        assert_eq!(p.cpu_ticks, 300);
+        assert_eq!(p.resident_bytes, 2000 * 4096);
+        assert_eq!(p.virtual_bytes, 123_456_789);
+        assert_eq!(p.max_fds, 1024);
+        assert_eq!(p.start_time, 1_700_000_050.0);
+        assert!(ProcessStats::parse("garbage", "", "", 100, 4096).is_none());
+    }
+
+    #[test]
     fn renders_kube_proxy_names() {
         let m = Metrics::new();
-        m.observe_sync(Duration::from_millis(3));
+        m.observe_sync(Duration::from_millis(3), false);
         m.observe_network_programming(Duration::from_secs(2));
         m.set_last_sync_now();
         m.set_queued_now();

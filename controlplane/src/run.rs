@@ -262,6 +262,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         tracker.set_settings(settings.clone());
         generation += 1;
     }
+    let first_started = Instant::now();
     let first = tracker.sync(generation);
     report(&first, &input);
     let mut hc = ServiceHealthServers::start(health.clone())
@@ -284,6 +285,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     }
     health.set_node_eligible(node_eligible(tracker.node_object().map(|n| &**n)));
     health.programmed();
+    metrics.observe_sync(first_started.elapsed(), true);
     metrics.set_last_sync_now();
     tracing::info!(
         "initial sync: {} Services, {} EndpointSlices, {} Service ports programmed in {:.1} ms",
@@ -354,6 +356,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         if last_metrics.elapsed() >= Duration::from_secs(1) {
             last_metrics = Instant::now();
             update_metrics(&metrics, &dp, last_sync);
+            metrics.update_process();
             if let Input::Kube { source, .. } = &input {
                 let api: Vec<crate::metrics::ApiCounters> = source
                     .status()
@@ -366,9 +369,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
                         relists: r.relists,
                         failing: r.failing,
                         objects: r.objects,
+                        pending: r.pending,
                     })
                     .collect();
                 metrics.update_api(&api);
+                metrics.update_rest_requests(&source.rest_requests());
             }
         }
         if input.changed() {
@@ -409,13 +414,15 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         update.full |= periodic;
         let rebuilt = synced.rebuilt;
         for e in hc.sync(&update) {
-            tracing::warn!("{e}");
+            let text = e.to_string();
+            dataplane::warn_limited!(text, "{text}");
         }
         let published = dp.publish(update);
         let done = started.elapsed();
         if let Err(e) = published {
-            tracing::error!(
-                "programming the XDP maps: {e:#}; retrying in {} s",
+            dataplane::error_limited!(
+                "publish",
+                "programming the XDP maps: {e:#}; retrying every {} s",
                 resync.as_secs()
             );
             retry_at = Some(Instant::now() + resync);
@@ -423,7 +430,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         retry_at = None;
         health.programmed();
-        metrics.observe_sync(started.elapsed());
+        metrics.observe_sync(started.elapsed(), periodic || retry);
         metrics.set_last_sync_now();
         // kube-proxy's network programming latency: from the change that triggered an
         // EndpointSlice update to the sync that programmed it.
@@ -479,8 +486,10 @@ fn report(s: &Synced, input: &Input) {
         tracing::info!("note: {n}");
     }
     for e in &s.errors {
-        tracing::warn!(
-            "{}: {e}; its last good version stays in force",
+        let text = e.to_string();
+        dataplane::warn_limited!(
+            text,
+            "{}: {text}; its last good version stays in force",
             input.describe()
         );
     }

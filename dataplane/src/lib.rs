@@ -6,6 +6,7 @@ pub mod engine;
 pub mod fib;
 pub mod ifmatch;
 pub mod lab;
+pub mod logrl;
 pub mod persistence;
 pub mod plane;
 pub mod servicedev;

@@ -958,7 +958,7 @@ impl LinkCtl {
                     if strict && literal {
                         return Err(e);
                     }
-                    tracing::warn!(interface = %l.name, error = %e, "cannot attach; retrying in 10 s");
+                    crate::warn_limited!(format!("attach {}", l.name), interface = %l.name, error = %e, "cannot attach; retrying every 10 s");
                 }
             }
         }

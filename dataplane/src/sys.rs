@@ -127,6 +127,13 @@ pub fn clock_ticks_per_sec() -> u64 {
     u64::try_from(hz).ok().filter(|&h| h > 0).unwrap_or(100)
 }
 
+/// The page size (`sysconf(_SC_PAGESIZE)`, the unit of /proc/PID/statm).
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
 /// Asks the kernel to stamp every datagram received on `fd` (SO_TIMESTAMPNS).
 ///
 /// # Errors

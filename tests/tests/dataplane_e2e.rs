@@ -1067,6 +1067,15 @@ fn kubernetes_source_drives_the_dataplane() {
                 "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                 "kubeproxy_network_programming_duration_seconds",
                 "kubeproxy_proxy_healthz_total",
+                "kubeproxy_sync_full_proxy_rules_duration_seconds_count",
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                "kubeproxy_sync_proxy_rules_service_changes_pending 0",
+                "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+                "rest_client_requests_total{code=\"200\"",
+                "method=\"GET\"",
+                "process_resident_memory_bytes",
+                "process_open_fds",
+                "process_start_time_seconds",
                 "kxp_conntrack_entries",
             ] {
                 assert!(m.contains(name), "{name} missing:\n{m}");

@@ -292,7 +292,7 @@ impl Context {
                             let _ = started.send(Err(e));
                             return;
                         }
-                        tracing::error!(error = %e, "FIB mirror: reconnecting failed");
+                        crate::error_limited!("fib reconnect", error = %e, "FIB mirror: reconnecting failed");
                         if sleep_or_stop(&mut stop, backoff).await {
                             return;
                         }
@@ -387,7 +387,7 @@ impl Session {
                     let mut outcome = self.apply_event(msg);
                     outcome.merge(self.drain_events(EVENTS_PER_BATCH));
                     if outcome.overrun {
-                        tracing::warn!("FIB mirror: netlink events lost (ENOBUFS), dumping everything again");
+                        crate::warn_limited!("fib enobufs", "FIB mirror: netlink events lost (ENOBUFS), dumping everything again");
                         if let Err(e) = self.full_dump().await {
                             return End::Lost(e.to_string());
                         }
