@@ -108,6 +108,10 @@ pub struct Entry {
     /// Meaningful for TCP only.
     pub(crate) tcp: TcpState,
     pub(crate) flags: u8,
+    /// Packets and bytes (IP length) of the flow, both directions, since it was tracked
+    /// by this process (not journaled: a restored flow starts again from zero).
+    pub(crate) packets: u64,
+    pub(crate) bytes: u64,
 }
 
 impl Entry {
@@ -148,6 +152,16 @@ impl Entry {
     /// Whether the client's source was rewritten (masquerade / SNAT).
     pub fn is_snat(&self) -> bool {
         self.reply.dst_addr() != self.orig.src_addr()
+    }
+
+    /// Packets of the flow, both directions (the first included).
+    pub fn packets(&self) -> u64 {
+        self.packets
+    }
+
+    /// Bytes of the flow's packets from their IP header on, both directions.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
     }
 
     /// The caller's tag (e.g. a service id), as given to [`crate::ConnTable::insert`].
@@ -235,6 +249,8 @@ mod tests {
             next: NIL,
             tcp: TcpState::SynSent,
             flags: flag::LIVE,
+            packets: 0,
+            bytes: 0,
         }
     }
 

@@ -61,7 +61,7 @@ pub use frag::{FragStats, FragTable, FragVerdict};
 pub use load::EndpointLoad;
 pub use nat::{Protocol, Tuple};
 pub use snat::{SnatPorts, SnatRangeError, flow_owner};
-pub use table::{CapacityError, ConnTable, Hit, InsertError, Stats};
+pub use table::{CapacityError, ConnTable, Counts, Hit, InsertError, Stats};
 pub use tcp::TcpState;
 pub use timeouts::Timeouts;
 pub use track::Update;

@@ -547,6 +547,8 @@ impl ConnTable {
             next: NIL,
             tcp: r.tcp,
             flags,
+            packets: 0,
+            bytes: 0,
         };
         e.expires = e
             .expires

@@ -18,7 +18,7 @@ use std::mem::size_of;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use hashbrown::DefaultHashBuilder;
+use hashbrown::{DefaultHashBuilder, HashMap};
 use nat::{Protocol, Tuple};
 
 use crate::entry::{Direction, Entry, NIL, flag};
@@ -153,10 +153,23 @@ pub struct ConnTable {
     /// Slots changed since the last [`ConnTable::drain_journal`], when journaling is on
     /// (see [`crate::persist`]).
     pub(crate) journal: Option<Vec<u32>>,
+    /// Packets and bytes of the flows that left the table, per endpoint and protocol
+    /// (so an endpoint's totals do not drop when its flows end).
+    pub(crate) retired: HashMap<(SocketAddr, Protocol), Counts>,
 }
 
-// Two 40-byte tuples plus 32 bytes of state: keep it so (bytes per entry is benchmarked).
-const _: () = assert!(size_of::<Entry>() <= 112);
+/// Packets and bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Packets, both directions.
+    pub packets: u64,
+    /// Bytes from the IP header on, both directions.
+    pub bytes: u64,
+}
+
+// Two 40-byte tuples, 32 bytes of state and 16 of counters: two cache lines, kept so
+// (bytes per entry is benchmarked).
+const _: () = assert!(size_of::<Entry>() <= 128);
 
 const fn pack(slot: usize, dir: Direction) -> u32 {
     ((slot as u32) << 1) | dir as u32
@@ -239,6 +252,7 @@ impl ConnTable {
             stats: Stats::default(),
             load: None,
             journal: None,
+            retired: HashMap::new(),
         })
     }
 
@@ -270,7 +284,28 @@ impl ConnTable {
         tcp_flags: u8,
         now: u64,
     ) -> Result<&Entry, InsertError> {
-        self.insert_flags(orig, reply, tag, tcp_flags, now, flag::LOADED)
+        self.insert_flags(orig, reply, tag, tcp_flags, now, flag::LOADED, 0)
+    }
+
+    /// [`ConnTable::insert`] (or, `counted`, [`ConnTable::insert_counted`]) of a flow
+    /// whose first packet is `bytes` long (from its IP header on): the flow's counters
+    /// start with it.
+    ///
+    /// # Errors
+    /// As [`ConnTable::insert`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert_first(
+        &mut self,
+        orig: Tuple,
+        reply: Tuple,
+        tag: u32,
+        tcp_flags: u8,
+        now: u64,
+        bytes: u32,
+        counted: bool,
+    ) -> Result<&Entry, InsertError> {
+        let extra = if counted { flag::LOADED } else { 0 };
+        self.insert_flags(orig, reply, tag, tcp_flags, now, extra, bytes)
     }
 
     /// Most flows the table holds.
@@ -334,9 +369,10 @@ impl ConnTable {
         tcp_flags: u8,
         now: u64,
     ) -> Result<&Entry, InsertError> {
-        self.insert_flags(orig, reply, tag, tcp_flags, now, 0)
+        self.insert_flags(orig, reply, tag, tcp_flags, now, 0, 0)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn insert_flags(
         &mut self,
         orig: Tuple,
@@ -345,6 +381,7 @@ impl ConnTable {
         tcp_flags: u8,
         now: u64,
         extra: u8,
+        bytes: u32,
     ) -> Result<&Entry, InsertError> {
         if orig.proto != reply.proto {
             return Err(InsertError::ProtocolMismatch { orig, reply });
@@ -363,6 +400,8 @@ impl ConnTable {
                 next: NIL,
                 tcp,
                 flags: flag::LIVE | extra,
+                packets: 1,
+                bytes: u64::from(bytes),
             },
             hashes,
             now,
@@ -462,7 +501,22 @@ impl ConnTable {
     /// state from `tcp_flags` (ignored for UDP and SCTP), expiry refreshed. `None` if
     /// untracked, or expired (then removed), or a SYN reopening a closed TCP connection
     /// (the old entry is removed: insert a new one).
+    ///
+    /// The packet counts in the flow's packets, with no bytes: a packet path uses
+    /// [`ConnTable::on_packet_bytes`].
     pub fn on_packet(&mut self, key: &Tuple, tcp_flags: u8, now: u64) -> Option<Hit<'_>> {
+        self.on_packet_bytes(key, tcp_flags, now, 0)
+    }
+
+    /// [`ConnTable::on_packet`] for a packet `bytes` long (from its IP header on), counted
+    /// in the flow's packets and bytes.
+    pub fn on_packet_bytes(
+        &mut self,
+        key: &Tuple,
+        tcp_flags: u8,
+        now: u64,
+        bytes: u32,
+    ) -> Option<Hit<'_>> {
         let hash = self.hash(key);
         let (slot, dir) = unpack(find(&self.index, &self.slots, hash, key)?);
         if self.slots[slot].is_expired(now) {
@@ -470,7 +524,10 @@ impl ConnTable {
             self.stats.expired += 1;
             return None;
         }
-        let before = (self.slots[slot].tcp, self.slots[slot].flags);
+        let e = &mut self.slots[slot];
+        e.packets += 1;
+        e.bytes += u64::from(bytes);
+        let before = (e.tcp, e.flags);
         let update = match track::packet(&mut self.slots[slot], dir, tcp_flags, now, &self.timeouts)
         {
             Outcome::Reopen => {
@@ -547,6 +604,29 @@ impl ConnTable {
         })
     }
 
+    /// Packets and bytes per (endpoint, protocol): of every flow held (expired ones not
+    /// yet reclaimed included) plus those that left. Walks the whole slab.
+    pub fn endpoint_counts(&self) -> HashMap<(SocketAddr, Protocol), Counts> {
+        let mut m = self.retired.clone();
+        for e in self.slots.iter().filter(|e| e.is_live()) {
+            let c = m.entry((e.endpoint(), e.protocol())).or_default();
+            c.packets += e.packets;
+            c.bytes += e.bytes;
+        }
+        m
+    }
+
+    /// Endpoints whose gone flows' totals are remembered.
+    pub fn retired_len(&self) -> usize {
+        self.retired.len()
+    }
+
+    /// Forgets the totals of flows gone to endpoints `keep` rejects (endpoints no longer
+    /// in any Service).
+    pub fn prune_retired(&mut self, keep: impl Fn(&SocketAddr, Protocol) -> bool) {
+        self.retired.retain(|(ep, p), _| keep(ep, *p));
+    }
+
     /// Live flows at `now`, in slot order, for listing. Walks the whole slab.
     pub fn iter(&self, now: u64) -> impl Iterator<Item = &Entry> + '_ {
         self.slots
@@ -557,6 +637,13 @@ impl ConnTable {
     /// Unhooks a live slot from the index and the unassured list and frees it. Its
     /// contents stay until the slot is reused.
     pub(crate) fn remove_slot(&mut self, slot: usize) {
+        let e = &self.slots[slot];
+        let c = self
+            .retired
+            .entry((e.reply.src_addr(), e.orig.proto))
+            .or_default();
+        c.packets += e.packets;
+        c.bytes += e.bytes;
         let e = &self.slots[slot];
         for dir in [Direction::Original, Direction::Reply] {
             let hash = hash_tuple(&self.hasher, e.tuple(dir));

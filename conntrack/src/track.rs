@@ -217,6 +217,8 @@ mod tests {
             next: NIL,
             tcp,
             flags: flag::LIVE,
+            packets: 0,
+            bytes: 0,
         }
     }
 

@@ -160,9 +160,8 @@ fn flow_json(snap: &Snapshot, f: &FlowInfo) -> Value {
         "expires_in_s": f.expires_in_ms / 1000,
         "worker": f.worker,
         "service": service_of(snap, f),
-        // Per-flow packet and byte counters are not kept yet (issue 10).
-        "packets": Value::Null,
-        "bytes": Value::Null,
+        "packets": f.packets,
+        "bytes": f.bytes,
     })
 }
 
@@ -172,8 +171,8 @@ fn frontend(ip: IpAddr, port: u16, proto: Protocol) -> String {
 
 fn service_list(shared: &Shared, want: Option<&str>) -> anyhow::Result<Value> {
     let snap = shared.snapshot.load_full();
-    // Active connections per endpoint, all workers (one pass over every table).
-    let active = shared.flows_per_endpoint(WORKER_WAIT);
+    // Flows, packets and bytes per endpoint, all workers (one pass over every table).
+    let totals = shared.endpoint_totals(WORKER_WAIT);
     let mut out = Vec::new();
     for sp in snap.ports_sorted() {
         let n = &sp.name;
@@ -204,6 +203,7 @@ fn service_list(shared: &Shared, want: Option<&str>) -> anyhow::Result<Value> {
             .endpoints
             .iter()
             .map(|e| {
+                let t = totals.get(&(e.addr, proto)).copied().unwrap_or_default();
                 json!({
                     "address": e.addr.to_string(),
                     "ready": e.ready,
@@ -211,10 +211,9 @@ fn service_list(shared: &Shared, want: Option<&str>) -> anyhow::Result<Value> {
                     "terminating": e.terminating,
                     "local": e.is_local,
                     "weight": e.weight,
-                    "active_connections": active.get(&e.addr).copied().unwrap_or(0),
-                    // Per-endpoint packet and byte counters are not kept yet (issue 10).
-                    "packets": Value::Null,
-                    "bytes": Value::Null,
+                    "active_connections": t.flows,
+                    "packets": t.packets,
+                    "bytes": t.bytes,
                 })
             })
             .collect();
@@ -562,6 +561,7 @@ pub fn service_table(v: &Value) -> String {
                 "service": fe["service"], "frontend": fe["frontend"], "kind": fe["kind"],
                 "scheduler": fe["scheduler"], "endpoint": e["address"], "state": state,
                 "local": e["local"], "active": e["active_connections"],
+                "packets": e["packets"], "bytes": e["bytes"],
             }));
         }
     }
@@ -576,6 +576,8 @@ pub fn service_table(v: &Value) -> String {
             "state",
             "local",
             "active",
+            "packets",
+            "bytes",
         ],
     )
 }

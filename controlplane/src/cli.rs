@@ -684,6 +684,8 @@ fn run_admin_conntrack(cmd: ConntrackCmd) -> anyhow::Result<()> {
                         "expires_in_s",
                         "worker",
                         "service",
+                        "packets",
+                        "bytes",
                     ],
                 )
             });

@@ -249,7 +249,8 @@ impl Engine {
             Parsed::IcmpError(e) => self.icmp_error(pkt, &e, now),
             Parsed::Flow(f) => {
                 let t = f.tuple();
-                if let Some(hit) = self.table.on_packet(&t, f.tcp_flags(), now) {
+                let len = u32::try_from(pkt.len()).unwrap_or(u32::MAX);
+                if let Some(hit) = self.table.on_packet_bytes(&t, f.tcp_flags(), now, len) {
                     if hit.update == Update::Invalid {
                         return Verdict::Drop(DropCause::InvalidState);
                     }
@@ -389,13 +390,16 @@ impl Engine {
             t.src_addr()
         };
         let reply = Tuple::new(ep.addr, reply_dst, t.proto);
-        let inserted = if sp.scheduler.uses_load() {
-            self.table
-                .insert_counted(t, reply, fwd.port_index, f.tcp_flags(), now)
-        } else {
-            self.table
-                .insert(t, reply, fwd.port_index, f.tcp_flags(), now)
-        };
+        let len = u32::try_from(pkt.len()).unwrap_or(u32::MAX);
+        let inserted = self.table.insert_first(
+            t,
+            reply,
+            fwd.port_index,
+            f.tcp_flags(),
+            now,
+            len,
+            sp.scheduler.uses_load(),
+        );
         match inserted {
             Ok(_) => {}
             Err(InsertError::Full { .. }) => return Verdict::Drop(DropCause::TableFull),

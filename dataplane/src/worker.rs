@@ -56,10 +56,8 @@ pub enum Command {
     },
     /// Send back the connection table's counters.
     TableStats(crossbeam::channel::Sender<TableStats>),
-    /// Send back the live flows per endpoint (for `kxp service list`).
-    EndpointCounts(
-        crossbeam::channel::Sender<std::collections::HashMap<std::net::SocketAddr, u64>>,
-    ),
+    /// Send back the live flows, packets and bytes per endpoint (for `kxp service list`).
+    EndpointCounts(crossbeam::channel::Sender<EndpointMap>),
     /// Open a socket on a newly attached interface at this worker's queue and send back
     /// its descriptor (for the interface's XSKMAP) or why it failed.
     AddPort {
@@ -75,6 +73,23 @@ pub enum Command {
     },
 }
 
+/// Per (endpoint, protocol): its flows now, and the packets and bytes of its flows.
+pub type EndpointMap =
+    std::collections::HashMap<(std::net::SocketAddr, nat::Protocol), EndpointTotals>;
+
+/// One endpoint's flows now, and packets and bytes (both directions) of every flow to it
+/// since kxp started (gone ones included, restored ones from their restoration).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointTotals {
+    pub flows: u64,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Endpoints whose gone flows' totals a worker remembers before it forgets those no
+/// longer in any Service.
+const RETIRED_MAX: usize = 65_536;
+
 /// Which flows a [`Command::Flows`] is about (evaluated by each worker on its own table).
 pub type FlowFilter = Arc<dyn Fn(&conntrack::Entry) -> bool + Send + Sync>;
 
@@ -86,6 +101,9 @@ pub struct FlowInfo {
     pub reply: Tuple,
     pub state: conntrack::State,
     pub expires_in_ms: u64,
+    /// Both directions, since this process tracked it.
+    pub packets: u64,
+    pub bytes: u64,
 }
 
 /// One worker's connection table, for `kxp conntrack stats`.
@@ -207,15 +225,16 @@ impl Shared {
         (answers.into_iter().flat_map(|(v, _)| v).collect(), n)
     }
 
-    /// Live flows per endpoint, all workers (counted where they are, not moved).
-    pub fn flows_per_endpoint(
-        &self,
-        timeout: std::time::Duration,
-    ) -> std::collections::HashMap<std::net::SocketAddr, u64> {
-        let mut all = std::collections::HashMap::new();
+    /// Live flows, packets and bytes per endpoint, all workers (counted where they are,
+    /// not moved).
+    pub fn endpoint_totals(&self, timeout: std::time::Duration) -> EndpointMap {
+        let mut all = EndpointMap::new();
         for m in self.ask_all(Command::EndpointCounts, timeout) {
-            for (ep, n) in m {
-                *all.entry(ep).or_default() += n;
+            for (k, t) in m {
+                let a = all.entry(k).or_default();
+                a.flows += t.flows;
+                a.packets += t.packets;
+                a.bytes += t.bytes;
             }
         }
         all
@@ -338,8 +357,21 @@ impl Worker {
         let mut iterations: u64 = 0;
         let mut busy: u64 = 0;
         let workers = self.shared.stats.len();
+        let mut generation = 0;
         while !self.shared.stop.load(Ordering::Relaxed) {
             let snap = self.shared.snapshot.load();
+            if snap.generation != generation {
+                generation = snap.generation;
+                if self.engine.table.retired_len() > RETIRED_MAX {
+                    let live: std::collections::HashSet<(std::net::SocketAddr, nat::Protocol)> =
+                        snap.ports()
+                            .flat_map(|sp| sp.endpoints.iter().map(|e| (e.addr, sp.name.protocol)))
+                            .collect();
+                    self.engine
+                        .table
+                        .prune_retired(|ep, p| live.contains(&(*ep, p)));
+                }
+            }
             let now = crate::sys::monotonic_ns();
             self.now = now;
             if !self.waiting.is_empty() {
@@ -511,6 +543,8 @@ impl Worker {
                             reply: *e.reply(),
                             state: e.state(),
                             expires_in_ms: e.remaining(now) / 1_000_000,
+                            packets: e.packets(),
+                            bytes: e.bytes(),
                         })
                         .collect();
                     let n = flows.len();
@@ -518,9 +552,14 @@ impl Worker {
                 }
             }
             Command::EndpointCounts(reply) => {
-                let mut m = std::collections::HashMap::new();
+                let mut m = EndpointMap::new();
+                for (k, c) in self.engine.table.endpoint_counts() {
+                    let t = m.entry(k).or_default();
+                    t.packets = c.packets;
+                    t.bytes = c.bytes;
+                }
                 for e in self.engine.table.iter(now) {
-                    *m.entry(e.endpoint()).or_default() += 1;
+                    m.entry((e.endpoint(), e.protocol())).or_default().flows += 1;
                 }
                 let _ = reply.send(m);
             }

@@ -2405,7 +2405,34 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
         let port: u16 = snat.rsplit(':').next().unwrap().parse().unwrap();
         assert!((61000..=65535).contains(&port), "{snat}");
         assert!(f["client"].as_str().unwrap().starts_with("198.18.1.2:"));
+        // Both directions counted: SYN, SYN-ACK, ACK, "helloN" and its echo at least,
+        // each at least 40 bytes of IP and TCP headers, plus the 6 + 6 bytes of data.
+        let (packets, bytes) = (f["packets"].as_u64().unwrap(), f["bytes"].as_u64().unwrap());
+        assert!(packets >= 5, "{f}");
+        assert!(bytes >= packets * 40 + 12, "{f}");
     }
+    // The endpoint's totals are its flows' (and stay when they are gone).
+    let endpoint_packets = |lab: &Lab| -> u64 {
+        let (_, out, _) = kxp_cli(
+            lab,
+            &["service", "list", "--service", "demo/web", "-o", "json"],
+        );
+        json_of(&out)
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| f["service"] == "demo/web:echo" && f["kind"] == "ClusterIP")
+            .flat_map(|f| f["endpoints"].as_array().unwrap().clone())
+            .filter(|e| e["address"] == "198.18.2.2:7000")
+            .map(|e| e["packets"].as_u64().unwrap())
+            .sum()
+    };
+    let flows_packets: u64 = flows.iter().map(|f| f["packets"].as_u64().unwrap()).sum();
+    let before_delete = endpoint_packets(&lab);
+    assert!(
+        before_delete >= flows_packets,
+        "{before_delete} < {flows_packets}"
+    );
     // trace --live names the existing flow's endpoint.
     let (first, who) = (&conns[0].0, conns[0].1.clone());
     let sport = first.local_addr().unwrap().port().to_string();
@@ -2471,6 +2498,10 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
         ],
     );
     assert_eq!(json_of(&out).as_array().unwrap().len(), 0, "{out}");
+    assert!(
+        endpoint_packets(&lab) >= before_delete,
+        "totals dropped with the flows"
+    );
     let (ok, _, err) = kxp_cli(&lab, &["conntrack", "delete"]);
     assert!(!ok && err.contains("at least one filter"), "{err}");
     let (spread, _, failed) = lab.http_spread(vip(80), 3);

@@ -600,3 +600,41 @@ fn endpoint_load_follows_inserts_and_every_removal() {
     c.set_load(load.clone());
     assert_eq!(load.get(ep), 5);
 }
+
+#[test]
+fn flows_count_their_packets_and_bytes_and_endpoints_keep_them_when_flows_go() {
+    let mut t = table(16);
+    let ep: SocketAddr = EP.parse().unwrap();
+    let (o1, r1) = flow(Protocol::Tcp, 40000);
+    let (o2, r2) = flow(Protocol::Tcp, 40001);
+    let e = t.insert_first(o1, r1, 0, SYN, 0, 60, false).unwrap();
+    assert_eq!((e.packets(), e.bytes()), (1, 60));
+    let h = t.on_packet_bytes(&r1, SYN | ACK, S, 60).unwrap();
+    assert_eq!((h.entry.packets(), h.entry.bytes()), (2, 120));
+    t.on_packet_bytes(&o1, ACK, S, 52).unwrap();
+    t.insert_first(o2, r2, 0, SYN, 0, 60, false).unwrap();
+    let c = t.endpoint_counts();
+    assert_eq!(
+        c[&(ep, Protocol::Tcp)],
+        Counts {
+            packets: 4,
+            bytes: 232
+        }
+    );
+    // A UDP flow to the same address and port is another endpoint's count.
+    let (ou, ru) = flow(Protocol::Udp, 40000);
+    t.insert_first(ou, ru, 0, 0, 0, 100, false).unwrap();
+    assert_eq!(t.endpoint_counts()[&(ep, Protocol::Udp)].bytes, 100);
+    // The flow goes: its packets stay in the endpoint's totals.
+    assert!(t.remove(&o1));
+    assert_eq!(t.endpoint_counts()[&(ep, Protocol::Tcp)].packets, 4);
+    assert_eq!(t.retired_len(), 1);
+    // A restored or plain insert counts its first packet, without bytes.
+    let (o3, r3) = flow(Protocol::Tcp, 40002);
+    assert_eq!(t.insert(o3, r3, 0, SYN, 0).unwrap().packets(), 1);
+    // Endpoints no longer in any Service are forgotten when pruned.
+    t.prune_retired(|_, _| false);
+    assert_eq!(t.retired_len(), 0);
+    assert_eq!(t.endpoint_counts()[&(ep, Protocol::Tcp)].packets, 2);
+    check(&t);
+}
