@@ -235,7 +235,11 @@ fn service_list(shared: &Shared, want: Option<&str>) -> anyhow::Result<Value> {
     Ok(Value::Array(out))
 }
 
-fn answer(shared: &Shared, req: Request) -> anyhow::Result<Value> {
+fn answer(
+    shared: &Shared,
+    node: &dataplane::engine::NodeState,
+    req: Request,
+) -> anyhow::Result<Value> {
     match req {
         Request::ServiceList { service } => service_list(shared, service.as_deref()),
         Request::ConntrackList(f) => {
@@ -273,6 +277,24 @@ fn answer(shared: &Shared, req: Request) -> anyhow::Result<Value> {
             };
             let (result, detail) = crate::trace::trace(&snap, &input);
             let text = crate::trace::render_text(&input, &result, &detail);
+            // Given the source port: the endpoint a deterministic choice would make.
+            let pick = sport.map(|sport| {
+                use dataplane::engine::Prediction;
+                let p = node.predict(
+                    &snap,
+                    SocketAddr::new(src, sport),
+                    SocketAddr::new(dst, dport),
+                    input.proto,
+                    input.in_interface.as_deref(),
+                    dataplane::sys::monotonic_ns(),
+                );
+                match p {
+                    Prediction::Affinity(ep) => json!({"endpoint": ep.to_string(), "by": "affinity"}),
+                    Prediction::Hash(ep) => json!({"endpoint": ep.to_string(), "by": "hash"}),
+                    Prediction::AtConnection => json!({"endpoint": null, "by": "at-connection"}),
+                    Prediction::NotForwarded => json!({"endpoint": null, "by": "not-forwarded"}),
+                }
+            });
             // The tracked flow of this packet, if any: by its tuple as the client sends it.
             let flow = match sport {
                 Some(sport) => {
@@ -294,6 +316,7 @@ fn answer(shared: &Shared, req: Request) -> anyhow::Result<Value> {
                 "trace": serde_json::to_value(&result)?,
                 "text": text,
                 "flow": flow,
+                "pick": pick,
                 "generation": snap.generation,
             }))
         }
@@ -362,12 +385,16 @@ pub struct AdminServer {
 }
 
 impl AdminServer {
-    /// Serves `shared` on a new socket at `path` (a stale one is replaced; a live one is
+    /// Serves `shared` (and the node's shared state, for predictions) on a new socket at `path` (a stale one is replaced; a live one is
     /// an error), mode 0600.
     ///
     /// # Errors
     /// The socket cannot be created, or another kxp answers on it.
-    pub fn start(path: &Path, shared: Arc<Shared>) -> anyhow::Result<AdminServer> {
+    pub fn start(
+        path: &Path,
+        shared: Arc<Shared>,
+        node: Arc<dataplane::engine::NodeState>,
+    ) -> anyhow::Result<AdminServer> {
         if path.exists() {
             anyhow::ensure!(
                 UnixStream::connect(path).is_err(),
@@ -390,7 +417,7 @@ impl AdminServer {
             .spawn(move || {
                 while !st.load(Ordering::Relaxed) {
                     match listener.accept() {
-                        Ok((conn, _)) => serve(conn, &shared),
+                        Ok((conn, _)) => serve(conn, &shared, &node),
                         Err(_) => std::thread::sleep(Duration::from_millis(20)),
                     }
                 }
@@ -403,14 +430,14 @@ impl AdminServer {
     }
 }
 
-fn serve(conn: UnixStream, shared: &Shared) {
+fn serve(conn: UnixStream, shared: &Shared, node: &dataplane::engine::NodeState) {
     let _ = conn.set_nonblocking(false);
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
     let mut line = String::new();
     let mut reader = BufReader::new(&conn);
     let out = match reader.read_line(&mut line) {
         Ok(_) => match serde_json::from_str::<Request>(&line) {
-            Ok(req) => match answer(shared, req) {
+            Ok(req) => match answer(shared, node, req) {
                 Ok(v) => json!({ "ok": v }),
                 Err(e) => json!({ "error": format!("{e:#}") }),
             },

@@ -604,6 +604,20 @@ fn run_trace_live(args: &TraceArgs) -> anyhow::Result<()> {
                 f["worker"]
             )),
         }
+        match v["pick"]["by"].as_str() {
+            Some("affinity") => t.push_str(&format!(
+                "  would pick: {} (the client's ClientIP affinity)\n",
+                v["pick"]["endpoint"].as_str().unwrap_or("?")
+            )),
+            Some("hash") => t.push_str(&format!(
+                "  would pick: {} (the scheduler hashes the connection)\n",
+                v["pick"]["endpoint"].as_str().unwrap_or("?")
+            )),
+            Some("at-connection") => t.push_str(
+                "  would pick: decided at connection time (the scheduler is not a hash, no affinity entry)\n",
+            ),
+            _ => {}
+        }
         t.push_str(&format!(
             "  snapshot:   generation {} of the running kxp\n",
             v["generation"]

@@ -254,7 +254,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         crate::admin::default_socket,
     );
     let admin = admin_path
-        .map(|p| crate::admin::AdminServer::start(&p, dp.shared.clone()))
+        .map(|p| crate::admin::AdminServer::start(&p, dp.shared.clone(), dp.node.clone()))
         .transpose()?;
     let mut generation = 1;
     if !explicit_node_ips {

@@ -140,7 +140,85 @@ pub struct NodeState {
     cursors: DashMap<(u64, bool), RrCursor>,
 }
 
+/// Which endpoint a new connection would go to, when that does not depend on chance
+/// or on the moment (`kxp trace --live --sport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prediction {
+    /// The client's ClientIP affinity entry names this endpoint (still a candidate).
+    Affinity(SocketAddr),
+    /// A hashing scheduler (`sh`, `dh`, `maglev`) maps the connection to this endpoint.
+    Hash(SocketAddr),
+    /// The scheduler picks at connection time (random, round robin, least
+    /// connections): no single answer now.
+    AtConnection,
+    /// The packet is not forwarded to an endpoint (pass, drop, reject).
+    NotForwarded,
+}
+
 impl NodeState {
+    /// What [`Engine`]'s choice for a new connection `src` → `dst` (with ports) would be,
+    /// without making it: the same decision, affinity recall and scheduler as a worker's,
+    /// with nothing recorded.
+    pub fn predict(
+        &self,
+        snap: &Snapshot,
+        src: SocketAddr,
+        dst: SocketAddr,
+        proto: Protocol,
+        in_interface: Option<&str>,
+        now: u64,
+    ) -> Prediction {
+        let Decision::Forward(fwd) = decide(
+            snap,
+            &NewPacket {
+                src: src.ip(),
+                dst: dst.ip(),
+                dport: dst.port(),
+                proto,
+                in_interface,
+            },
+        ) else {
+            return Prediction::NotForwarded;
+        };
+        let sp = fwd.port;
+        if let Affinity::ClientIp { .. } = sp.affinity
+            && let Some(ep) = self.affinity.recall(sp.name_hash, src.ip(), now)
+            && fwd
+                .candidates
+                .iter()
+                .any(|&i| sp.endpoints[i as usize].addr == ep)
+        {
+            return Prediction::Affinity(ep);
+        }
+        if !sp.scheduler.uses_hash_table() {
+            return Prediction::AtConnection;
+        }
+        let table = if fwd.policy == Policy::Local {
+            &sp.local_table
+        } else {
+            &sp.cluster_table
+        };
+        let none = |_: SocketAddr| 0;
+        let input = PickInput {
+            src,
+            dst,
+            proto: proto.number(),
+            random: 0,
+            active: &none,
+        };
+        match pick(
+            sp.scheduler,
+            &sp.endpoints,
+            fwd.candidates,
+            Some(table),
+            &input,
+            &mut RrCursor::default(),
+        ) {
+            Some(i) => Prediction::Hash(sp.endpoints[i as usize].addr),
+            None => Prediction::NotForwarded,
+        }
+    }
+
     /// Most ClientIP affinity entries a node holds by default (see
     /// [`conntrack::affinity`] for the bound).
     pub const AFFINITY_CAPACITY: usize = 262_144;

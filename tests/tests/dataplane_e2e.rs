@@ -2541,3 +2541,99 @@ fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
     assert!(!ok && err.contains("no kxp is running"), "{err}");
     drop(conns);
 }
+
+/// `kxp trace --live --sport P` names the endpoint a deterministic choice would make for
+/// a connection not made yet — and the connection then made from that port goes there:
+/// with Maglev (a hash of the connection) for several ports, and with ClientIP affinity
+/// once the client has an entry.
+#[test]
+fn trace_live_names_the_endpoint_a_hash_or_affinity_would_pick() {
+    let web = |name: &str| match name {
+        "web-1" => "198.18.2.2:8080",
+        "web-2" => "198.18.2.6:8080",
+        _ => "198.18.2.10:8080",
+    };
+    let predict = |lab: &Lab, sport: u16| -> serde_json::Value {
+        let sport = sport.to_string();
+        let (ok, out, err) = kxp_cli(
+            lab,
+            &[
+                "trace",
+                "--live",
+                "--src",
+                "198.18.1.2",
+                "--sport",
+                &sport,
+                "--dst",
+                "198.19.0.10",
+                "--dport",
+                "80",
+                "--output",
+                "json",
+            ],
+        );
+        assert!(ok, "{err}");
+        json_of(&out)
+    };
+    let lab = Lab::new(Opts {
+        prefix: "kxe23",
+        config_extra: "kxp:\n  scheduler: maglev\n",
+        ..Default::default()
+    });
+    let mut seen = std::collections::BTreeSet::new();
+    for sport in 42000..42012u16 {
+        let p = predict(&lab, sport);
+        assert_eq!(p["pick"]["by"], "hash", "{p}");
+        let want = p["pick"]["endpoint"].as_str().unwrap().to_string();
+        let body = lab
+            .in_client(move || http_from(format!("198.18.1.2:{sport}").parse().unwrap(), vip(80)));
+        let body = body.unwrap();
+        let got = web(body.split_whitespace().next().unwrap());
+        assert_eq!(got, want, "port {sport}: predicted {want}, went to {got}");
+        seen.insert(want);
+    }
+    assert!(
+        seen.len() > 1,
+        "Maglev spreads ports over endpoints: {seen:?}"
+    );
+    drop(lab);
+
+    let lab = Lab::new(Opts {
+        prefix: "kxe24",
+        extra_spec: "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 30}}\n",
+        ..Default::default()
+    });
+    // No entry yet: the random scheduler decides at connection time.
+    let p = predict(&lab, 43000);
+    assert_eq!(p["pick"]["by"], "at-connection", "{p}");
+    let (spread, _, failed) = lab.http_spread(vip(80), 1);
+    assert_eq!(failed, 0);
+    let first = web(spread.keys().next().unwrap());
+    let p = predict(&lab, 43001);
+    assert_eq!(p["pick"]["by"], "affinity", "{p}");
+    assert_eq!(p["pick"]["endpoint"], first, "{p}");
+    let (ok, text, _) = kxp_cli(
+        &lab,
+        &[
+            "trace",
+            "--live",
+            "--src",
+            "198.18.1.2",
+            "--sport",
+            "43001",
+            "--dst",
+            "198.19.0.10",
+            "--dport",
+            "80",
+        ],
+    );
+    assert!(
+        ok && text.contains(&format!(
+            "would pick: {first} (the client's ClientIP affinity)"
+        )),
+        "{text}"
+    );
+    println!(
+        "$ kxp trace --live --src 198.18.1.2 --sport 43001 --dst 198.19.0.10 --dport 80\n{text}"
+    );
+}
