@@ -604,12 +604,15 @@ impl ConnTable {
         })
     }
 
-    /// Packets and bytes per (endpoint, protocol): of every flow held (expired ones not
-    /// yet reclaimed included) plus those that left. Walks the whole slab.
-    pub fn endpoint_counts(&self) -> HashMap<(SocketAddr, Protocol), Counts> {
-        let mut m = self.retired.clone();
+    /// Per (endpoint, protocol): the flows live at `now`, and the packets and bytes of
+    /// every flow held (expired ones not yet reclaimed included) plus those that left.
+    /// One walk over the slab.
+    pub fn endpoint_counts(&self, now: u64) -> HashMap<(SocketAddr, Protocol), (u64, Counts)> {
+        let mut m: HashMap<(SocketAddr, Protocol), (u64, Counts)> =
+            self.retired.iter().map(|(k, c)| (*k, (0, *c))).collect();
         for e in self.slots.iter().filter(|e| e.is_live()) {
-            let c = m.entry((e.endpoint(), e.protocol())).or_default();
+            let (flows, c) = m.entry((e.endpoint(), e.protocol())).or_default();
+            *flows += u64::from(!e.is_expired(now));
             c.packets += e.packets;
             c.bytes += e.bytes;
         }

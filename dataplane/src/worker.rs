@@ -552,15 +552,22 @@ impl Worker {
                 }
             }
             Command::EndpointCounts(reply) => {
-                let mut m = EndpointMap::new();
-                for (k, c) in self.engine.table.endpoint_counts() {
-                    let t = m.entry(k).or_default();
-                    t.packets = c.packets;
-                    t.bytes = c.bytes;
-                }
-                for e in self.engine.table.iter(now) {
-                    m.entry((e.endpoint(), e.protocol())).or_default().flows += 1;
-                }
+                let m: EndpointMap = self
+                    .engine
+                    .table
+                    .endpoint_counts(now)
+                    .into_iter()
+                    .map(|(k, (flows, c))| {
+                        (
+                            k,
+                            EndpointTotals {
+                                flows,
+                                packets: c.packets,
+                                bytes: c.bytes,
+                            },
+                        )
+                    })
+                    .collect();
                 let _ = reply.send(m);
             }
             Command::TableStats(reply) => {

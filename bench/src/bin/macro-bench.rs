@@ -113,6 +113,12 @@ struct Args {
     /// packet reached the backend and how many were lost.
     #[arg(long)]
     restart: bool,
+    /// Instead of the throughput cases: fill kxp's table with this many flows (the
+    /// generator's new-connection mode, the table sized for them) and time the admin
+    /// commands (`kxp conntrack list` filtered, `service list`, `conntrack stats`,
+    /// `trace --live`) against it, 5 times each.
+    #[arg(long, value_name = "FLOWS")]
+    admin_at: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1807,6 +1813,12 @@ fn real_main() -> anyhow::Result<()> {
         drop(lab);
         return r;
     }
+    if let Some(flows) = args.admin_at {
+        let r = admin_at_scale(&lab, &plan, flows);
+        stop.check()?;
+        drop(lab);
+        return r;
+    }
     let mut results = Vec::new();
     for &case in &cases {
         if stop.check().is_err() {
@@ -1818,6 +1830,113 @@ fn real_main() -> anyhow::Result<()> {
     report(&results, &modes, &plan, (&load_before, &load_after));
     stop.check()?;
     drop(lab);
+    Ok(())
+}
+
+/// Fills kxp's table with `flows` flows and times the admin commands a user runs
+/// against it: the kxp CLI's wall time, process start included.
+fn admin_at_scale(lab: &Lab, plan: &Plan, flows: u64) -> anyhow::Result<()> {
+    let mut router = Router::setup(lab, Case::Kxp, &plan.kxp, &plan.busy_poll, "admin")?;
+    // A table for the flows (one worker), then kxp again with that configuration.
+    std::fs::write(
+        lab.dir.join("kube-proxy.yaml"),
+        format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\nconntrack:\n  maxPerCore: 32768\n  min: {}\n",
+            flows + flows / 10
+        ),
+    )?;
+    router.restart_kxp(false, None, "kxp-admin")?;
+    let cfg = lab.trafgen_cfg(Mode::New)?;
+    // More packets than flows: the generator offers more than kxp takes.
+    let mut tg = lab.start_trafgen(&cfg, Mode::New, plan, flows * 4, "admin")?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let cli = |args: &[&str]| -> anyhow::Result<(Duration, String)> {
+        let t0 = Instant::now();
+        let out = Command::new("ip")
+            .args(["netns", "exec", &lab.router])
+            .arg(&plan.kxp)
+            .args(args)
+            .output()?;
+        let d = t0.elapsed();
+        anyhow::ensure!(
+            out.status.success(),
+            "kxp {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok((d, String::from_utf8_lossy(&out.stdout).into_owned()))
+    };
+    let entries = |cli: &dyn Fn(&[&str]) -> anyhow::Result<(Duration, String)>| -> u64 {
+        cli(&["conntrack", "stats", "-o", "json"])
+            .ok()
+            .and_then(|(_, o)| serde_json::from_str::<serde_json::Value>(&o).ok())
+            .and_then(|v| v[0]["entries"].as_u64())
+            .unwrap_or(0)
+    };
+    while tg.running() && Instant::now() < deadline && entries(&cli) < flows {
+        lab.stop.sleep(Duration::from_millis(500))?;
+    }
+    tg.stop(libc::SIGINT, Duration::from_secs(5));
+    let held = entries(&cli);
+    eprintln!("kxp holds {held} flows (asked for {flows})");
+    let vip_dport = SINK_PORT.to_string();
+    let queries: [(&str, Vec<&str>); 5] = [
+        (
+            "conntrack list --client IP:PORT (one flow)",
+            vec![
+                "conntrack",
+                "list",
+                "--client",
+                "198.18.64.7:5000",
+                "-o",
+                "json",
+            ],
+        ),
+        (
+            "conntrack list --protocol TCP (none match)",
+            vec!["conntrack", "list", "--protocol", "TCP", "-o", "json"],
+        ),
+        ("service list", vec!["service", "list", "-o", "json"]),
+        ("conntrack stats", vec!["conntrack", "stats", "-o", "json"]),
+        (
+            "trace --live --sport",
+            vec![
+                "trace",
+                "--live",
+                "--src",
+                GEN_IP,
+                "--sport",
+                "5000",
+                "--dst",
+                VIP,
+                "--dport",
+                &vip_dport,
+                "--protocol",
+                "UDP",
+                "--output",
+                "json",
+            ],
+        ),
+    ];
+    println!(
+        "\nadmin commands against {held} flows (kxp CLI wall time, process start included; 5 runs):\n"
+    );
+    println!("{:<46} | median ms | max ms", "command");
+    println!("{}", "-".repeat(68));
+    for (name, args) in &queries {
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            lab.stop.check()?;
+            times.push(cli(args)?.0);
+        }
+        times.sort();
+        println!(
+            "{name:<46} | {:>9.1} | {:>6.1}",
+            times[2].as_secs_f64() * 1e3,
+            times[4].as_secs_f64() * 1e3
+        );
+    }
+    drop(router);
     Ok(())
 }
 

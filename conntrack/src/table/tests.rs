@@ -613,21 +613,33 @@ fn flows_count_their_packets_and_bytes_and_endpoints_keep_them_when_flows_go() {
     assert_eq!((h.entry.packets(), h.entry.bytes()), (2, 120));
     t.on_packet_bytes(&o1, ACK, S, 52).unwrap();
     t.insert_first(o2, r2, 0, SYN, 0, 60, false).unwrap();
-    let c = t.endpoint_counts();
+    let c = t.endpoint_counts(S);
     assert_eq!(
         c[&(ep, Protocol::Tcp)],
-        Counts {
-            packets: 4,
-            bytes: 232
-        }
+        (
+            2,
+            Counts {
+                packets: 4,
+                bytes: 232
+            }
+        )
     );
     // A UDP flow to the same address and port is another endpoint's count.
     let (ou, ru) = flow(Protocol::Udp, 40000);
     t.insert_first(ou, ru, 0, 0, 0, 100, false).unwrap();
-    assert_eq!(t.endpoint_counts()[&(ep, Protocol::Udp)].bytes, 100);
+    assert_eq!(t.endpoint_counts(S)[&(ep, Protocol::Udp)].1.bytes, 100);
     // The flow goes: its packets stay in the endpoint's totals.
     assert!(t.remove(&o1));
-    assert_eq!(t.endpoint_counts()[&(ep, Protocol::Tcp)].packets, 4);
+    assert_eq!(
+        t.endpoint_counts(S)[&(ep, Protocol::Tcp)],
+        (
+            1,
+            Counts {
+                packets: 4,
+                bytes: 232
+            }
+        )
+    );
     assert_eq!(t.retired_len(), 1);
     // A restored or plain insert counts its first packet, without bytes.
     let (o3, r3) = flow(Protocol::Tcp, 40002);
@@ -635,6 +647,6 @@ fn flows_count_their_packets_and_bytes_and_endpoints_keep_them_when_flows_go() {
     // Endpoints no longer in any Service are forgotten when pruned.
     t.prune_retired(|_, _| false);
     assert_eq!(t.retired_len(), 0);
-    assert_eq!(t.endpoint_counts()[&(ep, Protocol::Tcp)].packets, 2);
+    assert_eq!(t.endpoint_counts(S)[&(ep, Protocol::Tcp)].1.packets, 2);
     check(&t);
 }
