@@ -1866,18 +1866,18 @@ fn admin_at_scale(lab: &Lab, plan: &Plan, flows: u64) -> anyhow::Result<()> {
         );
         Ok((d, String::from_utf8_lossy(&out.stdout).into_owned()))
     };
-    let entries = |cli: &dyn Fn(&[&str]) -> anyhow::Result<(Duration, String)>| -> u64 {
+    let entries = || -> u64 {
         cli(&["conntrack", "stats", "-o", "json"])
             .ok()
             .and_then(|(_, o)| serde_json::from_str::<serde_json::Value>(&o).ok())
             .and_then(|v| v[0]["entries"].as_u64())
             .unwrap_or(0)
     };
-    while tg.running() && Instant::now() < deadline && entries(&cli) < flows {
+    while tg.running() && Instant::now() < deadline && entries() < flows {
         lab.stop.sleep(Duration::from_millis(500))?;
     }
     tg.stop(libc::SIGINT, Duration::from_secs(5));
-    let held = entries(&cli);
+    let held = entries();
     eprintln!("kxp holds {held} flows (asked for {flows})");
     let vip_dport = SINK_PORT.to_string();
     let queries: [(&str, Vec<&str>); 5] = [
