@@ -19,49 +19,41 @@
 //! ```
 //!
 //! The listeners bind the NodePort addresses (every address when `nodePortAddresses`
-//! matches all) and are served by one thread. The set of Services is kept by difference
+//! matches all) and are served with kxp's other HTTP servers (`crate::http`: each
+//! connection concurrently, with limits). The set of Services is kept by difference
 //! from each published update, so a sync costs what changed.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nat::model::{NodePortAddresses, ServicePort};
 use nat::snapshot::Update;
 use nat::tracker::ObjKey;
 
 use crate::health::Health;
-use crate::http::Response;
+use crate::http::{HttpServer, Response};
 
 #[derive(Debug)]
 struct Instance {
     port: u16,
-    listeners: Vec<TcpListener>,
-    endpoints: usize,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    services: BTreeMap<ObjKey, Instance>,
+    /// One per listening address; each connection is served concurrently (see
+    /// [`crate::http`]). Held for their life: dropped, they close.
+    _servers: Vec<HttpServer>,
+    /// Local ready endpoints, read by the servers at every request.
+    endpoints: Arc<AtomicUsize>,
 }
 
 /// The running health servers.
 #[derive(Debug)]
 pub struct ServiceHealthServers {
-    state: Arc<Mutex<State>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    health: Arc<Health>,
+    services: BTreeMap<ObjKey, Instance>,
     /// Service ports that have a healthCheckNodePort, by Service.
     ports: HashMap<ObjKey, Vec<Arc<ServicePort>>>,
     /// The addresses listeners are bound to (empty: all).
     addrs: Vec<IpAddr>,
-}
-
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// kube-proxy's body, byte for byte (tabs from its dedented template).
@@ -75,21 +67,14 @@ pub fn body(ns: &str, name: &str, endpoints: usize, healthy: bool) -> String {
 }
 
 impl ServiceHealthServers {
-    /// Starts the serving thread (no listeners yet).
+    /// No listeners yet; [`ServiceHealthServers::sync`] opens them.
     ///
     /// # Errors
-    /// The thread cannot be started.
+    /// None today (kept for the callers' error path).
     pub fn start(health: Arc<Health>) -> std::io::Result<ServiceHealthServers> {
-        let state = Arc::new(Mutex::new(State::default()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (state.clone(), stop.clone());
-        let thread = std::thread::Builder::new()
-            .name("kxp-hcnp".into())
-            .spawn(move || serve_loop(&st, &sp, &health))?;
         Ok(ServiceHealthServers {
-            state,
-            stop,
-            thread: Some(thread),
+            health,
+            services: BTreeMap::new(),
             ports: HashMap::new(),
             addrs: Vec::new(),
         })
@@ -125,12 +110,11 @@ impl ServiceHealthServers {
             NodePortAddresses::All => Vec::new(),
             NodePortAddresses::Addrs(a) => a.clone(),
         };
-        let mut st = lock(&self.state);
         if addrs != self.addrs {
             // Rebind everything on the new addresses.
             self.addrs = addrs;
-            touched.extend(st.services.keys().cloned());
-            st.services.clear();
+            touched.extend(self.services.keys().cloned());
+            self.services.clear();
         }
         let mut errors = Vec::new();
         for key in touched {
@@ -139,23 +123,19 @@ impl ServiceHealthServers {
                 .get(&key)
                 .and_then(|v| v.iter().map(|p| p.health_check_node_port).find(|&p| p != 0));
             let endpoints = self.ports.get(&key).map_or(0, |v| local_ready_ips(v));
-            match (want, st.services.get_mut(&key)) {
+            match (want, self.services.get_mut(&key)) {
                 (None, _) => {
-                    st.services.remove(&key);
+                    self.services.remove(&key);
                 }
-                (Some(port), Some(inst)) if inst.port == port => inst.endpoints = endpoints,
+                (Some(port), Some(inst)) if inst.port == port => {
+                    inst.endpoints.store(endpoints, Ordering::Relaxed);
+                }
                 (Some(port), _) => {
-                    st.services.remove(&key);
-                    match listen(&self.addrs, port) {
-                        Ok(listeners) => {
-                            st.services.insert(
-                                key,
-                                Instance {
-                                    port,
-                                    listeners,
-                                    endpoints,
-                                },
-                            );
+                    // The old listeners close before the new ones bind.
+                    self.services.remove(&key);
+                    match self.open(&key, port, endpoints) {
+                        Ok(inst) => {
+                            self.services.insert(key, inst);
                         }
                         Err(e) => errors.push(format!(
                             "cannot open healthCheckNodePort {port} of Service {}/{}: {e}",
@@ -168,6 +148,37 @@ impl ServiceHealthServers {
         errors
     }
 
+    fn open(&self, key: &ObjKey, port: u16, endpoints: usize) -> std::io::Result<Instance> {
+        let count = Arc::new(AtomicUsize::new(endpoints));
+        let servers = listen(&self.addrs, port)?
+            .into_iter()
+            .map(|l| {
+                let (ns, name) = key.clone();
+                let (count, health) = (count.clone(), self.health.clone());
+                let handler: crate::http::Handler = Arc::new(move |_method, _path| {
+                    let endpoints = count.load(Ordering::Relaxed);
+                    let healthy = health.is_healthy();
+                    Response {
+                        status: if endpoints != 0 && healthy {
+                            "200 OK"
+                        } else {
+                            "503 Service Unavailable"
+                        },
+                        content_type: "application/json",
+                        body: body(&ns, &name, endpoints, healthy),
+                        headers: vec![("X-Load-Balancing-Endpoint-Weight", endpoints.to_string())],
+                    }
+                });
+                HttpServer::on(l, "a healthCheckNodePort", handler)
+            })
+            .collect::<std::io::Result<Vec<_>>>()?;
+        Ok(Instance {
+            port,
+            _servers: servers,
+            endpoints: count,
+        })
+    }
+
     fn add(&mut self, sp: &Arc<ServicePort>, touched: &mut BTreeSet<ObjKey>) {
         if sp.health_check_node_port == 0 {
             return;
@@ -177,18 +188,9 @@ impl ServiceHealthServers {
         touched.insert(key);
     }
 
-    /// Closes every listener and stops the thread.
+    /// Closes every listener.
     pub fn stop(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for ServiceHealthServers {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.services.clear();
     }
 }
 
@@ -222,39 +224,6 @@ fn listen(addrs: &[IpAddr], port: u16) -> std::io::Result<Vec<TcpListener>> {
         };
     }
     addrs.iter().map(|&ip| bind(ip)).collect()
-}
-
-fn serve_loop(state: &Mutex<State>, stop: &AtomicBool, health: &Health) {
-    while !stop.load(Ordering::Relaxed) {
-        let mut accepted = Vec::new();
-        {
-            let st = lock(state);
-            for (key, inst) in &st.services {
-                for l in &inst.listeners {
-                    while let Ok((stream, _)) = l.accept() {
-                        accepted.push((stream, key.clone(), inst.endpoints));
-                    }
-                }
-            }
-        }
-        if accepted.is_empty() {
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
-        }
-        let healthy = health.is_healthy();
-        for (stream, (ns, name), endpoints) in accepted {
-            let _ = crate::http::serve(stream, &|_method, _path| Response {
-                status: if endpoints != 0 && healthy {
-                    "200 OK"
-                } else {
-                    "503 Service Unavailable"
-                },
-                content_type: "application/json",
-                body: body(&ns, &name, endpoints, healthy),
-                headers: vec![("X-Load-Balancing-Endpoint-Weight", endpoints.to_string())],
-            });
-        }
-    }
 }
 
 #[cfg(test)]

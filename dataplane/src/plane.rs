@@ -29,7 +29,7 @@ use crate::fib::{FibMirror, LinkInfo};
 use crate::servicedev::ServiceDevice;
 use crate::worker::{Command, Shared, Worker, WorkerStats};
 use crate::xdp::{AttachMode, SteerKey, Steering};
-use crate::xsk::{WorkerIo, XskConfig};
+use crate::xsk::{Sockets, XskConfig};
 
 /// How to run the dataplane.
 #[derive(Debug, Clone)]
@@ -107,6 +107,45 @@ pub enum DataplaneError {
     Fib(#[from] crate::fib::FibError),
     #[error("conntrack table: {0}")]
     Conntrack(String),
+}
+
+/// What a worker thread is made of, before its sockets are branded in the thread.
+struct WorkerParts {
+    id: usize,
+    cpu: Option<usize>,
+    sockets: Sockets,
+    engine: Engine,
+    fib: crate::fib::FibView,
+    shared: Arc<Shared>,
+    commands: crossbeam::channel::Receiver<crate::worker::Command>,
+    busy_poll: bool,
+    journal: Option<crate::statefile::StateFile>,
+    local_delivery: crate::worker::LocalDelivery,
+}
+
+impl WorkerParts {
+    /// The worker's loop, until the dataplane stops.
+    fn run(self) {
+        let WorkerParts {
+            id,
+            cpu,
+            sockets,
+            engine,
+            fib,
+            shared,
+            commands,
+            busy_poll,
+            journal,
+            local_delivery,
+        } = self;
+        sockets.with(move |io| {
+            let mut w = Worker::new(id, cpu, io, engine, fib, shared, commands);
+            w.busy_poll = busy_poll;
+            w.journal = journal;
+            w.local_delivery = Some(local_delivery);
+            w.run();
+        });
+    }
 }
 
 /// A running dataplane.
@@ -559,36 +598,38 @@ impl Dataplane {
             }
             None => (None, NodeState::new(cfg.affinity_capacity)),
         };
+        // Each worker is put together in its own thread, around its sockets branded
+        // there (see crate::xsk): what it needs is gathered here.
         let mut workers = Vec::new();
         for (id, (rx, table)) in rxs.into_iter().zip(tables).enumerate() {
             // The UMEM's own socket goes on the service device (see crate::servicedev).
-            let io = WorkerIo::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
-            service_prog.set_socket(id as u32, io.fd(0))?;
-            let mut w = Worker::new(
-                id,
-                cfg.cpus.as_ref().map(|c| c[id]),
-                io,
-                Engine::on_node(
-                    table,
-                    os_seed() ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                    node.clone(),
-                ),
-                fib.view(),
-                shared.clone(),
-                rx,
+            let sockets = Sockets::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
+            service_prog.set_socket(id as u32, sockets.fd(0))?;
+            let mut engine = Engine::on_node(
+                table,
+                os_seed() ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                node.clone(),
             );
-            w.busy_poll = xsk.busy_poll.is_some();
-            w.journal = persistence
-                .as_mut()
-                .and_then(|p| p.conntrack.get_mut(id))
-                .and_then(Option::take);
-            w.engine.host_interface = Some(service.dp.clone());
-            w.local_delivery = Some(crate::worker::LocalDelivery {
-                ifindex: service.dp_ifindex,
-                src_mac: service.dp_mac,
-                dst_mac: service.host_mac,
+            engine.host_interface = Some(service.dp.clone());
+            workers.push(WorkerParts {
+                id,
+                cpu: cfg.cpus.as_ref().map(|c| c[id]),
+                sockets,
+                engine,
+                fib: fib.view(),
+                shared: shared.clone(),
+                commands: rx,
+                busy_poll: xsk.busy_poll.is_some(),
+                journal: persistence
+                    .as_mut()
+                    .and_then(|p| p.conntrack.get_mut(id))
+                    .and_then(Option::take),
+                local_delivery: crate::worker::LocalDelivery {
+                    ifindex: service.dp_ifindex,
+                    src_mac: service.dp_mac,
+                    dst_mac: service.host_mac,
+                },
             });
-            workers.push(w);
         }
         let taken_over = !(keep && Steering::kept_on(&service.dp, attach));
         if taken_over {
@@ -627,11 +668,11 @@ impl Dataplane {
             link_stop: Arc::new(AtomicBool::new(false)),
             service: Some(service),
         };
-        for w in workers {
-            let name = format!("kxp-worker-{}", w.id);
+        for p in workers {
+            let name = format!("kxp-worker-{}", p.id);
             let h = std::thread::Builder::new()
                 .name(name)
-                .spawn(move || w.run())
+                .spawn(move || p.run())
                 .map_err(|e| {
                     DataplaneError::Config(format!("cannot start a worker thread: {e}"))
                 })?;

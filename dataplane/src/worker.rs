@@ -248,10 +248,10 @@ impl Shared {
 
 /// Everything a worker thread needs.
 #[derive(Debug)]
-pub struct Worker {
+pub struct Worker<'id> {
     pub id: usize,
     pub cpu: Option<usize>,
-    pub io: WorkerIo,
+    pub io: WorkerIo<'id>,
     pub engine: Engine,
     pub fib: FibView,
     pub shared: Arc<Shared>,
@@ -263,7 +263,7 @@ pub struct Worker {
     /// How to hand a packet to the node's own stack (kxp's service device).
     pub local_delivery: Option<LocalDelivery>,
     /// Packets waiting for their next hop's MAC (destination, since when).
-    waiting: std::collections::VecDeque<(Frame, IpAddr, u64)>,
+    waiting: std::collections::VecDeque<(Frame<'id>, IpAddr, u64)>,
     /// The loop's clock, for `waiting`.
     now: u64,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
@@ -309,18 +309,18 @@ impl MasqueradeSource for FibSource<'_> {
     }
 }
 
-impl Worker {
+impl<'id> Worker<'id> {
     /// A worker for queue `id`; `io` holds its sockets (more come and go by
     /// [`Command::AddPort`] and [`Command::RemovePort`]).
     pub fn new(
         id: usize,
         cpu: Option<usize>,
-        io: WorkerIo,
+        io: WorkerIo<'id>,
         engine: Engine,
         fib: FibView,
         shared: Arc<Shared>,
         commands: crossbeam::channel::Receiver<Command>,
-    ) -> Worker {
+    ) -> Worker<'id> {
         let port_names = (0..io.port_count())
             .map(|p| io.ifname(p).to_string())
             .collect();
@@ -351,7 +351,7 @@ impl Worker {
             tracing::warn!("worker {}: cannot pin to CPU {cpu}: {e}", self.id);
         }
         let mut fds = self.io.fds();
-        let mut batch: Vec<Frame> = Vec::with_capacity(crate::xsk::BATCH);
+        let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
         let mut idle: u32 = 0;
         let mut iterations: u64 = 0;
@@ -606,7 +606,7 @@ impl Worker {
 
     /// Sends `f` out of interface `ifindex`: on this worker's socket there, or through
     /// worker 0, which has one on every attached interface.
-    fn transmit(&mut self, mut f: Frame, ifindex: u32) {
+    fn transmit(&mut self, mut f: Frame<'id>, ifindex: u32) {
         if let Some(port) = self.io.port_of(ifindex) {
             self.local.tx_packets += 1;
             self.io.send(port, f);
@@ -632,7 +632,7 @@ impl Worker {
     #[allow(clippy::too_many_arguments)]
     fn handle(
         &mut self,
-        mut f: Frame,
+        mut f: Frame<'id>,
         in_ifindex: u32,
         snap: &Snapshot,
         now: u64,
@@ -758,7 +758,7 @@ impl Worker {
     /// A fragment after the first: given its datagram's translation, or parked until the
     /// first fragment comes (or dropped and counted when there is no room or it never
     /// does).
-    fn later_fragment(&mut self, mut f: Frame, fp: &rewrite::FragmentPacket, now: u64) {
+    fn later_fragment(&mut self, mut f: Frame<'id>, fp: &rewrite::FragmentPacket, now: u64) {
         let verdict = {
             let mut t = self.shared.frags.lock().unwrap_or_else(|e| e.into_inner());
             match t.lookup(&fp.key(), now) {
@@ -778,7 +778,7 @@ impl Worker {
 
     fn send_fragment(
         &mut self,
-        mut f: Frame,
+        mut f: Frame<'id>,
         fp: &rewrite::FragmentPacket,
         src: IpAddr,
         dst: IpAddr,
@@ -796,7 +796,7 @@ impl Worker {
 
     /// After the first fragment of `key` was translated (in `f`): records its addresses
     /// for the datagram's other fragments and sends those that came before it.
-    fn learn_fragments(&mut self, f: &mut Frame, key: rewrite::FragKey, now: u64) {
+    fn learn_fragments(&mut self, f: &mut Frame<'id>, key: rewrite::FragKey, now: u64) {
         let frame = self.io.bytes(f);
         let Ok(p) = rewrite::parse(&frame[ETH_HLEN..]) else {
             return;
@@ -826,7 +826,7 @@ impl Worker {
     /// through a Service address.
     fn route_out_checked(
         &mut self,
-        mut f: Frame,
+        mut f: Frame<'id>,
         dst: IpAddr,
         from: Option<Tuple>,
         scratch: &mut [u8],
@@ -845,7 +845,7 @@ impl Worker {
         self.send_routed(f, dst, route);
     }
 
-    fn too_big(&mut self, mut f: Frame, mtu: u32, from: Option<Tuple>, scratch: &mut [u8]) {
+    fn too_big(&mut self, mut f: Frame<'id>, mtu: u32, from: Option<Tuple>, scratch: &mut [u8]) {
         let frame = self.io.bytes(&mut f);
         let l3 = &frame[ETH_HLEN..];
         if let Ok(n) = rewrite::ipv4_fragment_count(l3, mtu as usize) {
@@ -911,13 +911,13 @@ impl Worker {
         self.route_out(f, from.src);
     }
 
-    fn route_out(&mut self, f: Frame, dst: IpAddr) {
+    fn route_out(&mut self, f: Frame<'id>, dst: IpAddr) {
         let route = self.fib.route(dst);
         self.send_routed(f, dst, route);
     }
 
     /// Sends `f` (for `dst`) as `route`, the FIB's answer for it, says.
-    fn send_routed(&mut self, mut f: Frame, dst: IpAddr, route: Route) {
+    fn send_routed(&mut self, mut f: Frame<'id>, dst: IpAddr, route: Route) {
         match route {
             Route::Forward(nh) => {
                 let frame = self.io.bytes(&mut f);

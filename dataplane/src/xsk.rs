@@ -7,7 +7,15 @@
 //! [`Frame`] token — not `Clone`, not `Copy` — so a frame can be handed to one ring at a
 //! time and its bytes borrowed only through the token. Every `unsafe` call of xsk-rs is
 //! in this module, each justified by that invariant.
+//!
+//! A token is also tied, by type, to the sockets whose UMEM holds its frame: the
+//! sockets are used through [`Sockets::with`], which hands the closure a
+//! `WorkerIo<'id>` with a brand `'id` of its own (an invariant lifetime no other
+//! `WorkerIo` has), and every [`Frame`] it makes is a `Frame<'id>`. So safe code cannot
+//! give one worker's frame to another worker's `bytes`, `recycle` or `send` — the
+//! program does not compile — and no frame outlives the UMEM it points into.
 
+use std::marker::PhantomData;
 use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, RawFd};
 
@@ -21,11 +29,16 @@ use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, TxQueue, Umem};
 /// is cut into a chain of frames again when sent. Dropping it without giving it back
 /// ([`WorkerIo::recycle`], [`WorkerIo::send`]) leaks a UMEM frame, never corrupts it.
 #[derive(Debug)]
-pub struct Frame {
+pub struct Frame<'id> {
     buf: Buf,
     /// Port the frame was received on (for generated frames: 0).
     pub port: usize,
+    _brand: Brand<'id>,
 }
+
+/// An invariant lifetime: `'id` can be neither shortened nor lengthened, so two brands
+/// are never confused (see the module docs).
+type Brand<'id> = PhantomData<fn(&'id ()) -> &'id ()>;
 
 #[derive(Debug)]
 enum Buf {
@@ -139,7 +152,7 @@ pub struct PortStats {
 /// shares the UMEM through it (`XDP_SHARED_UMEM`). It must be on an interface that lives
 /// as long as the worker (kxp's own service device); the others come and go with
 /// [`WorkerIo::add_port`] and [`WorkerIo::remove_port`].
-pub struct WorkerIo {
+pub struct WorkerIo<'id> {
     // Ports first: sockets must go before the UMEM they use.
     ports: Vec<Port>,
     umem: Umem,
@@ -163,9 +176,111 @@ pub struct WorkerIo {
     /// so that no interface starves the others of receive buffers.
     fill_target: usize,
     frame_capacity: usize,
+    _brand: Brand<'id>,
 }
 
-impl std::fmt::Debug for WorkerIo {
+/// A worker's sockets, opened and not yet in use: [`Sockets::with`] hands them, branded,
+/// to the code that receives, sends and owns frames.
+///
+/// Frames stay with the sockets that made them:
+///
+/// ```no_run
+/// # use dataplane::xsk::{Sockets, XskConfig};
+/// # let a = Sockets::open(&XskConfig::default(), &["eth0".into()], 0).unwrap();
+/// a.with(|mut io| {
+///     let f = io.alloc().unwrap();
+///     io.recycle(f);
+/// });
+/// ```
+///
+/// Another worker's sockets cannot take them:
+///
+/// ```compile_fail,E0521
+/// # use dataplane::xsk::{Sockets, XskConfig};
+/// # let a = Sockets::open(&XskConfig::default(), &["eth0".into()], 0).unwrap();
+/// # let b = Sockets::open(&XskConfig::default(), &["eth1".into()], 1).unwrap();
+/// a.with(|mut ia| {
+///     b.with(|mut ib| {
+///         let f = ia.alloc().unwrap();
+///         ib.recycle(f);
+///     })
+/// });
+/// ```
+///
+/// and a frame cannot leave them:
+///
+/// ```compile_fail
+/// # use dataplane::xsk::{Sockets, XskConfig};
+/// # let a = Sockets::open(&XskConfig::default(), &["eth0".into()], 0).unwrap();
+/// let f = a.with(|mut io| io.alloc());
+/// ```
+pub struct Sockets(WorkerIo<'static>);
+
+impl std::fmt::Debug for Sockets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl Sockets {
+    /// Opens one socket per interface at `queue`, all on one new UMEM, and fills the fill
+    /// rings. The first interface holds the UMEM's own socket for the life of the
+    /// sockets. The XDP program must redirect to these sockets (see [`Sockets::fd`]).
+    ///
+    /// # Errors
+    /// The UMEM or a socket cannot be created (the error says why and what to check).
+    pub fn open(cfg: &XskConfig, ifnames: &[String], queue: u32) -> Result<Sockets, XskError> {
+        WorkerIo::open(cfg, ifnames, queue).map(Sockets)
+    }
+
+    /// The socket descriptor of `port`.
+    pub fn fd(&self, port: usize) -> RawFd {
+        self.0.fd(port)
+    }
+
+    /// Runs `f` with the sockets under a brand of their own: every frame `f` gets from
+    /// them is typed to them (see the module docs) and cannot leave `f`.
+    pub fn with<R>(self, f: impl for<'id> FnOnce(WorkerIo<'id>) -> R) -> R {
+        let WorkerIo {
+            ports,
+            umem,
+            ring_of,
+            all_descs,
+            frame_size,
+            sock_cfg,
+            queue,
+            busy_poll,
+            frames_total,
+            ring_size,
+            free,
+            scratch,
+            reserve,
+            fill_target,
+            frame_capacity,
+            _brand,
+        } = self.0;
+        f(WorkerIo {
+            ports,
+            umem,
+            ring_of,
+            all_descs,
+            frame_size,
+            sock_cfg,
+            queue,
+            busy_poll,
+            frames_total,
+            ring_size,
+            free,
+            scratch,
+            reserve,
+            fill_target,
+            frame_capacity,
+            _brand: PhantomData,
+        })
+    }
+}
+
+impl std::fmt::Debug for WorkerIo<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerIo")
             .field(
@@ -182,14 +297,10 @@ pub const BATCH: usize = 64;
 /// Receive frames kept on the first port's fill ring (kxp's service device).
 const FIRST_PORT_FILL: usize = 256;
 
-impl WorkerIo {
-    /// Opens one socket per interface at `queue`, all on one new UMEM, and fills the fill
-    /// rings. The first interface holds the UMEM's own socket for the life of this
-    /// `WorkerIo` (see the type's docs). The XDP program must redirect to these sockets (see [`WorkerIo::fd`]).
-    ///
-    /// # Errors
-    /// The UMEM or a socket cannot be created (the error says why and what to check).
-    pub fn open(cfg: &XskConfig, ifnames: &[String], queue: u32) -> Result<WorkerIo, XskError> {
+impl WorkerIo<'static> {
+    /// See [`Sockets::open`] (the only caller: a `WorkerIo<'static>` never leaves
+    /// [`Sockets`]).
+    fn open(cfg: &XskConfig, ifnames: &[String], queue: u32) -> Result<Self, XskError> {
         let bad = |m: String| XskError::Config(m);
         let frame_size = FrameSize::new(cfg.frame_size).map_err(|e| bad(e.to_string()))?;
         let ring = QueueSize::new(cfg.ring_size).map_err(|e| bad(e.to_string()))?;
@@ -242,6 +353,7 @@ impl WorkerIo {
             free: descs,
             scratch: vec![FrameDesc::default(); BATCH],
             frame_capacity: (cfg.frame_size as usize).saturating_sub(256),
+            _brand: PhantomData,
         };
         for ifname in ifnames {
             let ifindex = crate::xdp::ifindex_of(ifname).unwrap_or(0);
@@ -249,7 +361,9 @@ impl WorkerIo {
         }
         Ok(io)
     }
+}
 
+impl<'id> WorkerIo<'id> {
     /// Opens a socket on `ifname` (index `ifindex`) at this worker's queue, on the shared
     /// UMEM, gives it its share of receive frames, and returns its descriptor for the XDP
     /// program's XSKMAP. The fill rings of every port are re-shared evenly.
@@ -356,7 +470,7 @@ impl WorkerIo {
 
     /// The UMEM frame number of `f` (`None` for a heap buffer), for
     /// [`WorkerIo::remove_port`].
-    pub fn frame_number(&self, f: &Frame) -> Option<usize> {
+    pub fn frame_number(&self, f: &Frame<'id>) -> Option<usize> {
         match &f.buf {
             Buf::Umem(d) => Some(Self::frame_no(self.frame_size, d)),
             Buf::Heap(_) => None,
@@ -400,7 +514,7 @@ impl WorkerIo {
     }
 
     /// Receives up to [`BATCH`] frames from `port` into `out`; returns how many.
-    pub fn recv(&mut self, port: usize, out: &mut Vec<Frame>) -> usize {
+    pub fn recv(&mut self, port: usize, out: &mut Vec<Frame<'id>>) -> usize {
         let p = &mut self.ports[port];
         // SAFETY: `scratch` only receives descriptors; the frames the RX ring hands out
         // are owned by userspace from here on, and each is wrapped in exactly one Frame.
@@ -416,6 +530,7 @@ impl WorkerIo {
                 out.push(Frame {
                     buf: Buf::Umem(d),
                     port,
+                    _brand: PhantomData,
                 });
                 packets += 1;
                 continue;
@@ -434,6 +549,7 @@ impl WorkerIo {
                 out.push(Frame {
                     buf: Buf::Heap(whole),
                     port,
+                    _brand: PhantomData,
                 });
                 packets += 1;
             }
@@ -442,7 +558,7 @@ impl WorkerIo {
     }
 
     /// The packet bytes of a frame (its current length).
-    pub fn bytes<'a>(&'a self, f: &'a mut Frame) -> &'a mut [u8] {
+    pub fn bytes<'a>(&'a self, f: &'a mut Frame<'id>) -> &'a mut [u8] {
         let desc = match &mut f.buf {
             Buf::Umem(d) => d,
             Buf::Heap(v) => return v.as_mut_slice(),
@@ -459,7 +575,7 @@ impl WorkerIo {
     }
 
     /// Sets a frame's packet length (up to the frame's data room).
-    pub fn set_len(&self, f: &mut Frame, len: usize) {
+    pub fn set_len(&self, f: &mut Frame<'id>, len: usize) {
         let desc = match &mut f.buf {
             Buf::Umem(d) => d,
             Buf::Heap(v) => {
@@ -475,11 +591,12 @@ impl WorkerIo {
 
     /// A frame holding a copy of `bytes`: a UMEM frame when they fit in one, else a
     /// heap buffer (sent as a chain). `None` when no UMEM frame is free.
-    pub fn frame_from(&mut self, bytes: &[u8]) -> Option<Frame> {
+    pub fn frame_from(&mut self, bytes: &[u8]) -> Option<Frame<'id>> {
         if bytes.len() > self.frame_capacity {
             return Some(Frame {
                 buf: Buf::Heap(bytes[..bytes.len().min(MAX_PACKET)].to_vec()),
                 port: 0,
+                _brand: PhantomData,
             });
         }
         let mut f = self.alloc()?;
@@ -489,11 +606,12 @@ impl WorkerIo {
     }
 
     /// A zeroed frame of `len` bytes to build a packet in (UMEM when it fits).
-    pub fn alloc_len(&mut self, len: usize) -> Option<Frame> {
+    pub fn alloc_len(&mut self, len: usize) -> Option<Frame<'id>> {
         if len > self.frame_capacity {
             return Some(Frame {
                 buf: Buf::Heap(vec![0; len.min(MAX_PACKET)]),
                 port: 0,
+                _brand: PhantomData,
             });
         }
         let mut f = self.alloc()?;
@@ -507,18 +625,19 @@ impl WorkerIo {
     }
 
     /// A free frame for a generated packet (an answer, a handed-off packet), if any.
-    pub fn alloc(&mut self) -> Option<Frame> {
+    pub fn alloc(&mut self) -> Option<Frame<'id>> {
         if self.free.is_empty() {
             self.reap();
         }
         self.free.pop().map(|desc| Frame {
             buf: Buf::Umem(desc),
             port: 0,
+            _brand: PhantomData,
         })
     }
 
     /// Gives a frame back (its packet is dropped).
-    pub fn recycle(&mut self, f: Frame) {
+    pub fn recycle(&mut self, f: Frame<'id>) {
         if let Buf::Umem(d) = f.buf {
             self.free.push(d);
         }
@@ -527,7 +646,7 @@ impl WorkerIo {
     /// Queues a frame for transmission on `port` (sent by [`WorkerIo::flush`]). A packet
     /// larger than a frame leaves as a chain of frames (`XDP_PKT_CONTD`); returns `false`
     /// when there were not enough free frames for it (it is dropped).
-    pub fn send(&mut self, port: usize, f: Frame) -> bool {
+    pub fn send(&mut self, port: usize, f: Frame<'id>) -> bool {
         match f.buf {
             Buf::Umem(mut d) => {
                 // A frame that was a piece of a received chain may still say "more".
@@ -707,14 +826,16 @@ mod tests {
         let (before, during, after) = topo
             .run_in(&ns, || {
                 let cfg = XskConfig::default();
-                let mut io = WorkerIo::open(&cfg, &["anchor".to_string()], 0).unwrap();
-                let before = io.free_frames();
-                let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-                io.add_port("pod", ifindex).unwrap();
-                io.flush();
-                let during = io.free_frames();
-                assert!(io.remove_port(ifindex, &[]));
-                (before, during, io.free_frames())
+                let sockets = Sockets::open(&cfg, &["anchor".to_string()], 0).unwrap();
+                sockets.with(|mut io| {
+                    let before = io.free_frames();
+                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+                    io.add_port("pod", ifindex).unwrap();
+                    io.flush();
+                    let during = io.free_frames();
+                    assert!(io.remove_port(ifindex, &[]));
+                    (before, during, io.free_frames())
+                })
             })
             .unwrap();
         assert!(

@@ -2637,3 +2637,58 @@ fn trace_live_names_the_endpoint_a_hash_or_affinity_would_pick() {
         "$ kxp trace --live --src 198.18.1.2 --sport 43001 --dst 198.19.0.10 --dport 80\n{text}"
     );
 }
+
+/// 200 clients per server sending their request a byte a second (to /healthz, /metrics
+/// and a healthCheckNodePort of a live kxp) do not delay a normal probe by more than
+/// 100 ms.
+#[test]
+fn slow_clients_do_not_delay_health_metrics_or_load_balancer_probes() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe25",
+        extra_spec: "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n",
+        ..Default::default()
+    });
+    let targets: [(SocketAddr, &str); 3] = [
+        ("127.0.0.1:10256".parse().unwrap(), "/healthz"),
+        ("127.0.0.1:10249".parse().unwrap(), "/metrics"),
+        ("198.18.1.1:32000".parse().unwrap(), "/"),
+    ];
+    let worst = lab.in_ns(&lab.node.clone(), move || {
+        let mut slow = Vec::new();
+        for (addr, _) in targets {
+            for _ in 0..200 {
+                let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
+                s.write_all(b"G").unwrap();
+                slow.push(s);
+            }
+        }
+        let mut worst = Vec::new();
+        for round in 0..3 {
+            for s in &mut slow {
+                let _ = s.write_all(&[b"ET "[round]]);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            for (addr, path) in targets {
+                let t0 = Instant::now();
+                let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                write!(s, "GET {path} HTTP/1.1\r\nHost: probe\r\n\r\n").unwrap();
+                let mut r = String::new();
+                s.read_to_string(&mut r).unwrap();
+                assert!(r.starts_with("HTTP/1.1 200"), "{addr}{path}: {r}");
+                worst.push((addr, t0.elapsed()));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        drop(slow);
+        worst
+    });
+    for (addr, d) in &worst {
+        assert!(
+            *d < Duration::from_millis(100),
+            "{addr}: a probe took {d:?}"
+        );
+    }
+    let max = worst.iter().map(|(_, d)| *d).max().unwrap();
+    println!("slowest probe with 200 slow clients per server: {max:?}");
+}

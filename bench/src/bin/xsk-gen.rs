@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use dataplane::xsk::{WorkerIo, XskConfig};
+use dataplane::xsk::{Sockets, XskConfig};
 
 #[derive(Debug, Parser)]
 #[command(name = "xsk-gen")]
@@ -112,36 +112,38 @@ fn main() -> anyhow::Result<()> {
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
-    let mut io = WorkerIo::open(&XskConfig::default(), std::slice::from_ref(&a.dev), 0)
+    let sockets = Sockets::open(&XskConfig::default(), std::slice::from_ref(&a.dev), 0)
         .with_context(|| format!("opening an AF_XDP socket on {}", a.dev))?;
-    let started = Instant::now();
-    let mut sent = 0u64;
-    // Tuple counters, as trafgen's dinc(): periods 1,024 (est) or 64 × 251 × 64,512 (new).
-    let (mut b2, mut b3, mut port) = (0u32, 0u32, 0u32);
-    while sent < a.max && !stop.load(Ordering::Relaxed) {
-        for _ in 0..64 {
-            let Some(mut f) = io.alloc() else { break };
-            let (src, sport) = if new {
-                let src = Ipv4Addr::new(198, 18, 64 + b2 as u8, 1 + b3 as u8);
-                let sport = 1024 + port as u16;
-                b2 = (b2 + 1) % 64;
-                b3 = (b3 + 1) % 251;
-                port = (port + 1) % 64_512;
-                (src, sport)
-            } else {
-                let sport = 10_000 + port as u16;
-                port = (port + 1) % 1024;
-                (a.src_ip, sport)
-            };
-            let bytes = frame(&a, src_mac, dst_mac, src, sport);
-            io.set_len(&mut f, 60);
-            io.bytes(&mut f).copy_from_slice(&bytes);
-            io.send(0, f);
-            sent += 1;
+    let (sent, t) = sockets.with(|mut io| {
+        let started = Instant::now();
+        let mut sent = 0u64;
+        // Tuple counters, as trafgen's dinc(): periods 1,024 (est) or 64 × 251 × 64,512 (new).
+        let (mut b2, mut b3, mut port) = (0u32, 0u32, 0u32);
+        while sent < a.max && !stop.load(Ordering::Relaxed) {
+            for _ in 0..64 {
+                let Some(mut f) = io.alloc() else { break };
+                let (src, sport) = if new {
+                    let src = Ipv4Addr::new(198, 18, 64 + b2 as u8, 1 + b3 as u8);
+                    let sport = 1024 + port as u16;
+                    b2 = (b2 + 1) % 64;
+                    b3 = (b3 + 1) % 251;
+                    port = (port + 1) % 64_512;
+                    (src, sport)
+                } else {
+                    let sport = 10_000 + port as u16;
+                    port = (port + 1) % 1024;
+                    (a.src_ip, sport)
+                };
+                let bytes = frame(&a, src_mac, dst_mac, src, sport);
+                io.set_len(&mut f, 60);
+                io.bytes(&mut f).copy_from_slice(&bytes);
+                io.send(0, f);
+                sent += 1;
+            }
+            io.flush();
         }
-        io.flush();
-    }
-    let t = started.elapsed();
+        (sent, started.elapsed())
+    });
     println!("\n{sent:>12} packets outgoing");
     println!("{:>12} bytes outgoing", sent * 60);
     println!(
