@@ -74,6 +74,33 @@ fn conntrack(c: &mut Criterion) {
                 )
             })
         });
+        if n == 1_000 {
+            // The same 1,000 hot flows in a table sized as kxp sizes a worker's (262,144
+            // flows): what the index's sizing costs a worker with few flows.
+            let mut big = ConnTable::new(
+                262_144,
+                Timeouts::default(),
+                SnatPorts::new(32768..=65535).unwrap(),
+            )
+            .unwrap();
+            for i in 0..n {
+                let (o, r) = flow(i);
+                big.insert(o, r, 0, SYN, 1).unwrap();
+            }
+            g.bench_with_input(
+                BenchmarkId::new("lookup_established_in_262144", n),
+                &n,
+                |b, _| {
+                    b.iter(|| {
+                        k = (k + 1) & 65_535;
+                        black_box(
+                            big.on_packet(black_box(&keys[k]), ACK, 2)
+                                .map(|h| h.rewrite_to()),
+                        )
+                    })
+                },
+            );
+        }
         // Insert + remove of fresh flows, so the table stays at n entries.
         let mut next = n;
         g.bench_with_input(BenchmarkId::new("insert_remove", n), &n, |b, _| {

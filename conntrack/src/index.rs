@@ -9,7 +9,8 @@
 //! Collisions probe the following buckets (linear, bucket by bucket). Each bucket
 //! counts the entries that had to move past it; a lookup stops at the first bucket whose
 //! count is zero, and a removal decrements the counts it had incremented. The table
-//! doubles when it is 90% full and never shrinks. No `unsafe`.
+//! is sized when it is made (the connection table's capacity) and never grows, so it
+//! never allocates on the packet path. No `unsafe`.
 
 /// Entries per bucket.
 const WAYS: usize = 10;
@@ -83,14 +84,21 @@ impl FlowIndex {
         None
     }
 
-    /// Adds `v` under `hash` (the caller knows it is not there); `rehash` gives the hash
-    /// of a value already in, for growing.
-    pub(crate) fn insert(&mut self, hash: u64, v: u32, rehash: impl Fn(u32) -> u64) {
-        if (self.len + 1) * 10 > self.buckets.len() * WAYS * 9 {
-            self.grow(&rehash);
+    /// Entries the index holds at most (90% of its room).
+    pub(crate) fn capacity(&self) -> usize {
+        self.buckets.len() * WAYS * 9 / 10
+    }
+
+    /// Adds `v` under `hash` (the caller knows it is not there). Never allocates: the
+    /// index is sized when made; `false` (nothing added) when it holds
+    /// [`FlowIndex::capacity`] entries already.
+    pub(crate) fn insert(&mut self, hash: u64, v: u32) -> bool {
+        if self.len >= self.capacity() {
+            return false;
         }
         self.place(hash, v);
         self.len += 1;
+        true
     }
 
     fn place(&mut self, hash: u64, v: u32) {
@@ -106,18 +114,6 @@ impl FlowIndex {
             }
             b.overflow += 1;
             i = (i + 1) & mask;
-        }
-    }
-
-    fn grow(&mut self, rehash: &impl Fn(u32) -> u64) {
-        let doubled = vec![Bucket::default(); self.buckets.len() * 2];
-        let old = std::mem::replace(&mut self.buckets, doubled);
-        for b in &old {
-            for k in 0..WAYS {
-                if b.tags[k] != 0 {
-                    self.place(rehash(b.vals[k]), b.vals[k]);
-                }
-            }
         }
     }
 
@@ -174,13 +170,13 @@ mod tests {
                 .wrapping_mul(0xD6E8_FEB8_6659_FD93)
                 .rotate_left(17)
         }] {
-            let mut ix = FlowIndex::try_with_capacity(8).unwrap();
+            let mut ix = FlowIndex::try_with_capacity(600).unwrap();
             let mut model: HashMap<u32, ()> = HashMap::new();
             for _ in 0..20_000 {
                 let v = rand(600) as u32;
                 match rand(3) {
                     0 | 1 if !model.contains_key(&v) => {
-                        ix.insert(hash(v), v, hash);
+                        assert!(ix.insert(hash(v), v));
                         model.insert(v, ());
                     }
                     _ => {
@@ -214,18 +210,21 @@ mod tests {
     }
 
     #[test]
-    fn grows_when_nine_tenths_full() {
+    fn holds_what_it_was_sized_for_and_refuses_more_without_allocating() {
         let h = |v: u32| u64::from(v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut ix = FlowIndex::try_with_capacity(18).unwrap();
         assert_eq!(ix.buckets.len(), 2);
+        assert_eq!(ix.capacity(), 18);
         for v in 0..18 {
-            ix.insert(h(v), v, h);
+            assert!(ix.insert(h(v), v));
         }
-        assert_eq!(ix.buckets.len(), 2);
-        ix.insert(h(18), 18, h);
-        assert_eq!(ix.buckets.len(), 4);
-        for v in 0..19 {
+        let before = ix.allocation_size();
+        assert!(!ix.insert(h(18), 18));
+        assert_eq!(ix.allocation_size(), before);
+        for v in 0..18 {
             assert_eq!(ix.find(h(v), |x| x == v), Some(v));
         }
+        assert!(ix.remove(h(3), 3));
+        assert!(ix.insert(h(18), 18));
     }
 }

@@ -199,9 +199,6 @@ fn find(index: &FlowIndex, slots: &[Entry], hash: u64, key: &Tuple) -> Option<u3
     })
 }
 
-/// Flows the index is first sized for.
-const INITIAL_INDEX_FLOWS: usize = 4096;
-
 impl ConnTable {
     /// Largest capacity: slot numbers must fit in 31 bits.
     pub const MAX_CAPACITY: usize = (1 << 31) - 2;
@@ -230,12 +227,10 @@ impl ConnTable {
         let mut slots = Vec::new();
         slots.try_reserve_exact(capacity).map_err(|_| oom.clone())?;
         let hasher = DefaultHashBuilder::default();
-        // The index starts sized for a few thousand flows and doubles as flows arrive
-        // (once per power of two, never shrinking): sized for the full capacity from the
-        // start, a few hot flows would be spread over megabytes of index and every
-        // lookup would miss the caches.
-        let index =
-            FlowIndex::try_with_capacity(2 * capacity.min(INITIAL_INDEX_FLOWS)).ok_or(oom)?;
+        // The index is sized for the full capacity now (two entries per flow, at most
+        // 90% full), so it never allocates nor rehashes on the packet path; a worker
+        // with few flows touches only their buckets, which stay in cache.
+        let index = FlowIndex::try_with_capacity(2 * capacity).ok_or(oom)?;
         Ok(ConnTable {
             slots,
             index,
@@ -472,18 +467,10 @@ impl ConnTable {
             self.slots.push(entry);
             self.slots.len() - 1
         };
-        let Self {
-            index,
-            slots,
-            hasher,
-            ..
-        } = self;
-        let rehash = |v: u32| {
-            let (s, d) = unpack(v);
-            slots.get(s).map_or(0, |e| hash_tuple(hasher, e.tuple(d)))
-        };
         for (dir, hash) in dirs.into_iter().zip(hashes) {
-            index.insert(hash, pack(slot, dir), rehash);
+            // Sized for two entries per flow of capacity (see `new`), so never full here.
+            let placed = self.index.insert(hash, pack(slot, dir));
+            debug_assert!(placed, "the flow index is sized for the table's capacity");
         }
         if !assured {
             self.push_unassured(slot);

@@ -117,6 +117,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     if let Some(mode) = cfg.mode.as_deref().filter(|m| !m.is_empty()) {
         tracing::info!("proxy mode {mode:?}: kxp's AF_XDP dataplane carries its Service semantics");
     }
+    let (dp_cfg, kxp) = dataplane_config(&cfg, &opts)?;
     let cfg = Some(cfg);
     let mut settings = node_settings(cfg.as_ref(), &opts.flags, &origin)?;
     if opts.kube_proxy.init_only == Some(true) {
@@ -170,67 +171,6 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     input
         .feed(&mut tracker, true)
         .map_err(|e| anyhow::anyhow!("{}: {e:#}", input.describe()))?;
-
-    let kxp = cfg.as_ref().and_then(|c| c.kxp.clone()).unwrap_or_default();
-    let mut dp_cfg = DataplaneConfig {
-        interfaces: if !opts.interfaces.is_empty() {
-            opts.interfaces.clone()
-        } else if let Some(i) = kxp.interfaces.clone().filter(|i| !i.is_empty()) {
-            i
-        } else {
-            // A kube-proxy configuration without kxp's section: the node's traffic, all of
-            // it, as kube-proxy's rules see it.
-            tracing::info!(
-                "no --interface or kxp.interfaces: attaching to every Ethernet link as it comes (not loopback, bridges or bond ports)"
-            );
-            vec!["*".to_string()]
-        },
-        ..Default::default()
-    };
-    if let Some(d) = kxp.service_device.clone() {
-        dp_cfg.service_device = d;
-    }
-    let cpus = opts.cpus.clone().or_else(|| {
-        kxp.cpus
-            .as_ref()
-            .map(|c| c.iter().map(|&x| x as usize).collect())
-    });
-    dp_cfg.workers = match (opts.workers, &cpus) {
-        (Some(w), _) => w,
-        (None, Some(c)) => c.len(),
-        (None, None) => kxp.workers.map_or(1, |w| w as usize),
-    };
-    dp_cfg.cpus = cpus;
-    if let Some(r) = opts.snat_ports {
-        dp_cfg.snat_ports = r;
-    }
-    dp_cfg.xsk.busy_poll = opts.busy_poll;
-    dp_cfg.state_dir = path_setting(&opts.state_dir, &kxp.state_directory, || {
-        let gone = dataplane::statefile::remove_stale_dirs(Duration::from_secs(600));
-        if gone > 0 {
-            tracing::info!(
-                "removed {gone} state director(ies) of other network namespaces, unused for 10 minutes"
-            );
-        }
-        dataplane::statefile::default_state_dir()
-    });
-    if let Some(n) = kxp.session_affinity_max_entries {
-        anyhow::ensure!(
-            n > 0,
-            "kxp.sessionAffinityMaxEntries must be at least 1 (default 262144)"
-        );
-        dp_cfg.affinity_capacity = n as usize;
-    }
-    if let Some(ct) = cfg.as_ref().and_then(|c| c.conntrack.as_ref()) {
-        dp_cfg.timeouts = timeouts_from(ct);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let per_core = ct.max_per_core.unwrap_or(32_768).max(0) as usize;
-        let min = ct.min.unwrap_or(131_072).max(0) as usize;
-        if per_core > 0 {
-            let total = (per_core * cores).max(min);
-            dp_cfg.conntrack_per_worker = (total / dp_cfg.workers).max(1024);
-        }
-    }
 
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let health = Arc::new(Health::with_timeout(resync * 2));
@@ -710,6 +650,84 @@ impl Input {
 
 /// kube-proxy's minSyncPeriod (default 1 s) and syncPeriod (default 30 s), from the
 /// top level (v1alpha2) or the nftables / iptables sections.
+/// The dataplane's configuration from the command line and the file (no side effect but
+/// removing state directories of namespaces long gone), and kxp's section of the file.
+///
+/// # Errors
+/// A value kxp cannot run with (0 workers, an empty affinity table, …).
+fn dataplane_config(
+    cfg: &KubeProxyConfiguration,
+    opts: &RunOptions,
+) -> anyhow::Result<(DataplaneConfig, crate::config::KxpSection)> {
+    let kxp = cfg.kxp.clone().unwrap_or_default();
+    let mut dp_cfg = DataplaneConfig {
+        interfaces: if !opts.interfaces.is_empty() {
+            opts.interfaces.clone()
+        } else if let Some(i) = kxp.interfaces.clone().filter(|i| !i.is_empty()) {
+            i
+        } else {
+            // A kube-proxy configuration without kxp's section: the node's traffic, all of
+            // it, as kube-proxy's rules see it.
+            tracing::info!(
+                "no --interface or kxp.interfaces: attaching to every Ethernet link as it comes (not loopback, bridges or bond ports)"
+            );
+            vec!["*".to_string()]
+        },
+        ..Default::default()
+    };
+    if let Some(d) = kxp.service_device.clone() {
+        dp_cfg.service_device = d;
+    }
+    let cpus = opts.cpus.clone().or_else(|| {
+        kxp.cpus
+            .as_ref()
+            .map(|c| c.iter().map(|&x| x as usize).collect())
+    });
+    dp_cfg.workers = match (opts.workers, &cpus) {
+        (Some(w), _) => w,
+        (None, Some(c)) => c.len(),
+        (None, None) => kxp.workers.map_or(1, |w| w as usize),
+    };
+    anyhow::ensure!(
+        (1..=64).contains(&dp_cfg.workers),
+        "{} workers: give 1 to 64 (--workers, --cpus or kxp.workers/kxp.cpus)",
+        dp_cfg.workers
+    );
+    dp_cfg.cpus = cpus;
+    if let Some(r) = opts.snat_ports {
+        dp_cfg.snat_ports = r;
+    }
+    dp_cfg.xsk.busy_poll = opts.busy_poll;
+    dp_cfg.state_dir = path_setting(&opts.state_dir, &kxp.state_directory, || {
+        let gone = dataplane::statefile::remove_stale_dirs(Duration::from_secs(600));
+        if gone > 0 {
+            tracing::info!(
+                "removed {gone} state director(ies) of other network namespaces, unused for 10 minutes"
+            );
+        }
+        dataplane::statefile::default_state_dir()
+    });
+    if let Some(n) = kxp.session_affinity_max_entries {
+        anyhow::ensure!(
+            n > 0,
+            "kxp.sessionAffinityMaxEntries must be at least 1 (default 262144)"
+        );
+        dp_cfg.affinity_capacity = n as usize;
+    }
+    if let Some(ct) = cfg.conntrack.as_ref() {
+        dp_cfg.timeouts = timeouts_from(ct);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per_core = ct.max_per_core.unwrap_or(32_768).max(0) as usize;
+        let min = ct.min.unwrap_or(131_072).max(0) as usize;
+        if per_core > 0 {
+            let total = (per_core * cores).max(min);
+            dp_cfg.conntrack_per_worker = (total / dp_cfg.workers).max(1024);
+        }
+    }
+
+    Ok((dp_cfg, kxp))
+}
+
 fn sync_periods(cfg: Option<&KubeProxyConfiguration>) -> (Duration, Duration) {
     let pick = |top: Option<crate::config::GoDuration>,
                 nft: Option<crate::config::GoDuration>,

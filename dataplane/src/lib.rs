@@ -1,6 +1,8 @@
 //! kxp's dataplane: the per-packet pipeline ([`engine`], pure) and, in small modules of
 //! their own, the AF_XDP sockets, XDP steering program and workers. This is the only crate
-//! of kxp allowed `unsafe`, each block with a `// SAFETY:` note.
+//! of kxp allowed `unsafe`, and only in the modules allowed it below (`sys`, `xsk`,
+//! `statefile`, `xdp::sys` and the XDP tests), each block with a `// SAFETY:` note.
+#![deny(unsafe_code)]
 
 pub mod engine;
 pub mod fib;
@@ -10,8 +12,11 @@ pub mod logrl;
 pub mod persistence;
 pub mod plane;
 pub mod servicedev;
+#[allow(unsafe_code)]
 pub mod statefile;
+#[allow(unsafe_code)]
 pub mod sys;
 pub mod worker;
 pub mod xdp;
+#[allow(unsafe_code)]
 pub mod xsk;

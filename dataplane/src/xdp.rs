@@ -35,8 +35,10 @@ mod error;
 mod key;
 mod stats;
 mod sync;
+#[allow(unsafe_code)]
 mod sys;
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests_attach;
 #[cfg(test)]
 mod tests_prog;

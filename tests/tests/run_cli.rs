@@ -400,3 +400,180 @@ fn every_kube_proxy_1_34_flag_parses() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("kube-proxy v1.34"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Random command lines and configuration files, valid and not: `kxp run --init-only`
+/// (everything checked, nothing started) ends with 0 or 2 and a message, never a panic
+/// (exit 101).
+#[test]
+fn random_command_lines_and_configs_exit_0_or_2_never_panic() {
+    let flags: &[(&str, &[&str])] = &[
+        (
+            "--workers",
+            &["0", "1", "2", "65", "-1", "x", "99999999999999999999"],
+        ),
+        ("--cpus", &["", "0", "0,0", "999", "a", "0,1,2"]),
+        ("--conntrack-min", &["-5", "0", "2147483647", "x", "131072"]),
+        (
+            "--conntrack-max-per-core",
+            &["-1", "0", "2147483647", "32768"],
+        ),
+        (
+            "--snat-port-range",
+            &["0-1", "65535-1", "1-65535", "x", "61000-65535", "5"],
+        ),
+        ("--busy-poll", &["0", "1,0", "50,64", "x,y", "50"]),
+        (
+            "--healthz-bind-address",
+            &["", "198.18.0.1", "[::]:1", "nope", "1.1.1.1:99999"],
+        ),
+        (
+            "--metrics-bind-address",
+            &["", "0.0.0.0:10249", "x:y", "::"],
+        ),
+        ("--oom-score-adj", &["-1001", "1000", "x", "-999"]),
+        (
+            "--proxy-mode",
+            &["ipvs", "x", "", "nftables", "kernelspace"],
+        ),
+        ("--v", &["0", "9", "300", "-1", "x"]),
+        ("--node-ip", &["198.18.0.1", "x", "::1", "0.0.0.0"]),
+        (
+            "--nodeport-addresses",
+            &["primary", "10.0.0.0/8", "x/99", "", "primary,10.0.0.0/8"],
+        ),
+        (
+            "--cluster-cidr",
+            &["", "10.0.0.0/8,fd00::/64", "garbage", "10.0.0.0/33"],
+        ),
+        (
+            "--detect-local-mode",
+            &[
+                "ClusterCIDR",
+                "NodeCIDR",
+                "BridgeInterface",
+                "InterfaceNamePrefix",
+                "x",
+                "",
+            ],
+        ),
+        ("--pod-bridge-interface", &["cni0", ""]),
+        ("--feature-gates", &["A=true", "A", "=x", "A=maybe"]),
+        ("--interface", &["x[", "*", "veth*", "[!a]*"]),
+        (
+            "--iptables-sync-period",
+            &["0s", "-5s", "1h", "x", "99999999h", "1.5m"],
+        ),
+        ("--conntrack-udp-timeout", &["0", "1ns", "-1s", "x"]),
+        ("--kube-api-qps", &["-1", "0", "NaN", "inf", "5", "x"]),
+        ("--kube-api-burst", &["-1", "0", "10", "x"]),
+        ("--hostname-override", &["", " ", "NODE-A", "a/b"]),
+        ("--masquerade-all", &["=true", "=false", "=x", ""]),
+        ("--bind-address", &["0.0.0.0", "::", "x", ""]),
+        ("--log-format", &["text", "json", "xml"]),
+    ];
+    let fields: &[&str] = &[
+        "conntrack:\n  maxPerCore: -1\n",
+        "conntrack:\n  maxPerCore: 2147483647\n  min: 2147483647\n",
+        "conntrack:\n  min: x\n",
+        "conntrack:\n  tcpEstablishedTimeout: -1s\n",
+        "kxp:\n  workers: 0\n",
+        "kxp:\n  workers: 65\n  cpus: [0]\n",
+        "kxp:\n  cpus: []\n",
+        "kxp:\n  sessionAffinityMaxEntries: 0\n",
+        "kxp:\n  scheduler: nope\n",
+        "kxp:\n  interfaces: ['x[']\n",
+        "clusterCIDR: 10.0.0.0/99\n",
+        "minSyncPeriod: -1s\n",
+        "syncPeriod: 0s\n",
+        "healthzBindAddress: 'x:1'\n",
+        "metricsBindAddress: '1.2.3.4'\n",
+        "nodePortAddresses: [primary, 'x']\n",
+        "mode: ipvs\nipvs:\n  scheduler: maglev\n",
+        "detectLocalMode: BridgeInterface\n",
+        "detectLocalMode: Nope\n",
+        "bogus: 1\n",
+        "oomScoreAdj: 5000\n",
+        "logging:\n  verbosity: 99999\n  format: json\n",
+        "clientConnection:\n  qps: -1\n  burst: -1\n",
+        "featureGates: {A: true}\n",
+        "bindAddress: x\n",
+        ": :\n",
+    ];
+    let dir = std::env::temp_dir().join(format!("kxp-fuzz-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = fixture("web.yaml");
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut rand = move |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n as u64) as usize
+    };
+    let mut outcomes = [0usize; 2];
+    // Combinations that once reached a division by the worker count: first, as they are.
+    let known: &[&[&str]] = &[
+        &["--workers=0", "--conntrack-min=5"],
+        &["--workers=0", "--conntrack-max-per-core=1"],
+    ];
+    for (case, extra) in known
+        .iter()
+        .map(|k| (None, *k))
+        .chain((0..400).map(|c| (Some(c), &[][..])))
+    {
+        let mut args: Vec<String> = vec!["run".into(), "--init-only".into()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let Some(case) = case else {
+            let out = Command::new(kxp_bin()).args(&args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "kxp {}:\n{err}", args.join(" "));
+            assert!(err.contains("workers"), "{err}");
+            continue;
+        };
+        if rand(2) == 0 {
+            args.extend(["--state-file".into(), state.clone()]);
+        }
+        if rand(3) != 0 {
+            let mut text = String::new();
+            if rand(8) != 0 {
+                text.push_str(
+                    "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n",
+                );
+            }
+            let mut used = std::collections::BTreeSet::new();
+            for _ in 0..rand(4) {
+                let f = fields[rand(fields.len())];
+                // One of each top-level key (a repeated key is its own, tested, error).
+                if used.insert(f.split(':').next().unwrap()) {
+                    text.push_str(f);
+                }
+            }
+            let path = dir.join(format!("c{case}.yaml"));
+            std::fs::write(&path, text).unwrap();
+            args.extend(["--config".into(), path.display().to_string()]);
+        }
+        for _ in 0..rand(5) {
+            let (flag, values) = flags[rand(flags.len())];
+            let v = values[rand(values.len())];
+            if flag == "--masquerade-all" {
+                args.push(format!("{flag}{v}"));
+            } else {
+                args.push(format!("{flag}={v}"));
+            }
+        }
+        let out = Command::new(kxp_bin()).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let code = out.status.code();
+        assert!(
+            matches!(code, Some(0) | Some(2)) && !err.contains("panicked"),
+            "kxp {}: {code:?}\n{err}",
+            args.join(" ")
+        );
+        if code == Some(2) {
+            assert!(!err.trim().is_empty(), "exit 2 without a message: {args:?}");
+        }
+        outcomes[usize::from(code == Some(2))] += 1;
+    }
+    // Both outcomes happen: the generator is not all errors.
+    assert!(outcomes[0] > 10 && outcomes[1] > 10, "{outcomes:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
