@@ -195,7 +195,7 @@ pub struct RunArgs {
     /// Where connections, SNAT ports and affinity are kept so that a restart or an
     /// upgrade loses none (default /run/kxp, or /run/kxp/netns-INODE outside the host's
     /// network namespace; "" for memory only).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", value_parser = path_or_empty)]
     pub state_dir: Option<PathBuf>,
     /// Log verbosity, as kube-proxy's: up to 2 info (the default), 3-4 debug, 5 and above
     /// trace (`RUST_LOG` wins when set).
@@ -212,7 +212,7 @@ pub struct RunArgs {
     /// Where to serve the admin API that `kxp service list` and `kxp conntrack ...` use
     /// (a Unix socket, mode 0600; default the state directory's kxp.sock, i.e.
     /// /run/kxp/kxp.sock on the host; "" for none).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", value_parser = path_or_empty)]
     pub admin_socket: Option<PathBuf>,
 }
 
@@ -224,6 +224,11 @@ pub struct CleanupArgs {
     /// The state directory to remove (default as for `kxp run`).
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+}
+
+/// A path, where `""` is a value of its own ("none"), which clap's path parser refuses.
+fn path_or_empty(s: &str) -> Result<PathBuf, String> {
+    Ok(PathBuf::from(s))
 }
 
 fn parse_port_range(s: &str) -> Result<(u16, u16), String> {

@@ -126,6 +126,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    // Before anything is set up: a missing capability is named, not met halfway.
+    dataplane::caps::check().map_err(|e| anyhow::anyhow!(e))?;
     // kube-proxy's oomScoreAdj (default -999): the node's proxy is the last to be killed.
     let oom = cfg
         .as_ref()

@@ -4,6 +4,7 @@
 //! `statefile`, `xdp::sys` and the XDP tests), each block with a `// SAFETY:` note.
 #![deny(unsafe_code)]
 
+pub mod caps;
 pub mod engine;
 pub mod fib;
 pub mod ifmatch;

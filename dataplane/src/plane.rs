@@ -76,8 +76,8 @@ impl Default for DataplaneConfig {
 /// Starting or driving the dataplane failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
-    #[error("kxp's dataplane needs root (CAP_NET_ADMIN, CAP_BPF, CAP_NET_RAW); run it as root")]
-    NotRoot,
+    #[error("{0}")]
+    Capabilities(String),
     #[error("no interface given; kxp attaches to: --interface NAME (repeat for each)")]
     NoInterface,
     #[error("interface pattern {0}; kxp attaches to: --interface NAME or PATTERN (e.g. veth*)")]
@@ -467,9 +467,7 @@ impl Dataplane {
         initial: impl Into<Arc<Snapshot>>,
     ) -> Result<Dataplane, DataplaneError> {
         let initial: Arc<Snapshot> = initial.into();
-        if !crate::sys::is_root() {
-            return Err(DataplaneError::NotRoot);
-        }
+        crate::caps::check().map_err(DataplaneError::Capabilities)?;
         if cfg.interfaces.is_empty() {
             return Err(DataplaneError::NoInterface);
         }

@@ -470,6 +470,8 @@ fn random_command_lines_and_configs_exit_0_or_2_never_panic() {
         ("--masquerade-all", &["=true", "=false", "=x", ""]),
         ("--bind-address", &["0.0.0.0", "::", "x", ""]),
         ("--log-format", &["text", "json", "xml"]),
+        ("--state-dir", &["", "/nonexistent/kxp-state"]),
+        ("--admin-socket", &["", "/nonexistent/kxp.sock"]),
     ];
     let fields: &[&str] = &[
         "conntrack:\n  maxPerCore: -1\n",
@@ -576,4 +578,31 @@ fn random_command_lines_and_configs_exit_0_or_2_never_panic() {
     // Both outcomes happen: the generator is not all errors.
     assert!(outcomes[0] > 10 && outcomes[1] > 10, "{outcomes:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Without a capability it needs, kxp says which before setting anything up (exit 2).
+#[test]
+fn missing_capabilities_are_named() {
+    let state = fixture("web.yaml");
+    let out = Command::new("setpriv")
+        .args(["--bounding-set=-net_raw,-bpf,-sys_admin", "--inh-caps=-all"])
+        .arg(kxp_bin())
+        .args([
+            "run",
+            "--interface",
+            "lo",
+            "--state-file",
+            &state,
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+            "--metrics-bind-address",
+            "127.0.0.1:0",
+            "--state-dir=",
+            "--admin-socket=",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("missing: CAP_NET_RAW, CAP_BPF"), "{err}");
 }
