@@ -263,10 +263,12 @@ struct Mapping {
     words: usize,
 }
 
-// SAFETY: the mapping is shared memory accessed only through atomics; the pointer stays
-// valid until drop, whichever thread holds the value.
+// SAFETY: a `Mapping` is the sole owner of its mapping (made in `new`, unmapped once in
+// `drop`), which belongs to the process, not to a thread: it may be used and unmapped
+// from any thread.
 unsafe impl Send for Mapping {}
-// SAFETY: as above: `&Mapping` allows only atomic loads and stores.
+// SAFETY: `&Mapping` gives only `&[AtomicU64]` (`words`), which is `Sync`: threads
+// sharing it can only load and store atomically.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
@@ -277,8 +279,12 @@ impl Mapping {
         } else {
             libc::PROT_READ
         };
-        // SAFETY: a fresh shared mapping of `len` bytes of an open file; the kernel
-        // picks the address. Checked for MAP_FAILED below.
+        // SAFETY: with a NULL address and no MAP_FIXED, `mmap` only adds a mapping where
+        // the kernel finds room, so it cannot replace memory in use; `file` is an open
+        // descriptor for the call, opened for reading (and writing when `writable`, as
+        // MAP_SHARED with PROT_WRITE needs); offset 0 is page-aligned; failure
+        // (MAP_FAILED, e.g. for `len` 0) is checked below. The mapping outlives `file`
+        // being closed, until `munmap` in `drop`.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -300,18 +306,28 @@ impl Mapping {
     }
 
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `ptr` is the start of a live mapping of `words` u64s, page-aligned (so
-        // aligned for AtomicU64, which has u64's size), unmapped only in drop; all access
-        // is atomic, so shared references cannot race. (A read-only mapping is only
-        // loaded from: `OldFile` never stores.)
+        // SAFETY: `from_raw_parts` requires `ptr` non-null (`NonNull`) and aligned for
+        // `AtomicU64` (an mmap address is page-aligned); valid for reads of `words * 8`
+        // bytes in one allocation, for the borrow of `self`: the one mapping made in
+        // `new`, of exactly that many bytes (`len` is a multiple of 8 at both callers),
+        // unmapped only in `drop`, which cannot run while `self` is borrowed, and no
+        // larger than the file (`create` sizes it first; `OldFile::read` maps at most
+        // its length; the state directory is this process's, locked, so nothing
+        // shrinks a file while mapped); initialised (file bytes, any u64 valid);
+        // `words * 8` <= isize::MAX (a successful mapping); and no mutation except
+        // through `UnsafeCell`: `AtomicU64` is one, and every access is atomic. A
+        // read-only mapping (`OldFile`) only gets 8-byte `Relaxed` loads, which std
+        // documents as allowed on read-only memory on 64-bit targets.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.words) }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, with its length; nothing borrows it any more
-        // (`words()` borrows end with `&self` borrows).
+        // SAFETY: `munmap` is given exactly the mapping made in `new`: its page-aligned
+        // start and its length (`words * 8` == `len`, a multiple of 8). Nothing uses it
+        // afterwards: every `words()` slice borrows `self`, so none outlives this
+        // `&mut self`, and `ptr` is not used again.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.words * 8) };
     }
 }

@@ -592,12 +592,7 @@ impl<'id> Worker<'id> {
                 let _ = reply.send(r);
             }
             Command::RemovePort { ifindex, reply } => {
-                let held: Vec<usize> = self
-                    .waiting
-                    .iter()
-                    .filter_map(|(f, _, _)| self.io.frame_number(f))
-                    .collect();
-                let removed = self.io.remove_port(ifindex, &held);
+                let removed = self.io.remove_port(ifindex);
                 self.ports_changed = true;
                 let _ = reply.send(removed);
             }

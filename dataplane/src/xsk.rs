@@ -5,8 +5,23 @@
 //! Frame ownership is what makes AF_XDP sound: a frame is owned either by the kernel (on
 //! the fill or TX ring) or by userspace, never both. Here userspace ownership is a
 //! [`Frame`] token — not `Clone`, not `Copy` — so a frame can be handed to one ring at a
-//! time and its bytes borrowed only through the token. Every `unsafe` call of xsk-rs is
-//! in this module, each justified by that invariant.
+//! time and its bytes borrowed only through the token. Every `unsafe` call of xsk-rs in
+//! the dataplane (tests aside) is in this module, each justified by that invariant.
+//!
+//! Where a frame is, at any time, is exactly one of: on a fill, RX, TX or completion
+//! ring (the kernel's); once in `free` or in a port's `tx_pending` (userspace's, no
+//! token); in one [`Frame`] (userspace's, that token's); nowhere (its token dropped).
+//! Moving a frame between these is done only here, and every descriptor involved comes
+//! from this worker's one [`Umem`]: from `Umem::new`, or from a ring of a socket created
+//! on it. Each frame is marked with the port whose fill or TX ring holds it and
+//! unmarked when it comes off the RX or completion ring, so [`WorkerIo::remove_port`]
+//! takes back exactly the frames still on the removed port's rings, never one a token
+//! holds.
+//!
+//! Closing a socket is taken as the end of the kernel's use of its rings: true of copy
+//! mode on veth (what the tests run). With zero-copy, or in copy mode on drivers that
+//! transmit straight from UMEM pages (`IFF_TX_SKB_NO_LINEAR`, e.g. virtio_net), the
+//! device's teardown may still be in flight; that case is not handled yet.
 //!
 //! A token is also tied, by type, to the sockets whose UMEM holds its frame: the
 //! sockets are used through [`Sockets::with`], which hands the closure a
@@ -380,9 +395,12 @@ impl<'id> WorkerIo<'id> {
         let iface: Interface = ifname
             .parse()
             .map_err(|_| sock_err("not a valid interface name".into()))?;
-        // SAFETY: INHIBIT_PROG_LOAD is set (kxp loads its own XDP program), which is
-        // the condition xsk-rs states for sharing a UMEM; each (interface, queue) is
-        // bound once per UMEM here (a port is removed before its interface is added again).
+        // SAFETY: `Socket::new` has one precondition: if the UMEM is shared and the
+        // (interface, queue) pair is already bound, `XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD`
+        // must be set (else dropping the sockets can double-free libxdp's program
+        // state). `sock_cfg` is built only in `open`, always with that flag (kxp loads
+        // its own XDP program), so it holds on every call, bound pair or not (a bound
+        // pair returns no fill/comp rings and is refused below, its queues dropped).
         let (tx, rx, fq_cq) =
             unsafe { xsk_rs::Socket::new(self.sock_cfg, &self.umem, &iface, queue) }
                 .map_err(|e| sock_err(e.to_string()))?;
@@ -422,16 +440,17 @@ impl<'id> WorkerIo<'id> {
     }
 
     /// Closes the socket of the port on `ifindex` (its interface went away or no longer
-    /// matches) and takes back every frame its rings held. `held` are the frames the
-    /// caller keeps outside this `WorkerIo` ([`WorkerIo::frame_number`]). Returns whether
-    /// there was such a port.
+    /// matches) and takes back every frame its rings held. Returns whether there was
+    /// such a port.
     ///
-    /// A frame is marked with the port whose fill or TX ring it is put on, and not
-    /// unmarked when it comes back (that would cost a write per packet): the frames of
-    /// the removed port are those marked with it that userspace does not hold now.
+    /// A frame is marked with the port whose fill or TX ring it is put on, and unmarked
+    /// when it comes back from the RX or completion ring: the frames of the removed port
+    /// are exactly those still marked with it, none of which a [`Frame`] holds (a write
+    /// per packet to an array of a few kilobytes, the price of not depending on the
+    /// caller to say which frames it holds).
     ///
     /// The first port (the UMEM's own socket) is never removed.
-    pub fn remove_port(&mut self, ifindex: u32, held: &[usize]) -> bool {
+    pub fn remove_port(&mut self, ifindex: u32) -> bool {
         let Some(i) = self.ports.iter().position(|p| p.ifindex == ifindex) else {
             return false;
         };
@@ -440,41 +459,17 @@ impl<'id> WorkerIo<'id> {
         }
         let mut p = self.ports.remove(i);
         self.free.append(&mut p.tx_pending);
-        // Closing the socket first: the kernel stops using its rings (copy mode has
-        // copied every frame it sent), then what they held is userspace's again.
+        // Closing the socket first: the kernel stops using its rings, then what they
+        // held is userspace's again.
         drop(p);
-        let mut user = vec![false; self.ring_of.len()];
-        let fs = self.frame_size;
-        let queued = self.ports.iter().flat_map(|p| p.tx_pending.iter());
-        for d in self.free.iter().chain(queued) {
-            if let Some(u) = user.get_mut(Self::frame_no(fs, d)) {
-                *u = true;
-            }
-        }
-        for &n in held {
-            if let Some(u) = user.get_mut(n) {
-                *u = true;
-            }
-        }
         for (n, owner) in self.ring_of.iter_mut().enumerate() {
             if *owner == ifindex {
                 *owner = 0;
-                if !user[n] {
-                    self.free.push(self.all_descs[n]);
-                }
+                self.free.push(self.all_descs[n]);
             }
         }
         self.reshare();
         true
-    }
-
-    /// The UMEM frame number of `f` (`None` for a heap buffer), for
-    /// [`WorkerIo::remove_port`].
-    pub fn frame_number(&self, f: &Frame<'id>) -> Option<usize> {
-        match &f.buf {
-            Buf::Umem(d) => Some(Self::frame_no(self.frame_size, d)),
-            Buf::Heap(_) => None,
-        }
     }
 
     /// The most a port's fill ring is given: the UMEM (less the reserve and the first
@@ -516,14 +511,22 @@ impl<'id> WorkerIo<'id> {
     /// Receives up to [`BATCH`] frames from `port` into `out`; returns how many.
     pub fn recv(&mut self, port: usize, out: &mut Vec<Frame<'id>>) -> usize {
         let p = &mut self.ports[port];
-        // SAFETY: `scratch` only receives descriptors; the frames the RX ring hands out
-        // are owned by userspace from here on, and each is wrapped in exactly one Frame.
+        // SAFETY: `RxQueue::consume` requires the descriptors to be used with the UMEM
+        // the queue is tied to: `p.rx` was created on `self.umem` (`add_port`), and
+        // each descriptor written into `scratch` (an output buffer, its old contents
+        // not read) is used below only with `self.umem`. Consuming them moves the
+        // frames from the kernel to userspace; each goes into exactly one Frame, or
+        // (a multi-buffer piece) is copied and put in `free`, so none has two owners.
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
         p.received += n;
         let mut packets = 0;
         for i in 0..n {
             let d = self.scratch[i];
+            // Off the ring: userspace's (see `remove_port`).
+            if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
+                *o = 0;
+            }
             let more = d.options() & XDP_PKT_CONTD != 0;
             let p = &mut self.ports[port];
             if p.partial.is_none() && !more {
@@ -537,8 +540,12 @@ impl<'id> WorkerIo<'id> {
             }
             // A piece of a multi-buffer packet: gathered into one buffer, the frame given
             // back at once.
-            // SAFETY: the RX ring handed this frame to userspace; no Frame wraps it, so
-            // nothing else refers to its bytes while they are copied.
+            // SAFETY: `Umem::data` requires (1) `d` to be a frame of `self.umem`: it
+            // came from the RX ring of a socket on it, just consumed; (2) no mutable
+            // access to the frame meanwhile, by the kernel or userspace: the kernel
+            // let go of it when it put it on the RX ring and gets it back only through
+            // a fill or TX ring, and no Frame or `DataMut` for it exists (it is pushed
+            // to `free` only after `piece`'s last use).
             let piece = unsafe { self.umem.data(&d) };
             let buf = p.partial.get_or_insert_with(|| Vec::with_capacity(16_384));
             if buf.len() + piece.contents().len() <= MAX_PACKET {
@@ -563,14 +570,25 @@ impl<'id> WorkerIo<'id> {
             Buf::Umem(d) => d,
             Buf::Heap(v) => return v.as_mut_slice(),
         };
-        // SAFETY: `f` is the only handle to this frame (Frame is neither Clone nor Copy
-        // and frames on a ring have no Frame), so this is the only reference to its bytes.
+        // SAFETY: `Umem::data_mut` requires (1) `desc` to be a frame of `self.umem`:
+        // `f` is a `Frame<'id>`, and only this `WorkerIo<'id>` makes those, from its
+        // own UMEM's descriptors (module docs); (2) no other access to the frame, by
+        // userspace or the kernel, while the result lives: `f` is its only token
+        // (Frame is neither Clone nor Copy), borrowed mutably here, and a frame with a
+        // token is on no ring, so the kernel does not touch it.
         let mut d = unsafe { self.umem.data_mut(desc) };
         let len = d.contents().len();
-        // Re-borrow for 'a: `d` borrows from self.umem and f.desc for 'a.
+        // `contents_mut` borrows only `d`, a local, though the buffer `d` holds is
+        // borrowed for 'a: a raw pointer returns it for 'a.
         let ptr = d.contents_mut().as_mut_ptr();
-        // SAFETY: ptr/len come from the frame's data segment just borrowed for 'a; no
-        // other reference to it exists (see above).
+        // SAFETY: `from_raw_parts_mut` requires `ptr` non-null and aligned (a slice's
+        // pointer, of u8), valid for reads and writes of `len` bytes in one allocation
+        // (the frame's data segment `d` holds, within the UMEM mapping, which lives as
+        // long as `self`, borrowed for 'a), initialised (mapped memory, any byte valid),
+        // `len` <= isize::MAX (at most a frame), and no other access for 'a: `d` is not
+        // used again, `f` stays borrowed mutably for 'a (no other `bytes`/`set_len` on
+        // this frame, no `send`/`recycle`), `self` shared for 'a (nothing that puts a
+        // frame on a ring runs), and other tokens' frames are disjoint from this one.
         unsafe { std::slice::from_raw_parts_mut(ptr, len) }
     }
 
@@ -584,7 +602,9 @@ impl<'id> WorkerIo<'id> {
             }
         };
         let len = len.min(self.frame_capacity);
-        // SAFETY: as in `bytes`: `f` is the frame's only handle.
+        // SAFETY: as in `bytes`: `desc` is a frame of `self.umem` (`f` is a
+        // `Frame<'id>`), and `f`, borrowed mutably and on no ring, is its only owner,
+        // so nothing else accesses it while `d` lives (to the end of this function).
         let mut d = unsafe { self.umem.data_mut(desc) };
         d.cursor().set_pos(len);
     }
@@ -688,8 +708,11 @@ impl<'id> WorkerIo<'id> {
         let room = p.tx.nb_free(p.tx_pending.len() as u32) as usize;
         let n = room.min(p.tx_pending.len());
         if n > 0 {
-            // SAFETY: the descriptors in tx_pending are frames of this UMEM owned by
-            // userspace (moved out of their Frame tokens) and on no ring.
+            // SAFETY: `TxQueue::produce` requires (1) frames of the UMEM `p.tx` is tied
+            // to, `self.umem`: `tx_pending` holds only descriptors of `Frame<'id>`s
+            // (`send`), of this worker's UMEM by the brand; (2) no frame also on another
+            // ring or in use: each came out of a token consumed by value, is in no
+            // other list, and leaves `tx_pending` only once the ring took it (`drain`).
             let done = unsafe { p.tx.produce(&p.tx_pending[..n]) };
             for d in p.tx_pending.drain(..done) {
                 if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
@@ -724,11 +747,18 @@ impl<'id> WorkerIo<'id> {
     fn reap(&mut self) {
         for p in &mut self.ports {
             loop {
-                // SAFETY: completed descriptors are frames the kernel has finished with;
-                // they go back to the free list, owned by userspace.
+                // SAFETY: `CompQueue::consume` requires the descriptors to be used with
+                // the UMEM the queue is tied to: `p.cq` was created on `self.umem`, and
+                // the completed frames (ones this worker put on `p.tx`, which the kernel
+                // has finished reading) go to `free`, used only with `self.umem`.
                 let n = unsafe { p.cq.consume(&mut self.scratch) };
                 if n == 0 {
                     break;
+                }
+                for d in &self.scratch[..n] {
+                    if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
+                        *o = 0;
+                    }
                 }
                 self.free.extend_from_slice(&self.scratch[..n]);
             }
@@ -758,7 +788,10 @@ impl<'id> WorkerIo<'id> {
             return;
         }
         let start = self.free.len() - n;
-        // SAFETY: frames in `free` are owned by userspace and on no ring.
+        // SAFETY: `FillQueue::produce` requires (1) frames of the UMEM `p.fq` is tied
+        // to, `self.umem`: `free` holds only its descriptors (module docs); (2) no
+        // frame also on another ring or in use: a frame in `free` is there once, has
+        // no token and is on no ring, and only the `done` taken leave it (`drain`).
         let done = unsafe { p.fq.produce(&self.free[start..]) };
         if done > 0 {
             // produce() takes the slice from its start.
@@ -833,7 +866,7 @@ mod tests {
                     io.add_port("pod", ifindex).unwrap();
                     io.flush();
                     let during = io.free_frames();
-                    assert!(io.remove_port(ifindex, &[]));
+                    assert!(io.remove_port(ifindex));
                     (before, during, io.free_frames())
                 })
             })

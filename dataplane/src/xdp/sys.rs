@@ -5,7 +5,8 @@
 //! the verifier log buffer of an `ObjectBuilder`.
 //!
 //! Every function here is safe to call; the unsafe blocks only pass valid pointers and
-//! borrowed fds to libc / libbpf for the duration of one call.
+//! borrowed fds to libc / libbpf for the duration of one call (save the verifier log
+//! buffer of [`load_object`], which outlives the object that keeps it).
 
 use std::ffi::{CString, c_char, c_int};
 use std::io;
@@ -31,7 +32,8 @@ fn check(ret: c_int) -> io::Result<c_int> {
 
 /// The effective user id is 0.
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
+    // SAFETY: `geteuid(2)` takes no arguments, touches no memory of ours and cannot
+    // fail: it has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
 
@@ -39,7 +41,8 @@ pub fn is_root() -> bool {
 /// interface has that name. The caller has checked the name holds no NUL byte.
 pub fn if_nametoindex(name: &str) -> io::Result<Option<u32>> {
     let c = CString::new(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
+    // SAFETY: `if_nametoindex(3)` only reads its argument, which must be a valid
+    // NUL-terminated string for the call: `c` is a `CString`, alive until after it.
     let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
     if idx != 0 {
         return Ok(Some(idx));
@@ -53,7 +56,10 @@ pub fn if_nametoindex(name: &str) -> io::Result<Option<u32>> {
 
 /// Netlink attach of `prog` to `ifindex` with `XDP_FLAGS_*` (survives the process).
 pub fn xdp_attach(ifindex: u32, prog: BorrowedFd<'_>, flags: u32) -> io::Result<()> {
-    // SAFETY: plain integer arguments and a NULL opts pointer, which libbpf accepts.
+    // SAFETY: `bpf_xdp_attach` dereferences only `opts`, which may be NULL (libbpf's
+    // OPTS_VALID / OPTS_GET take NULL as "all defaults"); the rest are integers, the
+    // program fd borrowed (so open) for the call. An invalid ifindex or fd is an
+    // error return, not UB.
     let ret = unsafe {
         libbpf_sys::bpf_xdp_attach(ifindex as c_int, prog.as_raw_fd(), flags, ptr::null())
     };
@@ -68,8 +74,11 @@ pub fn xdp_detach_expected(ifindex: u32, flags: u32, expected: BorrowedFd<'_>) -
         old_prog_fd: expected.as_raw_fd(),
         ..Default::default()
     };
-    // SAFETY: `opts` is a fully initialised, correctly sized struct that outlives the
-    // call; libbpf only reads it.
+    // SAFETY: `bpf_xdp_detach` reads `opts` (a `const` pointer) for the call only: it
+    // is a valid, initialised `bpf_xdp_attach_opts` whose `sz` is its own size, the
+    // size the vendored libbpf (the headers' version) knows, so libbpf reads only its
+    // fields (OPTS_GET), no padding; it is alive until after the call; `old_prog_fd` is
+    // borrowed, so open, for the call.
     let ret = unsafe { libbpf_sys::bpf_xdp_detach(ifindex as c_int, flags, &opts) };
     check(ret).map(drop)
 }
@@ -88,7 +97,9 @@ pub fn xdp_query(ifindex: u32) -> io::Result<XdpQuery> {
         sz: size_of::<libbpf_sys::bpf_xdp_query_opts>() as libbpf_sys::size_t,
         ..Default::default()
     };
-    // SAFETY: `opts` is a correctly sized struct that libbpf fills in; it outlives the call.
+    // SAFETY: `bpf_xdp_query` reads `opts.sz` and writes the query fields, never past
+    // `sz` (OPTS_SET): `opts` is a valid, initialised struct of exactly that size,
+    // borrowed mutably (nothing else accesses it) and alive for the call.
     let ret = unsafe { libbpf_sys::bpf_xdp_query(ifindex as c_int, 0, &mut opts) };
     check(ret)?;
     Ok(XdpQuery {
@@ -101,7 +112,9 @@ pub fn xdp_query(ifindex: u32) -> io::Result<XdpQuery> {
 /// BPF_LINK_CREATE for XDP: the program stays attached while the returned fd is open
 /// (the kernel picks native mode if the driver has it, else generic).
 pub fn xdp_link_create(ifindex: u32, prog: BorrowedFd<'_>) -> io::Result<OwnedFd> {
-    // SAFETY: plain integer arguments and a NULL opts pointer, which libbpf accepts.
+    // SAFETY: `bpf_link_create` dereferences only `opts`, which may be NULL (all
+    // defaults; OPTS_VALID / OPTS_GET); the rest are integers, the program fd borrowed
+    // (so open) for the call.
     let ret = unsafe {
         libbpf_sys::bpf_link_create(
             prog.as_raw_fd(),
@@ -111,7 +124,9 @@ pub fn xdp_link_create(ifindex: u32, prog: BorrowedFd<'_>) -> io::Result<OwnedFd
         )
     };
     let fd = check(ret)?;
-    // SAFETY: a non-negative return is a new link fd that nothing else owns.
+    // SAFETY: `from_raw_fd` requires an open fd that nothing else owns or closes, needing
+    // no cleanup but `close`: a non-negative return of `bpf_link_create` is a new link
+    // fd, returned to us only (closing it is what detaches the link).
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
@@ -125,8 +140,12 @@ pub fn prog_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<u32> {
         repeat: 1,
         ..Default::default()
     };
-    // SAFETY: `data_in` points to `data_size_in` readable bytes that outlive the call; no
-    // output buffers are given, so the kernel writes only the scalar fields of `opts`.
+    // SAFETY: `bpf_prog_test_run_opts` reads `opts` and `data_size_in` bytes at
+    // `data_in`, and writes back only scalar fields of `opts` within `sz` (OPTS_SET):
+    // `opts` is a valid, initialised struct of its own `sz`, borrowed mutably, alive
+    // for the call; `data_in`/`data_size_in` are `frame`'s pointer and length (checked
+    // to fit in a u32), borrowed for the call and only read. `data_out`, `ctx_in` and
+    // `ctx_out` are NULL, so the kernel writes no buffer of ours.
     let ret = unsafe { libbpf_sys::bpf_prog_test_run_opts(prog.as_raw_fd(), &mut opts) };
     check(ret)?;
     Ok(opts.retval)
@@ -152,11 +171,21 @@ const LOG_TAIL_LINES: usize = 25;
 pub fn load_object<R>(elf: &[u8], extract: impl FnOnce(&Object) -> R) -> Result<R, LoadFailure> {
     let mut log = vec![0u8; 1 << 18];
     let mut builder = ObjectBuilder::default();
-    let opts = builder.as_libbpf_object().as_ptr();
-    // SAFETY: `opts` points to the builder's own `bpf_object_open_opts`, alive and not
-    // otherwise borrowed here; libbpf reads these plain fields when the object is opened.
-    // `log` outlives every use libbpf makes of the pointer: the object is dropped before
-    // this function returns.
+    // `as_libbpf_object` makes its pointer from `&self`, which gives no right to write
+    // through it: only its address is used, with the provenance of a mutable borrow of
+    // the whole builder (the options are one of its fields).
+    let opts_addr = builder.as_libbpf_object().addr().get();
+    let opts = (&raw mut builder)
+        .with_addr(opts_addr)
+        .cast::<libbpf_sys::bpf_object_open_opts>();
+    // SAFETY: the writes need `opts` valid for writes and aligned: it is the address of
+    // the builder's own `bpf_object_open_opts` field (so aligned), in `builder`, a live
+    // local, with the provenance of `&raw mut builder`, and nothing else uses `builder`
+    // until they are done; the fields are plain pointers and integers (no drop). What
+    // libbpf then does with them needs `log` valid for writes of `kernel_log_size`
+    // bytes for as long as the object is open: `log` is neither touched nor moved
+    // until the object (opened and loaded, or closed by a failed `load`) is dropped,
+    // before `log_tail` reads it.
     unsafe {
         (*opts).kernel_log_buf = log.as_mut_ptr().cast::<c_char>();
         (*opts).kernel_log_size = log.len() as libbpf_sys::size_t;
@@ -200,8 +229,9 @@ pub fn xdp_replace(
         old_prog_fd: old.as_raw_fd(),
         ..Default::default()
     };
-    // SAFETY: `opts` is a fully initialised, correctly sized struct that outlives the
-    // call; libbpf only reads it.
+    // SAFETY: as in `xdp_detach_expected`: `bpf_xdp_attach` only reads `opts`, a valid,
+    // initialised struct of its own `sz`, alive for the call; `prog` and `old` are
+    // borrowed, so open, for the call.
     let ret = unsafe {
         libbpf_sys::bpf_xdp_attach(
             ifindex as c_int,

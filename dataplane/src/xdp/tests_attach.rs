@@ -125,6 +125,12 @@ fn cleanup_removes_leftovers_but_not_a_live_link() {
         assert!(err.to_string().contains("stop that process"), "{err}");
         assert_eq!(s.attached_as().unwrap(), Some(AttachedAs::Native));
         drop(s);
+        // The kernel releases a closed link's program asynchronously (its last
+        // reference goes after an RCU grace period): wait for it, bounded.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while query(IF) != NONE && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         assert_eq!(query(IF), NONE, "closing the link detaches");
     })
     .unwrap();
@@ -148,12 +154,16 @@ impl TestXsk {
             .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
             .bind_flags(BindFlags::XDP_COPY)
             .build();
-        // SAFETY: the UMEM is this socket's alone, so the shared-UMEM caveat of
-        // Socket::new does not apply; libxdp loads no program (INHIBIT_PROG_LOAD).
+        // SAFETY: `Socket::new` requires INHIBIT_PROG_LOAD when the UMEM is shared and
+        // the (interface, queue) pair already bound: neither is true (a fresh UMEM, its
+        // first socket), and the flag is set anyway.
         let (tx, rx, rings) = unsafe { Socket::new(cfg, &umem, &ifname.parse().unwrap(), 0) }
             .unwrap_or_else(|e| panic!("AF_XDP socket on {ifname}: {e}"));
         let (mut fq, cq) = rings.expect("the first socket of a UMEM gets its fill/comp rings");
-        // SAFETY: the frames come from this UMEM and are on no ring yet.
+        // SAFETY: `FillQueue::produce` requires (1) frames of the UMEM `fq` is tied to:
+        // `descs` are `umem`'s own (from `Umem::new`) and `fq` came from a socket on
+        // it; (2) none also on another ring or in use: they are fresh, each once, and
+        // this test never puts a frame on the TX ring or writes one.
         let n = unsafe { fq.produce(&descs) };
         assert_eq!(n, descs.len());
         TestXsk {
@@ -175,11 +185,15 @@ impl TestXsk {
         let mut descs = vec![FrameDesc::default(); 16];
         let mut out = Vec::new();
         while out.len() < want && Instant::now() < deadline {
-            // SAFETY: the descriptors are filled from this socket's RX ring; the frames
-            // are never given back to the fill ring, so nothing reuses them.
+            // SAFETY: `RxQueue::poll_and_consume` (as `consume`) requires the
+            // descriptors to be used with the UMEM the queue is tied to: `self.rx` was
+            // created on `self.umem`, the only UMEM they are used with below.
             let n = unsafe { self.rx.poll_and_consume(&mut descs, 50) }.unwrap();
             for d in &descs[..n] {
-                // SAFETY: `d` is a frame of this UMEM that userspace now owns.
+                // SAFETY: `Umem::data` requires (1) `d` to be a frame of `self.umem`: it
+                // came from the RX ring of its socket; (2) no mutable access meanwhile:
+                // the kernel gave it up on the RX ring and it is never put back on the
+                // fill (or TX) ring, and userspace only reads frames here.
                 out.push(unsafe { self.umem.data(d) }.contents().to_vec());
             }
         }
