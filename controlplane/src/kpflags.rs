@@ -375,10 +375,7 @@ impl KubeProxyFlags {
             ..Default::default()
         };
         g(self.proxy_mode.is_some(), "--proxy-mode");
-        g(
-            self.healthz_bind_address.is_some(),
-            "--healthz-bind-address",
-        );
+        // Not in `given`: kxp applies --healthz-bind-address over the file too.
         g(self.healthz_port.is_some(), "--healthz-port");
         g(
             self.metrics_bind_address.is_some(),

@@ -84,18 +84,31 @@ impl Caps {
 /// # Errors
 /// A required capability is missing (the text says which, and how to grant them).
 pub fn check() -> Result<(), String> {
+    check_required()?;
+    if let Some(caps) = Caps::effective() {
+        for (cap, why) in caps.missing().1 {
+            tracing::warn!(
+                "without {cap}: {why} (deploy/kxp.yaml and deploy/kxp.service grant it)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// [`check`] without the warnings: only whether the required capabilities are there.
+///
+/// # Errors
+/// As [`check`].
+pub fn check_required() -> Result<(), String> {
     let Some(caps) = Caps::effective() else {
         return Ok(());
     };
-    let (required, optional) = caps.missing();
+    let required = caps.missing().0;
     if !required.is_empty() {
         return Err(format!(
             "kxp's dataplane needs CAP_NET_ADMIN, CAP_NET_RAW and CAP_BPF; missing: {} (run it as root, or grant them as deploy/kxp.yaml and deploy/kxp.service do)",
             required.join(", ")
         ));
-    }
-    for (cap, why) in optional {
-        tracing::warn!("without {cap}: {why} (deploy/kxp.yaml and deploy/kxp.service grant it)");
     }
     Ok(())
 }

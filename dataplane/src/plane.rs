@@ -467,7 +467,7 @@ impl Dataplane {
         initial: impl Into<Arc<Snapshot>>,
     ) -> Result<Dataplane, DataplaneError> {
         let initial: Arc<Snapshot> = initial.into();
-        crate::caps::check().map_err(DataplaneError::Capabilities)?;
+        crate::caps::check_required().map_err(DataplaneError::Capabilities)?;
         if cfg.interfaces.is_empty() {
             return Err(DataplaneError::NoInterface);
         }

@@ -2692,3 +2692,278 @@ fn slow_clients_do_not_delay_health_metrics_or_load_balancer_probes() {
     let max = worst.iter().map(|(_, d)| *d).max().unwrap();
     println!("slowest probe with 200 slow clients per server: {max:?}");
 }
+
+/// Whole Ethernet frames from `dev` in `ns`, `total` of them cycling through `frames`,
+/// at most `per_ms` a millisecond, on an AF_XDP socket (the kernel's stack never sees
+/// them: any source address, any flags); returns how many were sent.
+fn inject(ns: &str, dev: &str, frames: Vec<Vec<u8>>, total: usize, per_ms: usize) -> usize {
+    let dev = dev.to_string();
+    spawn_in(ns, move || {
+        let sockets = dataplane::xsk::Sockets::open(
+            &dataplane::xsk::XskConfig::default(),
+            std::slice::from_ref(&dev),
+            0,
+        )
+        .unwrap();
+        sockets.with(|mut io| {
+            let t0 = Instant::now();
+            let mut sent = 0;
+            while sent < total && t0.elapsed() < Duration::from_secs(30) {
+                let allowed = (t0.elapsed().as_millis() as usize + 1) * per_ms;
+                if sent >= allowed {
+                    io.flush();
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                let Some(mut f) = io.alloc() else {
+                    io.flush();
+                    continue;
+                };
+                let b = &frames[sent % frames.len()];
+                io.set_len(&mut f, b.len());
+                io.bytes(&mut f).copy_from_slice(b);
+                io.send(0, f);
+                sent += 1;
+                if sent % 64 == 0 {
+                    io.flush();
+                }
+            }
+            io.flush();
+            sent
+        })
+    })
+    .join()
+    .unwrap()
+    .unwrap()
+}
+
+/// The Internet checksum of `data` folded, starting from `sum`.
+fn csum(mut sum: u32, data: &[u8]) -> u16 {
+    for c in data.chunks(2) {
+        sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// An Ethernet + IPv4 frame around `l4` (protocol `proto`), checksums right (TCP/UDP
+/// over the pseudo-header).
+fn ipv4_frame(
+    macs: ([u8; 6], [u8; 6]),
+    src: [u8; 4],
+    dst: [u8; 4],
+    proto: u8,
+    mut l4: Vec<u8>,
+) -> Vec<u8> {
+    let mut f = Vec::with_capacity(34 + l4.len());
+    f.extend_from_slice(&macs.1);
+    f.extend_from_slice(&macs.0);
+    f.extend_from_slice(&0x0800u16.to_be_bytes());
+    let total = (20 + l4.len()) as u16;
+    let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, proto, 0, 0];
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    let c = csum(0, &ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let csum_at = match proto {
+        6 => Some(16),
+        17 => Some(6),
+        _ => None,
+    };
+    if let Some(at) = csum_at {
+        let mut pseudo = 0u32;
+        for w in [src, dst] {
+            pseudo += u32::from(u16::from_be_bytes([w[0], w[1]]));
+            pseudo += u32::from(u16::from_be_bytes([w[2], w[3]]));
+        }
+        pseudo += u32::from(proto) + l4.len() as u32;
+        l4[at] = 0;
+        l4[at + 1] = 0;
+        let c = csum(pseudo, &l4);
+        l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    }
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&l4);
+    f
+}
+
+/// A 20-byte TCP header.
+fn tcp(sport: u16, dport: u16, flags: u8, seq: u32) -> Vec<u8> {
+    let mut t = vec![0u8; 20];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[4..8].copy_from_slice(&seq.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = flags;
+    t[14..16].copy_from_slice(&65535u16.to_be_bytes());
+    t
+}
+
+/// (client's MAC, the node's MAC facing it).
+fn client_macs(lab: &Lab) -> ([u8; 6], [u8; 6]) {
+    (
+        lab.topo.mac(&lab.client, "eth0").unwrap(),
+        lab.topo.mac(&lab.node, "n-client").unwrap(),
+    )
+}
+
+/// Connections echoing a message every 20 ms from the client while `during` runs;
+/// returns (messages echoed, messages lost).
+fn echo_while<T>(lab: &Lab, conns: usize, during: impl FnOnce() -> T) -> (T, usize, usize) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = stop.clone();
+    let echo = spawn_in(&lab.client, move || {
+        let mut streams: Vec<TcpStream> = (0..conns)
+            .map(|_| {
+                let s = TcpStream::connect_timeout(&vip(7), Duration::from_secs(3)).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                s
+            })
+            .collect();
+        let (mut ok, mut lost) = (0usize, 0usize);
+        let mut n = 0u64;
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            for s in &mut streams {
+                n += 1;
+                // The echo server answers "web-N:" and the message.
+                let msg = format!("m{n};");
+                let mut buf = vec![0u8; "web-1:".len() + msg.len()];
+                let good = s.write_all(msg.as_bytes()).is_ok()
+                    && s.read_exact(&mut buf).is_ok()
+                    && buf.ends_with(msg.as_bytes());
+                if good {
+                    ok += 1;
+                } else {
+                    lost += 1;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (ok, lost)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let r = during();
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, lost) = echo.join().unwrap().unwrap();
+    (r, ok, lost)
+}
+
+/// A SYN flood from spoofed sources at twice the connection table's capacity: the
+/// established connections keep echoing (none lost), the table stays within its bound
+/// by evicting the unanswered flows (counted), and a new connection works afterwards.
+#[test]
+fn syn_flood_at_twice_the_table_leaves_established_connections_flowing() {
+    const CAPACITY: usize = 4096;
+    let lab = Lab::new(Opts {
+        prefix: "kxe26",
+        config_extra: "conntrack:\n  maxPerCore: 1\n  min: 4096\n",
+        ..Default::default()
+    });
+    let macs = client_macs(&lab);
+    let frames: Vec<Vec<u8>> = (0..2 * CAPACITY)
+        .map(|i| {
+            let src = [198, 18, 64 + (i / 256) as u8, (i % 256) as u8];
+            ipv4_frame(
+                macs,
+                src,
+                [198, 19, 0, 10],
+                6,
+                tcp(1024 + i as u16, 7, 0x02, i as u32),
+            )
+        })
+        .collect();
+    let (sent, ok, lost) = echo_while(&lab, 5, || {
+        inject(&lab.client, "eth0", frames, 2 * CAPACITY, 8)
+    });
+    assert_eq!(sent, 2 * CAPACITY);
+    assert_eq!(
+        lost,
+        0,
+        "established messages lost during the flood ({ok} echoed)\n{}",
+        lab.log()
+    );
+    assert!(ok > 100, "{ok}");
+    let (okc, out, _) = kxp_cli(&lab, &["conntrack", "stats", "-o", "json"]);
+    assert!(okc, "{out}");
+    let st = json_of(&out);
+    let entries = st[0]["entries"].as_u64().unwrap() as usize;
+    let evictions = st[0]["evictions"].as_u64().unwrap();
+    assert!(entries <= CAPACITY, "{st}");
+    assert!(
+        evictions > 0,
+        "the table made room by evicting unanswered flows: {st}"
+    );
+    // Recovered: a new connection works.
+    let (spread, _, failed) = lab.http_spread(vip(80), 3);
+    assert_eq!(failed, 0, "{spread:?}");
+    println!(
+        "SYN flood: {sent} SYNs at twice a {CAPACITY}-flow table; {ok} messages echoed, {lost} lost; table {entries} entries, {evictions} evictions"
+    );
+}
+
+/// A UDP flood from random sources to a Service with ClientIP affinity, and a flood of
+/// new connections to a NodePort, at twice the affinity table's bound: established
+/// connections keep echoing, the affinity table stays within its bound (its evictions
+/// counted), and kxp serves new connections afterwards.
+#[test]
+fn udp_and_nodeport_floods_stay_within_bounds_and_spare_established_connections() {
+    const AFFINITY: usize = 1024;
+    let lab = Lab::new(Opts {
+        prefix: "kxe27",
+        extra_spec: "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
+        config_extra: "kxp:\n  sessionAffinityMaxEntries: 1024\n",
+        ..Default::default()
+    });
+    let macs = client_macs(&lab);
+    let mut frames = Vec::new();
+    for i in 0..2 * AFFINITY {
+        let src = [198, 18, 64 + (i / 256) as u8, (i % 256) as u8];
+        let mut udp = vec![0u8; 8 + 16];
+        udp[0..2].copy_from_slice(&(2000 + i as u16).to_be_bytes());
+        udp[2..4].copy_from_slice(&9u16.to_be_bytes());
+        udp[4..6].copy_from_slice(&(24u16).to_be_bytes());
+        frames.push(ipv4_frame(macs, src, [198, 19, 0, 10], 17, udp));
+        let src = [198, 18, 96 + (i / 256) as u8, (i % 256) as u8];
+        frames.push(ipv4_frame(
+            macs,
+            src,
+            [198, 18, 1, 1],
+            6,
+            tcp(3000 + i as u16, 30007, 0x02, 7),
+        ));
+    }
+    let total = frames.len();
+    let (sent, ok, lost) = echo_while(&lab, 5, || inject(&lab.client, "eth0", frames, total, 8));
+    assert_eq!(sent, total);
+    assert_eq!(
+        lost,
+        0,
+        "established messages lost during the floods ({ok} echoed)\n{}",
+        lab.log()
+    );
+    assert!(ok > 50, "{ok}");
+    // The metrics are refreshed every second.
+    std::thread::sleep(Duration::from_millis(1500));
+    let m = node_http(&lab, 10249, "/metrics");
+    let sample = |name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
+    };
+    let entries = sample("kxp_session_affinity_entries");
+    let evicted = sample("kxp_session_affinity_evictions_total");
+    assert!(entries <= AFFINITY as f64, "affinity entries {entries}");
+    assert!(evicted > 0.0, "the bound was reached and counted");
+    let (spread, _, failed) = lab.http_spread(vip(80), 3);
+    assert_eq!(failed, 0, "{spread:?}");
+    println!(
+        "UDP + NodePort floods: {sent} packets from {} sources; {ok} messages echoed, {lost} lost; affinity {entries} entries (bound {AFFINITY}), {evicted} evictions",
+        4 * AFFINITY
+    );
+}
