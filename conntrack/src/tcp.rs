@@ -92,9 +92,28 @@ pub(crate) enum Segment {
 }
 
 impl Segment {
-    /// RST wins, then SYN (with or without ACK), then FIN, then ACK.
+    /// RST wins, then SYN (with or without ACK), then FIN, then ACK. A combination
+    /// Linux's conntrack calls invalid (`tcp_valid_flags`: SYN+FIN, SYN+RST, FIN without
+    /// ACK, no flag, …; PSH, ECE and CWR aside) is `None`, which opens no flow and is
+    /// invalid in every state.
     pub(crate) const fn of(f: u8) -> Segment {
-        if f & flags::RST != 0 {
+        const URG: u8 = 0x20;
+        let core = f & (flags::FIN | flags::SYN | flags::RST | flags::ACK | URG);
+        let valid = matches!(
+            core,
+            0x02 // SYN
+                | 0x22 // SYN|URG
+                | 0x12 // SYN|ACK
+                | 0x04 // RST
+                | 0x14 // RST|ACK
+                | 0x11 // FIN|ACK
+                | 0x31 // FIN|ACK|URG
+                | 0x10 // ACK
+                | 0x30 // ACK|URG
+        );
+        if !valid {
+            Segment::None
+        } else if f & flags::RST != 0 {
             Segment::Rst
         } else if f & flags::SYN != 0 {
             if f & flags::ACK != 0 {

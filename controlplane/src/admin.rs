@@ -344,6 +344,8 @@ fn answer(
                         "tx_packets": g(&w.tx_packets),
                         "forwarded": g(&w.forwarded),
                         "new_flows": g(&w.new_flows),
+                        "rejected": g(&w.rejected),
+                        "passed": g(&w.passed),
                         "dropped": g(&w.dropped),
                         "drops": drops,
                         "handoffs_out": g(&w.handoffs_out),

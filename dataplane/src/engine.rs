@@ -62,6 +62,8 @@ pub enum DropCause {
     TtlExceeded,
     /// A REJECT whose answer cannot be sent (e.g. answering a RST).
     RejectUnanswerable,
+    /// An ICMP error about a packet from a Service frontend that no tracked flow sent.
+    IcmpErrorUntracked,
 }
 
 impl DropCause {
@@ -84,6 +86,7 @@ impl DropCause {
             DropCause::NoSnatSource => "no_snat_source",
             DropCause::TtlExceeded => "ttl_exceeded",
             DropCause::RejectUnanswerable => "reject_unanswerable",
+            DropCause::IcmpErrorUntracked => "icmp_error_untracked",
         }
     }
 }
@@ -324,7 +327,7 @@ impl Engine {
             Parsed::NotTranslatable(_) => Verdict::Pass,
             // Later fragments are the worker's (they follow their first fragment).
             Parsed::Fragment(_) => Verdict::Drop(DropCause::Malformed("fragment")),
-            Parsed::IcmpError(e) => self.icmp_error(pkt, &e, now),
+            Parsed::IcmpError(e) => self.icmp_error(snap, pkt, &e, now),
             Parsed::Flow(f) => {
                 let t = f.tuple();
                 let len = u32::try_from(pkt.len()).unwrap_or(u32::MAX);
@@ -489,9 +492,25 @@ impl Engine {
 
     /// An ICMP error about a translated flow: translate the quote and the outer header
     /// so the error reaches the other end about the packet it actually sent.
-    fn icmp_error(&mut self, pkt: &mut [u8], e: &rewrite::IcmpErrorPacket, now: u64) -> Verdict {
+    fn icmp_error(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &mut [u8],
+        e: &rewrite::IcmpErrorPacket,
+        now: u64,
+    ) -> Verdict {
         let quoted = e.inner();
         let Some((dir, entry)) = self.table.get(&quoted.reversed(), now) else {
+            // About a packet from a Service frontend that no tracked flow sent (kernel
+            // conntrack: INVALID): nothing to translate it for, and handed to the kernel
+            // it would be routed back to kxp (Service addresses are routed into the
+            // service device) until its TTL ran out.
+            if snap
+                .port_for(quoted.src, quoted.proto, quoted.sport)
+                .is_some()
+            {
+                return Verdict::Drop(DropCause::IcmpErrorUntracked);
+            }
             return Verdict::Pass;
         };
         let (orig, reply) = (*entry.orig(), *entry.reply());

@@ -23,7 +23,7 @@ use nat::rewrite::{self, Parsed};
 use nat::snapshot::Snapshot;
 use nat::tuple::Tuple;
 
-use crate::engine::{Engine, MasqueradeSource, Verdict};
+use crate::engine::{DropCause, Engine, MasqueradeSource, Verdict};
 use crate::fib::{FibView, Route};
 use crate::xsk::{Frame, WorkerIo};
 
@@ -780,12 +780,23 @@ impl<'id> Worker<'id> {
     ) {
         let frame = self.io.bytes(&mut f);
         let l3 = &mut frame[ETH_HLEN..];
-        if rewrite::rewrite_fragment(l3, fp, src, dst).is_err()
-            || !matches!(rewrite::decrement_ttl(l3), Ok(true))
-        {
+        let len = l3.len() as u64;
+        let c = &mut self.engine.counters;
+        if rewrite::rewrite_fragment(l3, fp, src, dst).is_err() {
+            *c.drops
+                .entry(DropCause::Malformed("fragment_rewrite"))
+                .or_default() += 1;
             self.io.recycle(f);
             return;
         }
+        if !matches!(rewrite::decrement_ttl(l3), Ok(true)) {
+            *c.drops.entry(DropCause::TtlExceeded).or_default() += 1;
+            self.io.recycle(f);
+            return;
+        }
+        // Forwarded as its first fragment was: counted the same way.
+        c.forwarded += 1;
+        c.forwarded_bytes += len;
         self.route_out(f, dst);
     }
 

@@ -138,6 +138,7 @@ mod tests {
         );
         let mut p = pkt.clone();
         p[6] = 0;
+        crate::rewrite::testutil::fix_ipv4_checksum(&mut p);
         assert_eq!(
             ipv4_fragment_count(&p, 24),
             Err(FragmentError::MtuTooSmall(24))

@@ -272,6 +272,7 @@ mod tests {
         let mut pkt = icmp_echo(e.client.ip(), e.vip.ip());
         pkt.truncate(27);
         pkt[3] = 27;
+        crate::rewrite::testutil::fix_ipv4_checksum(&mut pkt);
         assert_eq!(crate::rewrite::parse(&pkt), Err(ParseError::BadL4Header));
     }
 

@@ -417,7 +417,7 @@ pub(super) fn ip_header(buf: &[u8], quoted: bool) -> Result<IpHeader, ParseError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rewrite::testutil::{Endpoints, build, insert_v6_ext};
+    use crate::rewrite::testutil::{Endpoints, build, fix_ipv4_checksum, insert_v6_ext};
 
     fn flow(pkt: &[u8]) -> FlowPacket {
         match parse(pkt).unwrap() {
@@ -479,6 +479,7 @@ mod tests {
         let mut p = pkt.clone();
         p[4..6].copy_from_slice(&0x0102u16.to_be_bytes());
         p[6] = 0x20;
+        fix_ipv4_checksum(&mut p);
         let f = flow(&p);
         assert_eq!(f.tuple(), Endpoints::v4().original(Protocol::Udp));
         let key = f.fragment().unwrap();
@@ -487,6 +488,7 @@ mod tests {
         let mut p = pkt.clone();
         p[4..6].copy_from_slice(&0x0102u16.to_be_bytes());
         p[7] = 0x10;
+        fix_ipv4_checksum(&mut p);
         match parse(&p) {
             Ok(Parsed::Fragment(g)) => {
                 assert_eq!(g.key(), key);
@@ -512,8 +514,10 @@ mod tests {
     fn unsupported_protocols_and_versions() {
         let mut p = build(&Endpoints::v4(), Protocol::Udp, b"x");
         p[9] = 47; // GRE
+        fix_ipv4_checksum(&mut p);
         assert_eq!(parse(&p), Err(ParseError::UnsupportedProtocol(47)));
         p[9] = 58; // ICMPv6 inside IPv4
+        fix_ipv4_checksum(&mut p);
         assert_eq!(parse(&p), Err(ParseError::UnsupportedProtocol(58)));
         let mut p = build(&Endpoints::v6(), Protocol::Udp, b"x");
         p[6] = 1; // ICMPv4 inside IPv6

@@ -240,6 +240,21 @@ pub fn make_partial(pkt: &mut [u8]) {
 
 /// Checks every checksum of `pkt` by recomputing it: with etherparse for the IPv4 header,
 /// TCP, UDP and ICMP, with the crc32c crate for SCTP.
+/// Recomputes the IPv4 header checksum of `p` after a test changed the header.
+pub fn fix_ipv4_checksum(p: &mut [u8]) {
+    let len = usize::from(p[0] & 0x0F) * 4;
+    p[10] = 0;
+    p[11] = 0;
+    let mut sum: u32 = p[..len.min(p.len())]
+        .chunks_exact(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xFFFF {
+        sum = (sum & 0xFFFF) + (sum >> 16);
+    }
+    p[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+}
+
 pub fn verify_checksums(pkt: &[u8]) {
     let sliced = SlicedPacket::from_ip(pkt).expect("etherparse accepts the packet");
     let (src, dst, payload) = match &sliced.net {
