@@ -3210,3 +3210,52 @@ fn malformed_frames_are_counted_and_established_connections_are_untouched() {
     let (spread, _, failed) = lab.http_spread(vip(80), 3);
     assert_eq!(failed, 0, "{spread:?}");
 }
+
+/// `--state-dir ""`: kxp keeps its state in memory only, so it attaches its programs as
+/// BPF links and leaves nothing behind when it stops (no program, device, rule or
+/// route), without `kxp cleanup`.
+#[test]
+fn memory_only_state_leaves_nothing_behind_at_exit() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe29",
+        ..Default::default()
+    });
+    assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
+    let _ = lab.kxp.as_mut().unwrap().cleanup();
+    let mut args = lab.args.clone();
+    args.extend(["--state-dir=".to_string(), "--admin-socket=".to_string()]);
+    let before = lab.log().len();
+    let k = lab.kxp.as_mut().unwrap();
+    k.restart(None, &args).unwrap();
+    wait_healthy(
+        &lab.node,
+        "127.0.0.1:10256".parse().unwrap(),
+        Duration::from_secs(30),
+        lab.kxp.as_mut().unwrap(),
+    )
+    .unwrap();
+    let (spread, _, failed) = lab.http_spread(vip(80), 9);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(spread.values().sum::<usize>(), 9);
+    let log = lab.log()[before..].to_string();
+    assert!(
+        !log.contains("state restored dir="),
+        "no state directory in use:\n{log}"
+    );
+    assert_eq!(
+        lab.kxp.as_mut().unwrap().terminate(),
+        Some(0),
+        "{}",
+        lab.log()
+    );
+    let show = |what: &[&str]| {
+        let out = in_ns(&lab.node, what).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = show(&["ip", "-d", "link", "show"]);
+    assert!(!text.contains("prog/xdp"), "programs left:\n{text}");
+    assert!(!text.contains("kxp0"), "service device left:\n{text}");
+    assert!(!show(&["ip", "rule", "show"]).contains("lookup 201"));
+    assert!(!show(&["ip", "route", "show", "table", "all"]).contains("proto 201"));
+    lab.kxp = None;
+}
