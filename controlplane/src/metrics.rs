@@ -102,6 +102,7 @@ pub struct Metrics {
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
+    xdp: Family<Labels, Counter>,
     api_events: Family<Labels, Counter>,
     api_errors: Family<Labels, Counter>,
     api_relists: Family<Labels, Counter>,
@@ -192,6 +193,7 @@ impl Metrics {
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
+            xdp: Family::default(),
             api_events: Family::default(),
             api_errors: Family::default(),
             api_relists: Family::default(),
@@ -387,6 +389,11 @@ impl Metrics {
                 "api_objects",
                 "Objects held from the API server, by resource",
                 m.api_objects.clone(),
+            );
+            kxp.register(
+                "xdp_packets",
+                "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged, passed); dropped (held while kxp restarts, or on the service device and not for the node)",
+                m.xdp.clone(),
             );
             kxp.register(
                 "worker_busy_ratio",
@@ -586,6 +593,36 @@ impl Metrics {
             self.busy
                 .get_or_create(&label("worker", &i.to_string()))
                 .set(*r);
+        }
+    }
+
+    /// Takes the steering programs' counters, per interface.
+    pub fn update_xdp(&self, per_interface: &[(String, dataplane::xdp::SteerStats)]) {
+        let Ok(mut t) = self.totals.lock() else {
+            return;
+        };
+        for (ifname, st) in per_interface {
+            // The outcomes partition what the program saw: passed for the kernel's own
+            // traffic, unparsed and vlan (passed too, counted apart), dropped (held
+            // while kxp restarts, or on the service device and not for the node).
+            let dropped = st.seen.saturating_sub(st.redirected + st.passed);
+            for (outcome, n) in [
+                ("redirected", st.redirected),
+                ("passed", st.passed.saturating_sub(st.unparsed + st.vlan)),
+                ("unparsed", st.unparsed),
+                ("vlan", st.vlan),
+                ("dropped", dropped),
+            ] {
+                let l = vec![
+                    ("interface".to_string(), ifname.clone()),
+                    ("outcome".to_string(), outcome.to_string()),
+                ];
+                t.advance(
+                    &format!("xdp/{ifname}/{outcome}"),
+                    n,
+                    &self.xdp.get_or_create(&l),
+                );
+            }
         }
     }
 

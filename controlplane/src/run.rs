@@ -299,6 +299,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             last_metrics = Instant::now();
             update_metrics(&metrics, &dp, last_sync);
             metrics.update_process();
+            metrics.update_xdp(&dp.steer_stats());
             if let Input::Kube { source, .. } = &input {
                 let api: Vec<crate::metrics::ApiCounters> = source
                     .status()

@@ -85,6 +85,8 @@ enum {
 	ST_DNAT_REPLY, /* rule (c) */
 	ST_ICMP_ERROR, /* rule (d) */
 	ST_CLUSTER_IP, /* rule (e) */
+	ST_UNPARSED, /* IPv4/IPv6 whose headers cannot be read (passed: the kernel drops it) */
+	ST_VLAN, /* 802.1Q/802.1ad-tagged, not looked inside (passed) */
 	ST_MAX,
 };
 
@@ -373,8 +375,10 @@ int kxp_steer(struct xdp_md *ctx)
 	if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD)) {
 		struct vlan_hdr *vh = l3;
 
-		if (!cfg || !(cfg->flags & CFG_STEER_VLAN) || (void *)(vh + 1) > end)
+		if (!cfg || !(cfg->flags & CFG_STEER_VLAN) || (void *)(vh + 1) > end) {
+			count(ST_VLAN);
 			goto pass;
+		}
 		h_proto = vh->encap_proto;
 		l3 = vh + 1;
 	}
@@ -388,8 +392,10 @@ int kxp_steer(struct xdp_md *ctx)
 	} else {
 		goto pass; /* ARP, LLDP, ... */
 	}
-	if (!l4)
+	if (!l4) {
+		count(ST_UNPARSED);
 		goto pass;
+	}
 
 	if (later) {
 		/* A fragment after the first: no ports. Ports 0 stand for "any" in the
@@ -398,8 +404,10 @@ int kxp_steer(struct xdp_md *ctx)
 			goto pass;
 		reason = match_fragment(&t);
 	} else if (is_translated_proto(t.src.proto)) {
-		if (parse_ports(l4, end, &t))
+		if (parse_ports(l4, end, &t)) {
+			count(ST_UNPARSED);
 			goto pass;
+		}
 		reason = match_flow(&t, cfg);
 	} else if ((!v6 && t.src.proto == IPPROTO_ICMP) ||
 		   (v6 && t.src.proto == IPPROTO_ICMPV6_)) {

@@ -709,6 +709,16 @@ impl Dataplane {
             .collect()
     }
 
+    /// The steering programs' counters, per interface (the service device's included).
+    pub fn steer_stats(&self) -> Vec<(String, crate::xdp::SteerStats)> {
+        let prog = self.links.lock();
+        prog.steering
+            .iter()
+            .chain(prog.service.iter())
+            .filter_map(|s| Some((s.ifname()?.to_string(), s.stats().ok()?)))
+            .collect()
+    }
+
     /// The service device's host-side name.
     pub fn service_device(&self) -> Option<&str> {
         self.service.as_ref().map(|s| s.host.as_str())

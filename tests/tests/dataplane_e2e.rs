@@ -3125,6 +3125,18 @@ fn malformed_frames_are_counted_and_established_connections_are_untouched() {
     kinds.push(("IPv6 with 8 extension headers", v6));
 
     const EACH: usize = 50;
+    // The XDP program's own counts of what it left to the kernel (refreshed every second).
+    let xdp = |lab: &Lab, outcome: &str| -> u64 {
+        let m = node_http(lab, 10249, "/metrics");
+        let want = format!("kxp_xdp_packets_total{{interface=\"n-client\",outcome=\"{outcome}\"}}");
+        m.lines()
+            .find(|l| l.starts_with(&want))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    std::thread::sleep(Duration::from_millis(1100));
+    let (unparsed0, vlan0) = (xdp(&lab, "unparsed"), xdp(&lab, "vlan"));
     let mut table = Vec::new();
     let (rows, ok, lost) = echo_while(&lab, 3, || {
         for (name, frame) in &kinds {
@@ -3196,6 +3208,13 @@ fn malformed_frames_are_counted_and_established_connections_are_untouched() {
         0,
         "no loop through the kernel"
     );
+    // What never reached kxp is counted by its XDP program: the header cut short, IHL 4
+    // and the long IPv6 chain as unparsed, the tagged frames as VLAN.
+    std::thread::sleep(Duration::from_millis(1100));
+    let (unparsed, vlan) = (xdp(&lab, "unparsed") - unparsed0, xdp(&lab, "vlan") - vlan0);
+    println!("XDP: {unparsed} unparsed, {vlan} VLAN-tagged, passed to the kernel");
+    assert_eq!(unparsed, 3 * EACH as u64, "unparsed");
+    assert_eq!(vlan, 2 * EACH as u64, "vlan");
     assert_eq!(
         lost,
         0,

@@ -27,6 +27,12 @@ pub struct SteerStats {
     /// Rule (e): to a ClusterIP on a port no Service serves, or to an address inside a
     /// Service CIDR that no Service owns (kxp rejects / drops them).
     pub cluster_ip: u64,
+    /// IPv4 or IPv6 whose headers the program cannot read (truncated, IHL below 5, a
+    /// transport header cut short, too long an IPv6 extension chain): passed, and the
+    /// kernel drops what is malformed.
+    pub unparsed: u64,
+    /// VLAN-tagged frames not looked inside (passed).
+    pub vlan: u64,
 }
 
 impl SteerStats {
@@ -42,13 +48,15 @@ impl SteerStats {
             dnat_reply: self.dnat_reply.saturating_sub(earlier.dnat_reply),
             icmp_error: self.icmp_error.saturating_sub(earlier.icmp_error),
             cluster_ip: self.cluster_ip.saturating_sub(earlier.cluster_ip),
+            unparsed: self.unparsed.saturating_sub(earlier.unparsed),
+            vlan: self.vlan.saturating_sub(earlier.vlan),
         }
     }
 }
 
 /// Reads and sums every counter of the `stats` map.
 pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
-    let mut c = [0u64; 9];
+    let mut c = [0u64; 11];
     for (idx, slot) in (0u32..).zip(c.iter_mut()) {
         let per_cpu = stats
             .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
@@ -75,6 +83,8 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         dnat_reply,
         icmp_error,
         cluster_ip,
+        unparsed,
+        vlan,
     ] = c;
     Ok(SteerStats {
         seen,
@@ -86,5 +96,7 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         dnat_reply,
         icmp_error,
         cluster_ip,
+        unparsed,
+        vlan,
     })
 }
