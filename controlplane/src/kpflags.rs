@@ -655,7 +655,13 @@ pub fn normalize_args(args: Vec<OsString>) -> Vec<OsString> {
     let first = rest.first().and_then(|a| a.to_str()).unwrap_or("");
     let top_level = matches!(first, "-h" | "--help" | "-V");
     let flags_only = first.starts_with('-') && !top_level && first != "--version";
-    if as_kube_proxy || flags_only {
+    // Through the link, kxp's own subcommands still work (`kube-proxy cleanup`, as a
+    // kube-proxy image's users may call kxp's tools by the name they know).
+    let subcommand = matches!(
+        first,
+        "run" | "cleanup" | "trace" | "service" | "conntrack" | "stats" | "demo" | "help"
+    );
+    if (as_kube_proxy && !subcommand) || flags_only {
         let mut out = vec![argv0, OsString::from("run")];
         out.extend(rest);
         return out;
@@ -695,6 +701,14 @@ mod tests {
         assert_eq!(
             normalize_args(os(&["kxp", "--help"])),
             os(&["kxp", "--help"])
+        );
+        assert_eq!(
+            normalize_args(os(&["/x/kube-proxy", "cleanup"])),
+            os(&["/x/kube-proxy", "cleanup"])
+        );
+        assert_eq!(
+            normalize_args(os(&["kube-proxy"])),
+            os(&["kube-proxy", "run"])
         );
         assert_eq!(normalize_args(os(&["kxp", "demo"])), os(&["kxp", "demo"]));
         // Values keep their underscores; only names are normalised.
