@@ -324,11 +324,12 @@ fn with_deprecated_port(addr: String, port: Option<i32>) -> String {
     match port {
         None => addr,
         Some(0) => String::new(),
-        Some(p) if addr.parse::<IpAddr>().is_ok() => {
-            let ip: IpAddr = addr.parse().expect("checked");
-            SocketAddr::new(ip, u16::try_from(p).unwrap_or(0)).to_string()
-        }
-        Some(_) => addr,
+        Some(p) => match (addr.parse::<IpAddr>(), u16::try_from(p)) {
+            (Ok(ip), Ok(port)) => SocketAddr::new(ip, port).to_string(),
+            // Out of range: kept as given, so that the address is refused with its value.
+            (Ok(_), Err(_)) => format!("{addr}:{p}"),
+            (Err(_), _) => addr,
+        },
     }
 }
 

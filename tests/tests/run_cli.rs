@@ -356,6 +356,21 @@ fn every_kube_proxy_1_34_flag_parses() {
     .chain(["--write-config-to".into(), out.display().to_string()])
     .collect();
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    // The list above covers kxp's record of kube-proxy's flags (and so stays complete).
+    // (--config is left out: the file would win over every other flag; the test above
+    // and the kubeadm end-to-end test give it.)
+    for flag in controlplane::kpflags::KUBE_PROXY_FLAGS
+        .iter()
+        .filter(|f| **f != "config")
+    {
+        let long = format!("--{flag}");
+        assert!(
+            refs.iter().map(|a| a.replace('_', "-")).any(|a| a == long
+                || a.starts_with(&format!("{long}="))
+                || (*flag == "v" && a == "-v")),
+            "{long} is not exercised"
+        );
+    }
     // Invoked as kube-proxy, without kxp's `run`.
     let link = dir.join("kube-proxy");
     let _ = std::fs::remove_file(&link);
