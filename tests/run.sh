@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kxp's whole check, as CI runs it: system packages, formatting, lints, build, tests.
+# kxp's whole check, as CI runs it: system packages, formatting, lints, build, tests, and
+# a short run of every fuzz target.
 # Run as root on a fresh machine: bash tests/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,4 +23,6 @@ passed=$(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s += 
 failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s += $1} END {print s + 0}')
 set -e
 echo "tests: ${passed} passed, ${failed} failed"
-exit "$status"
+[ "$status" -eq 0 ] || exit "$status"
+echo "== fuzzing: every target for ${FUZZ_SECONDS:-60}s (fuzz/run)"
+bash fuzz/run "${FUZZ_SECONDS:-60}"

@@ -35,6 +35,9 @@ pub const VERSION: u32 = 1;
 pub const HEADER_WORDS: usize = 512;
 /// Words per record (128 bytes): one of framing, fifteen of payload.
 pub const RECORD_WORDS: usize = 16;
+/// The most records a header may announce: 2^40 (128 TiB of records), far past any table
+/// and far from overflowing a file length.
+pub const MAX_RECORDS: u64 = 1 << 40;
 /// Payload bytes per record.
 pub const PAYLOAD_BYTES: usize = (RECORD_WORDS - 1) * 8;
 
@@ -183,12 +186,20 @@ impl Header {
         if h.workers == 0 || h.worker >= h.workers {
             return Err(StateError::Header("worker"));
         }
+        // A record count no file can hold (its length would overflow; found by fuzzing).
+        if h.records > MAX_RECORDS {
+            return Err(StateError::Header("record count"));
+        }
         Ok(h)
     }
 
-    /// Bytes a file with this header has.
+    /// Bytes a file with this header has (saturating: [`Header::decode`] refuses counts
+    /// past [`MAX_RECORDS`]).
     pub fn file_len(&self) -> usize {
-        (HEADER_WORDS + self.records as usize * RECORD_WORDS) * 8
+        (self.records as usize)
+            .saturating_mul(RECORD_WORDS)
+            .saturating_add(HEADER_WORDS)
+            .saturating_mul(8)
     }
 }
 

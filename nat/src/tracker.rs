@@ -436,6 +436,9 @@ impl Tracker {
     }
 }
 
+#[cfg(any(test, feature = "test-util"))]
+pub mod testutil;
+
 #[cfg(test)]
 #[path = "tracker_tests.rs"]
 mod tests;

@@ -5,197 +5,21 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::json;
 
+use super::testutil::{Lcg, node, random_changes_match_a_fresh_build, settings, slice, svc};
 use super::*;
-use crate::k8s::{ClusterState, NodeSettings, build};
-use crate::model::Family;
-use crate::snapshot::Snapshot;
 use crate::tuple::Protocol;
-
-fn settings() -> NodeSettings {
-    NodeSettings {
-        node_name: "node-a".into(),
-        node_ips: vec!["192.0.2.10".parse().unwrap()],
-        cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
-        ..Default::default()
-    }
-}
-
-fn svc(ns: &str, name: &str, ip: &str, port: i32, extra: serde_json::Value) -> Service {
-    let mut v = json!({
-        "metadata": {"namespace": ns, "name": name},
-        "spec": {"clusterIP": ip, "ports": [{"name": "p", "port": port, "protocol": "TCP"}]}
-    });
-    if let (Some(spec), Some(extra)) = (v["spec"].as_object_mut(), extra.as_object()) {
-        for (k, x) in extra {
-            spec.insert(k.clone(), x.clone());
-        }
-    }
-    serde_json::from_value(v).unwrap()
-}
-
-fn slice(ns: &str, name: &str, svc: &str, ips: &[&str], node: &str) -> EndpointSlice {
-    serde_json::from_value(json!({
-        "metadata": {"namespace": ns, "name": name,
-                     "labels": {"kubernetes.io/service-name": svc}},
-        "addressType": "IPv4",
-        "endpoints": ips.iter().map(|ip| json!({"addresses": [ip], "nodeName": node})).collect::<Vec<_>>(),
-        "ports": [{"name": "p", "port": 8080, "protocol": "TCP"}]
-    }))
-    .unwrap()
-}
-
-fn node(zone: &str) -> Node {
-    serde_json::from_value(json!({
-        "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": zone}}
-    }))
-    .unwrap()
-}
-
-/// Everything a decision can read, in a canonical order: every port (by name) with its
-/// endpoints and categorisation, and which port owns each frontend.
-fn describe(s: &Snapshot) -> Vec<String> {
-    let mut out = Vec::new();
-    for sp in s.ports_sorted() {
-        out.push(format!(
-            "{} {} {:?} {:?} {:?} {:?}",
-            sp.name, sp.cluster_ip, sp.external_ips, sp.endpoints, sp.cat, sp.cluster_table
-        ));
-        let proto = sp.name.protocol;
-        for ip in std::iter::once(sp.cluster_ip).chain(sp.external_ips.iter().copied()) {
-            let owner = s.lookup_addr(ip, proto, sp.port).map(|f| {
-                let p = s.port(f.port);
-                format!("{}/{:?}/{:?}", p.name, Family::of(&p.cluster_ip), f.kind)
-            });
-            out.push(format!("  {ip}:{} -> {owner:?}", sp.port));
-        }
-        if sp.node_port != 0 {
-            let owner = s
-                .lookup_node_port(sp.cluster_ip, proto, sp.node_port)
-                .map(|i| s.port(i).name.to_string());
-            out.push(format!("  nodePort {} -> {owner:?}", sp.node_port));
-        }
-        out.push(format!("  clusterIP {}", s.is_cluster_ip(sp.cluster_ip)));
-    }
-    out.push(format!("frontends {}", s.frontend_count()));
-    out.push(format!("zone {:?}", s.node.zone));
-    let mut c = s.conflicts.clone();
-    c.sort();
-    out.extend(c);
-    out
-}
-
-fn fresh(state: &ClusterState) -> Vec<String> {
-    describe(&build(state, &settings(), 1).unwrap().snapshot)
-}
-
-/// A small deterministic generator (no external crates, no clock).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % n
-    }
-}
 
 #[test]
 fn random_changes_match_a_fresh_build_after_every_sync() {
-    let mut rng = Lcg(7);
-    let mut state = ClusterState::default();
-    let mut t = Tracker::new(settings());
-    let mut held = Vec::new();
-    for round in 0..300 {
-        // One to three changes per sync.
-        for _ in 0..=rng.next(3) {
-            let i = rng.next(12);
-            let name = format!("s{i}");
-            match rng.next(7) {
-                0 | 1 => {
-                    // Services share addresses on purpose: conflicts must settle the same.
-                    let ip = format!("10.96.0.{}", 1 + rng.next(6));
-                    let ext = if rng.next(3) == 0 {
-                        json!({"externalIPs": [format!("10.96.0.{}", 1 + rng.next(6))]})
-                    } else {
-                        json!({})
-                    };
-                    let s = svc("ns", &name, &ip, 80 + rng.next(2) as i32, ext);
-                    state
-                        .services
-                        .retain(|o| o.metadata.name.as_deref() != Some(&name));
-                    state.services.push(s.clone());
-                    t.apply_service(("ns".into(), name), Some(Arc::new(s)));
-                }
-                2 => {
-                    state
-                        .services
-                        .retain(|o| o.metadata.name.as_deref() != Some(&name));
-                    t.apply_service(("ns".into(), name), None);
-                }
-                3 | 4 => {
-                    let sl = format!("{name}-{}", rng.next(2));
-                    let n = rng.next(4) as usize;
-                    let ips: Vec<String> = (0..n)
-                        .map(|k| format!("10.1.{i}.{}", k + rng.next(3) as usize))
-                        .collect();
-                    let refs: Vec<&str> = ips.iter().map(String::as_str).collect();
-                    // Sometimes a slice moves to another Service.
-                    let owner = if rng.next(5) == 0 {
-                        format!("s{}", rng.next(12))
-                    } else {
-                        name.clone()
-                    };
-                    let o = slice(
-                        "ns",
-                        &sl,
-                        &owner,
-                        &refs,
-                        if rng.next(2) == 0 { "node-a" } else { "node-b" },
-                    );
-                    state
-                        .endpoint_slices
-                        .retain(|x| x.metadata.name.as_deref() != Some(&sl));
-                    state.endpoint_slices.push(o.clone());
-                    t.apply_slice(("ns".into(), sl), Some(Arc::new(o)));
-                }
-                5 => {
-                    let sl = format!("{name}-{}", rng.next(2));
-                    state
-                        .endpoint_slices
-                        .retain(|x| x.metadata.name.as_deref() != Some(&sl));
-                    t.apply_slice(("ns".into(), sl), None);
-                }
-                _ => {
-                    let n = node(if rng.next(2) == 0 { "z1" } else { "z2" });
-                    state.nodes = vec![n.clone()];
-                    t.apply_node("node-a".into(), Some(Arc::new(n)));
-                }
-            }
-        }
-        let synced = t.sync(round + 1);
-        assert!(synced.errors.is_empty(), "{:?}", synced.errors);
-        assert_eq!(
-            describe(&synced.update.snapshot),
-            fresh(&state),
-            "round {round}"
-        );
-        // Workers sometimes still hold the previous snapshot: both paths are exercised.
-        if rng.next(3) == 0 {
-            held.push(synced.update.snapshot.clone());
-        } else {
-            held.clear();
-        }
-    }
+    let walk = random_changes_match_a_fresh_build(&mut Lcg(7), 300);
+    assert_eq!(walk.syncs, 300);
     assert!(
-        t.reuses > 50 && t.copies > 20,
+        walk.reuses > 50 && walk.copies > 20,
         "reuses {} copies {}",
-        t.reuses,
-        t.copies
+        walk.reuses,
+        walk.copies
     );
 }
 

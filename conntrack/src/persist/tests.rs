@@ -108,6 +108,40 @@ fn header_is_checked() {
     assert!(Header::decode(&w[..3], BOOT, 0).is_err());
 }
 
+/// Found by fuzzing (`fuzz/regressions/state/`): a header with a valid checksum and a
+/// record count whose file length overflows made `file_len` panic (debug builds) or wrap.
+#[test]
+fn a_record_count_no_file_can_hold_is_refused() {
+    for records in [MAX_RECORDS + 1, 1 << 62, u64::MAX] {
+        let h = Header {
+            kind: Kind::Conntrack,
+            records,
+            worker: 0,
+            workers: 1,
+            boot_id: BOOT,
+            seed: 0,
+            netns: 0,
+        };
+        assert_eq!(
+            Header::decode(&h.encode(), BOOT, 0),
+            Err(StateError::Header("record count"))
+        );
+        if records >= 1 << 62 {
+            assert_eq!(h.file_len(), usize::MAX);
+        }
+    }
+    let ok = Header {
+        records: MAX_RECORDS,
+        kind: Kind::Conntrack,
+        worker: 0,
+        workers: 1,
+        boot_id: BOOT,
+        seed: 0,
+        netns: 0,
+    };
+    assert!(Header::decode(&ok.encode(), BOOT, 0).is_ok());
+}
+
 /// A record cut short at any store is reported torn or stale, never read as something
 /// it is not; a record with any bit flipped is refused.
 #[test]
