@@ -10,6 +10,8 @@ PACKAGES=(
   iproute2 iputils-ping nftables iptables ethtool netsniff-ng
   # libFuzzer (C++), which the fuzz targets link (fuzz/run)
   g++
+  # systemd-analyze, which checks deploy/kxp.service
+  systemd
 )
 
 missing=()

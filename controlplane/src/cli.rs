@@ -758,11 +758,6 @@ fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
         .then(|| dataplane::statefile::StateDir::lock(&state, std::time::Duration::ZERO))
         .transpose()
         .map_err(|e| anyhow::anyhow!("{e}: kxp is running; stop it before `kxp cleanup`"))?;
-    if held.is_some() {
-        dataplane::plane::remove_state(&state);
-        println!("removed kxp's state directory {}", state.display());
-    }
-    drop(held);
     let mut removed = 0;
     for n in &names {
         if dataplane::xdp::cleanup_interface(n)? {
@@ -771,6 +766,15 @@ fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
         }
     }
     println!("kxp cleanup: {removed} interface(s) cleaned");
+    // After the interfaces: their programs' pins say which are kxp's.
+    if held.is_some() {
+        dataplane::plane::remove_state(&state);
+        println!("removed kxp's state directory {}", state.display());
+    }
+    if let Some(pins) = dataplane::xdp::pins::dir() {
+        dataplane::xdp::pins::remove_dir(&pins);
+    }
+    drop(held);
     for dev in ["kxp0"] {
         if dataplane::servicedev::remove(dev)? {
             println!("removed kxp's service device {dev} ({dev}-dp)");

@@ -261,8 +261,7 @@ fn run_in(exe: &Path, ns: &str, args: &[String], out: std::fs::File) -> anyhow::
     let err = out.try_clone()?;
     // Invoked as `kube-proxy`, kxp is `kxp run` already.
     let as_kube_proxy = exe.file_name().is_some_and(|n| n == "kube-proxy");
-    Command::new("ip")
-        .args(["netns", "exec", ns])
+    dataplane::lab::node_command(ns)
         .arg(exe)
         .args((!as_kube_proxy).then_some("run"))
         .args(args)
@@ -328,8 +327,7 @@ impl KxpProcess {
     /// `kxp cleanup` in the namespace (after the process has stopped); once.
     pub fn cleanup(&mut self) -> anyhow::Result<String> {
         self.cleaned = true;
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns])
+        let out = dataplane::lab::node_command(&self.ns)
             .arg(&self.exe)
             .arg("cleanup")
             .stdin(Stdio::null())

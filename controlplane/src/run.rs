@@ -253,6 +253,22 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
                 metrics_addr.map_or_else(String::new, |a| a.to_string())
             )
         })?;
+    // Set up: every thread keeps only what the rest of the run needs.
+    match dataplane::caps::drop_after_setup() {
+        Ok(d) if d.stragglers.is_empty() => tracing::info!(
+            "capabilities after setup: kept {}; dropped {} others ({}) in {} thread(s)",
+            dataplane::caps::names(d.kept).join(", "),
+            d.dropped.count_ones(),
+            dataplane::caps::names(d.dropped).join(", "),
+            d.threads
+        ),
+        Ok(d) => tracing::warn!(
+            "capabilities after setup: kept {}, but thread(s) {} did not drop the others",
+            dataplane::caps::names(d.kept).join(", "),
+            d.stragglers.join(", ")
+        ),
+        Err(e) => tracing::warn!("capabilities not dropped after setup: {e}"),
+    }
     let mut last_metrics = Instant::now();
     let attached: Vec<String> = dp.attached().into_iter().map(|(n, _)| n).collect();
     tracing::info!(

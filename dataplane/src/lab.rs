@@ -50,6 +50,25 @@ pub fn in_ns(ns: &str, cmd: &[&str]) -> io::Result<Output> {
     ip(&args)
 }
 
+/// A command that runs a program in namespace `ns` as a node's kxp sees the world:
+/// the namespace's own `/sys` (as `ip netns exec` mounts it) with the host's bpffs still
+/// at `/sys/fs/bpf`, as kxp's DaemonSet mounts it (`ip netns exec` hides it, and the pins
+/// that let a restarted kxp take over without `CAP_SYS_ADMIN` live there). Append the
+/// program and its arguments. The program is the child itself (nothing forks).
+pub fn node_command(ns: &str) -> Command {
+    const SCRIPT: &str = r#"set -e
+d=
+if mountpoint -q /sys/fs/bpf; then d=$(mktemp -d /tmp/kxp-bpffs.XXXXXX); mount --bind /sys/fs/bpf "$d"; fi
+mount -t sysfs sysfs /sys
+if [ -n "$d" ]; then mount --bind "$d" /sys/fs/bpf; umount "$d"; rmdir "$d"; fi
+exec "$@""#;
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{ns}"))
+        .args(["--", "unshare", "--mount", "--propagation", "slave", "--"])
+        .args(["sh", "-c", SCRIPT, "kxp-node"]);
+    c
+}
+
 /// A set of network namespaces owned by this process, deleted on drop.
 #[derive(Debug)]
 pub struct Topology {

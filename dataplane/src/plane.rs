@@ -876,6 +876,8 @@ impl Dataplane {
                 tracing::info!(interface = %l.name, "detached the program a previous kxp left (no longer matching)");
             }
         }
+        // Pins of interfaces gone while no kxp ran.
+        crate::xdp::pins::prune(&ours);
         match first {
             Some(e) => Err(e.into()),
             None => Ok(()),
@@ -1255,8 +1257,12 @@ impl Drop for Dataplane {
     }
 }
 
-/// Removes kxp's state files (and the directory, if nothing else is in it).
+/// Removes kxp's state files (and the directory, if nothing else is in it), and the pins
+/// of the programs it left for the next kxp in that namespace (see [`crate::xdp::pins`]).
 pub fn remove_state(dir: &std::path::Path) {
+    if let Some(pins) = crate::xdp::pins::dir_for_state(dir) {
+        crate::xdp::pins::remove_dir(&pins);
+    }
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.filter_map(Result::ok) {
             let name = e.file_name().to_string_lossy().into_owned();

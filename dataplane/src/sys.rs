@@ -242,3 +242,208 @@ pub fn netns_cookie() -> io::Result<u64> {
     }
     Ok(cookie)
 }
+
+/// A thread's capability sets, as `capget(2)` gives them (64 bits each).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CapSets {
+    pub effective: u64,
+    pub permitted: u64,
+    pub inheritable: u64,
+}
+
+/// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
+const CAP_V3: u32 = 0x2008_0522;
+const CAP_SETPCAP: u32 = 8;
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// `capget(2)` of the calling thread, as a raw system call (async-signal-safe); an errno
+/// on failure.
+fn capget_raw() -> Result<CapSets, i32> {
+    let mut hdr = CapHeader {
+        version: CAP_V3,
+        pid: 0,
+    };
+    let mut data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: capget with a version-3 header writes exactly two `CapData` (the array,
+    // valid and exclusively borrowed) and may write the header's version (also ours);
+    // pid 0 is the calling thread.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut hdr, data.as_mut_ptr()) };
+    if rc != 0 {
+        // SAFETY: `__errno_location` returns the calling thread's errno, always valid.
+        return Err(unsafe { *libc::__errno_location() });
+    }
+    let join = |lo: u32, hi: u32| u64::from(lo) | u64::from(hi) << 32;
+    Ok(CapSets {
+        effective: join(data[0].effective, data[1].effective),
+        permitted: join(data[0].permitted, data[1].permitted),
+        inheritable: join(data[0].inheritable, data[1].inheritable),
+    })
+}
+
+/// The calling thread's capability sets.
+pub fn capget() -> io::Result<CapSets> {
+    capget_raw().map_err(io::Error::from_raw_os_error)
+}
+
+/// Reduces the calling thread to the capabilities of `keep` it holds: drops the others
+/// from its bounding set (if it holds CAP_SETPCAP), clears its ambient set, sets
+/// effective = permitted = permitted ∩ `keep` and inheritable to none, and sets
+/// no_new_privs, so that nothing it runs regains them. Raw system calls only, no
+/// allocation: async-signal-safe, so [`on_reduce`] may call it. Returns 0 or an errno.
+fn reduce_this_thread(keep: u64, last_cap: u32) -> i32 {
+    let now = match capget_raw() {
+        Ok(c) => c,
+        Err(e) => return e,
+    };
+    if now.effective & (1 << CAP_SETPCAP) != 0 {
+        for cap in 0..=last_cap.min(63) {
+            if keep & (1 << cap) == 0 {
+                // SAFETY: prctl with integer arguments only; EINVAL for a capability the
+                // kernel does not know is harmless.
+                unsafe { libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0) };
+            }
+        }
+    }
+    // SAFETY: integer arguments only (EINVAL on a kernel without ambient sets: harmless).
+    unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    let new = now.permitted & keep;
+    let mut hdr = CapHeader {
+        version: CAP_V3,
+        pid: 0,
+    };
+    let data = [
+        CapData {
+            effective: new as u32,
+            permitted: new as u32,
+            inheritable: 0,
+        },
+        CapData {
+            effective: (new >> 32) as u32,
+            permitted: (new >> 32) as u32,
+            inheritable: 0,
+        },
+    ];
+    // SAFETY: capset with a version-3 header reads exactly two `CapData` from `data`
+    // (valid, alive for the call) and may write the header (ours, exclusively borrowed);
+    // pid 0 is the calling thread. Only lowering sets, it needs no privilege.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut hdr, data.as_ptr()) };
+    if rc != 0 {
+        // SAFETY: as in `capget_raw`.
+        return unsafe { *libc::__errno_location() };
+    }
+    // SAFETY: integer arguments only.
+    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    if rc != 0 {
+        // SAFETY: as in `capget_raw`.
+        return unsafe { *libc::__errno_location() };
+    }
+    0
+}
+
+static REDUCE_KEEP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static REDUCE_LAST_CAP: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+static REDUCE_DONE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static REDUCE_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static REDUCE_HANDLER: std::sync::Once = std::sync::Once::new();
+
+/// The handler of [`reduce_signal`]: [`reduce_this_thread`] in the thread it lands on.
+extern "C" fn on_reduce(_sig: libc::c_int) {
+    use std::sync::atomic::Ordering::SeqCst;
+    // SAFETY: the calling thread's errno location is always valid; it is restored below,
+    // as the interrupted code may be about to read it.
+    let saved = unsafe { *libc::__errno_location() };
+    let rc = reduce_this_thread(REDUCE_KEEP.load(SeqCst), REDUCE_LAST_CAP.load(SeqCst));
+    if rc == 0 {
+        REDUCE_DONE.fetch_add(1, SeqCst);
+    } else {
+        REDUCE_FAILED.fetch_add(1, SeqCst);
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = saved };
+}
+
+/// The real-time signal kxp uses to have each of its threads reduce its own capabilities
+/// (capabilities are per thread; glibc does the same for `setuid` with a signal of its
+/// own, below this one).
+pub fn reduce_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 6
+}
+
+/// The calling thread's id.
+pub fn gettid() -> libc::pid_t {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Reduces the calling thread to `keep` (see [`reduce_this_thread`]) and has each of
+/// `tids` (other threads of this process) do the same, from the handler of
+/// [`reduce_signal`], installed once and left in place (a late signal then does no
+/// harm). Returns once signalled; (done, failed) counts the handlers that ran.
+///
+/// # Errors
+/// This thread could not reduce itself, or the handler could not be installed.
+pub fn reduce_threads(keep: u64, last_cap: u32, tids: &[libc::pid_t]) -> io::Result<()> {
+    use std::sync::atomic::Ordering::SeqCst;
+    REDUCE_KEEP.store(keep, SeqCst);
+    REDUCE_LAST_CAP.store(last_cap, SeqCst);
+    let rc = reduce_this_thread(keep, last_cap);
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    let mut installed = Ok(());
+    REDUCE_HANDLER.call_once(|| {
+        // SAFETY: an all-zero `sigaction` is a valid value of that C struct (no handler,
+        // empty mask, no flags); the fields are then set.
+        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+        sa.sa_sigaction = on_reduce as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART;
+        // SAFETY: `sa.sa_mask` is ours and valid; sigemptyset only initialises it.
+        unsafe { libc::sigemptyset(&mut sa.sa_mask) };
+        // SAFETY: `sa` is a valid, initialised sigaction alive for the call; the old
+        // action is not asked for (NULL). `on_reduce` is async-signal-safe: it makes raw
+        // system calls and atomic operations only, and restores errno.
+        if unsafe { libc::sigaction(reduce_signal(), &sa, std::ptr::null_mut()) } != 0 {
+            installed = Err(io::Error::last_os_error());
+        }
+    });
+    installed?;
+    // SAFETY: getpid has no arguments and cannot fail.
+    let pid = unsafe { libc::getpid() };
+    for &tid in tids {
+        // SAFETY: tgkill with integer arguments only: it signals thread `tid` of this
+        // process (ESRCH if it has exited meanwhile: harmless).
+        unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, reduce_signal()) };
+    }
+    Ok(())
+}
+
+/// (threads that reduced themselves from the signal, threads whose reduction failed).
+pub fn reduce_counts() -> (u64, u64) {
+    use std::sync::atomic::Ordering::SeqCst;
+    (REDUCE_DONE.load(SeqCst), REDUCE_FAILED.load(SeqCst))
+}

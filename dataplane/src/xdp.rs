@@ -33,6 +33,7 @@
 mod cleanup;
 mod error;
 mod key;
+pub mod pins;
 mod stats;
 mod sync;
 #[allow(unsafe_code)]
@@ -313,6 +314,7 @@ impl Steering {
             .map_err(attach_err)
         };
         let mut mode = mode;
+        let netlink_mode = mode != AttachMode::Link;
         let link = match mode {
             AttachMode::Link => Some(sys::xdp_link_create(ifindex, prog).map_err(attach_err)?),
             AttachMode::Native => {
@@ -340,6 +342,19 @@ impl Steering {
             mode,
             link,
         });
+        // Left for the next kxp: pinned, so that it can recognise and replace it without
+        // CAP_SYS_ADMIN (see `pins`).
+        if replace
+            && netlink_mode
+            && let Err(e) = pins::pin(ifindex, self.prog.as_fd())
+        {
+            crate::warn_limited!(
+                "xdp-pin",
+                interface = ifname,
+                error = %e,
+                "cannot pin the steering program: a restarted kxp will need CAP_SYS_ADMIN to take this interface over"
+            );
+        }
         Ok(())
     }
 
@@ -691,6 +706,7 @@ impl Steering {
             AttachMode::Native => sys::XDP_FLAGS_DRV_MODE,
             AttachMode::Generic => sys::XDP_FLAGS_SKB_MODE,
         };
+        pins::unpin(a.ifindex, self.prog_id);
         match sys::xdp_detach_expected(a.ifindex, flags, self.prog.as_fd()) {
             Ok(()) => Ok(()),
             // gone with its interface, or replaced by someone else's program

@@ -272,7 +272,7 @@ pub fn checked(data: &[u8]) -> Checked {
             1..=3 => {
                 // One byte: the family (IPv6 one time in five), sometimes an echo request.
                 let kind = inp.byte();
-                let v6 = kind % 5 == 0;
+                let v6 = kind.is_multiple_of(5);
                 let src = client(&mut inp, v6);
                 let (dst, dport, proto) = destination(&mut inp, v6);
                 let sport = inp.u16();

@@ -9,7 +9,7 @@
 //! (so that the fuzzer reaches what lies behind them; it finds CRCs slowly).
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use conntrack::persist::{HEADER_WORDS, Header, Kind, RECORD_WORDS, seal};
 use conntrack::{ConnTable, SnatPorts, Timeouts};
@@ -18,13 +18,19 @@ use dataplane::persistence::Persistence;
 const CAPACITY: usize = 64;
 const SEC: u64 = 1_000_000_000;
 
-fn dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("kxp-fuzz-state-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        d
-    })
+/// This thread's state directory (tests replay corpora from several threads at once).
+fn dir() -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static DIR: PathBuf = {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let d = std::env::temp_dir()
+                .join(format!("kxp-fuzz-state-{}-{n}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            d
+        };
+    }
+    DIR.with(Clone::clone)
 }
 
 pub fn run(data: &[u8]) {
@@ -89,7 +95,7 @@ pub fn restored(data: &[u8]) -> (usize, usize) {
     }
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
 
-    let dir = dir();
+    let dir = &dir();
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).expect("a state directory");
     let file = if affinity {

@@ -76,6 +76,9 @@ struct Opts<'a> {
     /// only these arguments (`@KUBECONFIG@`, `@CONFIG@` and `@CLUSTER_CIDR@` replaced),
     /// no kxp flag and no `--interface`; with `@CONFIG@`, the config is kubeadm's.
     kube_proxy_args: Option<&'a [&'a str]>,
+    /// Start kxp (and restart it) with only these capabilities (`setpriv` bounding set,
+    /// as a container runtime or systemd's `CapabilityBoundingSet` grants them).
+    capabilities: Option<Vec<String>>,
 }
 
 impl Default for Opts<'_> {
@@ -94,6 +97,7 @@ impl Default for Opts<'_> {
             state: None,
             mtu: None,
             kube_proxy_args: None,
+            capabilities: None,
         }
     }
 }
@@ -252,6 +256,28 @@ impl Lab {
             exe = dir.join("kube-proxy");
             std::os::unix::fs::symlink(kxp_bin(), &exe).unwrap();
             args = kp.iter().map(|a| fill(a)).collect();
+        }
+        if let Some(caps) = &o.capabilities {
+            let wrapper = dir.join("kxp-capped");
+            let set: Vec<String> = caps
+                .iter()
+                .map(|c| format!("+{}", c.to_lowercase()))
+                .collect();
+            std::fs::write(
+                &wrapper,
+                format!(
+                    "#!/bin/sh\nexec setpriv --bounding-set=-all,{} --inh-caps=-all {} \"$@\"\n",
+                    set.join(","),
+                    exe.display()
+                ),
+            )
+            .unwrap();
+            std::fs::set_permissions(
+                &wrapper,
+                std::os::unix::fs::PermissionsExt::from_mode(0o755),
+            )
+            .unwrap();
+            exe = wrapper;
         }
         let mut kxp = KxpProcess::spawn_exe(&exe, &node, &args, &dir.join("kxp.log")).unwrap();
         wait_healthy(
@@ -2304,6 +2330,182 @@ fn connections_survive_kill_restart_and_binary_replacement() {
         assert!(!l.contains("restored 0 flow"), "{l}");
         assert!(!l.contains(" 0 affinity"), "{l}");
     }
+}
+
+/// The capabilities kxp's DaemonSet grants (deploy/kxp.yaml's `add:`), e.g. `NET_ADMIN`.
+fn daemonset_capabilities() -> Vec<String> {
+    let yaml = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/kxp.yaml"),
+    )
+    .unwrap();
+    let line = yaml
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("add: ["))
+        .expect("deploy/kxp.yaml grants capabilities with `add: [...]`");
+    line.trim_end_matches(']')
+        .split(',')
+        .map(|c| c.trim().to_string())
+        .collect()
+}
+
+/// Every thread of process `pid`: (name, CapEff, CapPrm, CapBnd, NoNewPrivs).
+fn thread_caps(pid: u32) -> Vec<(String, u64, u64, u64, bool)> {
+    let field = |status: &str, f: &str| -> String {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(f))
+            .unwrap_or("")
+            .trim()
+            .to_string()
+    };
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .map(|st| {
+            let hex = |f: &str| u64::from_str_radix(&field(&st, f), 16).unwrap();
+            (
+                field(&st, "Name:"),
+                hex("CapEff:"),
+                hex("CapPrm:"),
+                hex("CapBnd:"),
+                field(&st, "NoNewPrivs:") == "1",
+            )
+        })
+        .collect()
+}
+
+/// The capability set kxp keeps once set up.
+fn runtime_capabilities() -> u64 {
+    dataplane::caps::RUNTIME.iter().map(|&c| 1u64 << c).sum()
+}
+
+/// Least privilege, end to end. With exactly the capabilities kxp's DaemonSet (and its
+/// systemd unit) grant, kxp starts, serves, attaches a pod's veth that appears later,
+/// and comes back from kill -9 and SIGTERM taking over its predecessor's programs (whose
+/// pins it finds without CAP_SYS_ADMIN) with the connections intact; once set up, every
+/// thread holds no more than it needs at runtime, with no_new_privs.
+#[test]
+fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_longer_needs() {
+    let caps = daemonset_capabilities();
+    assert!(
+        !caps.iter().any(|c| c == "SYS_ADMIN"),
+        "the DaemonSet grants CAP_SYS_ADMIN: {caps:?}"
+    );
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe31",
+        interfaces: Some(&["n-client", "n-web*", "pod*"]),
+        capabilities: Some(caps.clone()),
+        ..Default::default()
+    });
+    let check_threads = |lab: &Lab| {
+        let pid = lab.kxp.as_ref().unwrap().child.id();
+        let threads = thread_caps(pid);
+        assert!(threads.len() > 3, "{threads:?}");
+        for (name, eff, prm, _bnd, nnp) in &threads {
+            assert_eq!(
+                (
+                    eff & !runtime_capabilities(),
+                    prm & !runtime_capabilities(),
+                    *nnp
+                ),
+                (0, 0, true),
+                "thread {name}: CapEff {eff:x} CapPrm {prm:x}\n{}",
+                lab.log()
+            );
+        }
+        threads.len()
+    };
+    let n = check_threads(&lab);
+    let log = lab.log();
+    // (What it drops is what the sandbox granted beyond: CAP_SYS_RESOURCE where root has it.)
+    assert!(
+        log.contains(
+            "capabilities after setup: kept CAP_NET_ADMIN, CAP_NET_RAW, CAP_IPC_LOCK, CAP_PERFMON, CAP_BPF; dropped"
+        ),
+        "{log}"
+    );
+    println!("{n} threads hold only the runtime set");
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!((failed, spread.len()), (0, 3), "{spread:?}\n{}", lab.log());
+
+    // A pod's veth appearing now is attached and served with what is left.
+    let node = lab.node.clone();
+    let ns = plug_routed_pod(&mut lab.topo, &node, "p0", "pod4", "198.18.3.2");
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = Backend::start(&ns, "web-4", stop.clone()).unwrap();
+    lab.set_endpoints(&["198.18.3.2"], "");
+    let (served, failed) = until_served_by(&lab, "web-4", Duration::from_secs(10));
+    assert_eq!(served, 20, "{failed} failed\n{}", lab.log());
+    lab.set_endpoints(&WEB, "");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join();
+
+    // Restarts take the programs over from the pins: an established connection lives on.
+    let echo = Echoer::start(&lab.client, vip(7));
+    std::thread::sleep(Duration::from_millis(300));
+    let args = lab.args.clone();
+    for kind in ["kill -9", "SIGTERM"] {
+        let k = lab.kxp.as_mut().unwrap();
+        if kind == "kill -9" {
+            k.kill();
+        } else {
+            assert_eq!(k.terminate(), Some(0), "{kind}");
+        }
+        k.restart(None, &args).unwrap();
+        wait_healthy(
+            &node,
+            "127.0.0.1:10256".parse().unwrap(),
+            Duration::from_secs(30),
+            k,
+        )
+        .unwrap_or_else(|e| panic!("after {kind}: {e}\n{}", lab.log()));
+        std::thread::sleep(Duration::from_millis(500));
+        let (spread, _, failed) = lab.http_spread(vip(80), 6);
+        assert_eq!(failed, 0, "after {kind}: {spread:?}\n{}", lab.log());
+        check_threads(&lab);
+    }
+    let echoed = echo.finish();
+    assert!(echoed.error.is_none(), "{:?}\n{}", echoed.error, lab.log());
+    let log = lab.log();
+    assert!(!log.contains("cannot pin"), "{log}");
+    assert!(!log.contains("already attached"), "{log}");
+}
+
+/// As root (all capabilities, CAP_SETPCAP among them), kxp drops CAP_SYS_ADMIN and the
+/// rest once set up, from every set of every thread, the bounding set included, and
+/// still serves.
+#[test]
+fn as_root_kxp_keeps_only_its_runtime_capabilities_once_set_up() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe32",
+        ..Default::default()
+    });
+    let pid = lab.kxp.as_ref().unwrap().child.id();
+    for (name, eff, prm, bnd, nnp) in thread_caps(pid) {
+        let rt = runtime_capabilities();
+        assert_eq!(
+            (eff & !rt, prm & !rt, bnd & !rt, nnp),
+            (0, 0, 0, true),
+            "thread {name}: CapEff {eff:x} CapPrm {prm:x} CapBnd {bnd:x}\n{}",
+            lab.log()
+        );
+    }
+    let log = lab.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("capabilities after setup"))
+        .unwrap_or_else(|| panic!("{log}"));
+    for dropped in [
+        "CAP_SYS_ADMIN",
+        "CAP_DAC_OVERRIDE",
+        "CAP_SETUID",
+        "CAP_SYS_PTRACE",
+    ] {
+        assert!(line.contains(dropped), "{line}");
+    }
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!((failed, spread.len()), (0, 3), "{spread:?}\n{}", lab.log());
 }
 
 /// `kxp ARGS` in the node's namespace: (success, stdout, stderr).

@@ -143,6 +143,86 @@ fn systemd_unit_runs_a_command_kxp_accepts() {
     assert!(unit.contains("Restart=always"));
 }
 
+/// The DaemonSet and the systemd unit grant the same capabilities, exactly, and nothing
+/// blanket: the set kxp checks for at start (`dataplane::caps`), no CAP_SYS_ADMIN.
+#[test]
+fn daemonset_and_unit_grant_exactly_kxps_capabilities() {
+    let docs = docs();
+    let ds = kind(&docs, "DaemonSet");
+    let sc = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"];
+    assert_eq!(sc["privileged"].as_bool(), Some(false));
+    assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+    let list = |v: &serde_yaml::Value| -> Vec<String> {
+        let mut l: Vec<String> = v
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect();
+        l.sort();
+        l
+    };
+    assert_eq!(list(&sc["capabilities"]["drop"]), ["ALL"]);
+    let granted = list(&sc["capabilities"]["add"]);
+    let unit = std::fs::read_to_string(deploy("kxp.service")).unwrap();
+    let mut bounding: Vec<String> = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+        .expect("CapabilityBoundingSet")
+        .split_whitespace()
+        .map(|c| c.strip_prefix("CAP_").unwrap().to_string())
+        .collect();
+    bounding.sort();
+    assert_eq!(granted, bounding, "the DaemonSet and the unit differ");
+    let mut expected: Vec<String> = [
+        "NET_ADMIN",
+        "NET_RAW",
+        "BPF",
+        "PERFMON",
+        "IPC_LOCK",
+        "SYS_RESOURCE",
+    ]
+    .map(String::from)
+    .to_vec();
+    expected.sort();
+    assert_eq!(granted, expected);
+    // What kxp requires is granted; what it keeps after setup is a subset.
+    let caps = dataplane::caps::Caps(
+        granted
+            .iter()
+            .map(|c| {
+                let n = (0..64)
+                    .find(|&i| dataplane::caps::name(i) == format!("CAP_{c}"))
+                    .unwrap();
+                1u64 << n
+            })
+            .sum(),
+    );
+    assert_eq!(caps.missing(), (vec![], vec![]));
+    assert!(unit.contains("NoNewPrivileges=yes"));
+    assert!(unit.contains("ProtectSystem=strict"));
+}
+
+/// systemd reads the unit without a complaint (every directive known, every value valid).
+#[test]
+fn systemd_accepts_the_unit() {
+    let dir = std::env::temp_dir().join(format!("kxp-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let unit = std::fs::read_to_string(deploy("kxp.service"))
+        .unwrap()
+        .replace("/usr/local/bin/kxp", "/bin/true");
+    let path = dir.join("kxp.service");
+    std::fs::write(&path, unit).unwrap();
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .expect("systemd-analyze (Debian's systemd package; tests/install-deps.sh installs it)");
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.trim().is_empty(), "{err}");
+}
+
 #[test]
 fn daemonset_keeps_the_state_directory_across_pods_and_never_runs_two_per_node() {
     let docs = docs();

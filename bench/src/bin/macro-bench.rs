@@ -941,8 +941,7 @@ impl Drop for Router<'_> {
                 // A stopped kxp keeps its steering and connections for the next one: the
                 // next case or mode starts afresh instead.
                 if let Some((bin, _)) = &self.kxp_cmd {
-                    let _ = Command::new("ip")
-                        .args(["netns", "exec", &lab.router])
+                    let _ = dataplane::lab::node_command(&lab.router)
                         .arg(bin)
                         .arg("cleanup")
                         .stdin(Stdio::null())
@@ -957,10 +956,8 @@ impl Drop for Router<'_> {
 }
 
 fn spawn_kxp(lab: &Lab, bin: &Path, args: &[String], tag: &str) -> anyhow::Result<Proc> {
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &lab.router, "env", "KXP_LOG_STATS=1"])
-        .arg(bin)
-        .args(args);
+    let mut cmd = dataplane::lab::node_command(&lab.router);
+    cmd.args(["env", "KXP_LOG_STATS=1"]).arg(bin).args(args);
     Proc::spawn(cmd, "kxp", &lab.dir.join(format!("{tag}.log")))
 }
 

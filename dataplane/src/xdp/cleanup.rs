@@ -29,16 +29,23 @@ pub fn cleanup_interface(ifname: &str) -> Result<bool, XdpError> {
         (q.drv_prog_id, sys::XDP_FLAGS_DRV_MODE, AttachMode::Native),
         (q.skb_prog_id, sys::XDP_FLAGS_SKB_MODE, AttachMode::Generic),
     ] {
-        if id == 0 || !is_kxp_program(id)? {
+        if id == 0 {
             continue;
         }
-        let fd = match Program::fd_from_id(id) {
-            Ok(fd) => fd,
-            Err(e) if e.kind() == ErrorKind::NotFound => continue, // unloaded meanwhile
-            Err(source) => return Err(XdpError::ProgInfo { source }),
+        let fd = match super::pins::get(ifindex, id) {
+            Some(fd) => fd,
+            None if !is_kxp_program(id)? => continue,
+            None => match Program::fd_from_id(id) {
+                Ok(fd) => fd,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue, // unloaded meanwhile
+                Err(source) => return Err(XdpError::ProgInfo { source }),
+            },
         };
         match sys::xdp_detach_expected(ifindex, flags, fd.as_fd()) {
-            Ok(()) => removed = true,
+            Ok(()) => {
+                removed = true;
+                super::pins::unpin(ifindex, id);
+            }
             Err(source) if source.raw_os_error() == Some(libc::EBUSY) => {
                 return Err(XdpError::HeldByLink {
                     ifname: ifname.to_owned(),
@@ -86,7 +93,14 @@ pub(super) fn kept_program(ifindex: u32, flags: u32) -> Option<std::os::fd::Owne
     } else {
         q.skb_prog_id
     };
-    if id == 0 || !is_kxp_program(id).unwrap_or(false) {
+    if id == 0 {
+        return None;
+    }
+    // Its pin (no capability needed), else a walk of the loaded programs (CAP_SYS_ADMIN).
+    if let Some(fd) = super::pins::get(ifindex, id) {
+        return Some(fd);
+    }
+    if !is_kxp_program(id).unwrap_or(false) {
         return None;
     }
     Program::fd_from_id(id).ok()

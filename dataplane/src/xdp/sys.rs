@@ -130,6 +130,50 @@ pub fn xdp_link_create(ifindex: u32, prog: BorrowedFd<'_>) -> io::Result<OwnedFd
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// BPF_OBJ_PIN: pins `fd` (a program) at `path` in a bpffs. Needs no capability, only
+/// write access to the directory.
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &std::path::Path) -> io::Result<()> {
+    let c = path_cstring(path)?;
+    // SAFETY: `bpf_obj_pin` reads the NUL-terminated string `c` (alive until after the
+    // call) and passes the fd, borrowed so open for the call, to the kernel; it writes no
+    // memory of ours.
+    let ret = unsafe { libbpf_sys::bpf_obj_pin(fd.as_raw_fd(), c.as_ptr()) };
+    check(ret).map(drop)
+}
+
+/// BPF_OBJ_GET: a new fd for the object pinned at `path`. Needs no capability, only read
+/// access to the pin.
+pub fn obj_get(path: &std::path::Path) -> io::Result<OwnedFd> {
+    let c = path_cstring(path)?;
+    // SAFETY: `bpf_obj_get` reads the NUL-terminated string `c`, alive until after the
+    // call, and writes no memory of ours.
+    let ret = unsafe { libbpf_sys::bpf_obj_get(c.as_ptr()) };
+    let fd = check(ret)?;
+    // SAFETY: `from_raw_fd` requires an open fd that nothing else owns: a non-negative
+    // return of BPF_OBJ_GET is a new fd, returned to us only.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn path_cstring(path: &std::path::Path) -> io::Result<CString> {
+    use std::os::unix::ffi::OsStrExt;
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))
+}
+
+/// Whether `path` is a mounted bpffs (`statfs(2)`'s `f_type` is `BPF_FS_MAGIC`).
+pub fn is_bpffs(path: &std::path::Path) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    let Ok(c) = path_cstring(path) else {
+        return false;
+    };
+    // SAFETY: an all-zero `statfs` is a valid value of that plain C struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `statfs` reads the NUL-terminated string `c` and writes one `statfs` into
+    // `st`, which is valid, exclusively borrowed and alive for the call.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    rc == 0 && st.f_type as i64 == BPF_FS_MAGIC
+}
+
 /// BPF_PROG_TEST_RUN of an XDP program on one frame (>= 14 bytes); the XDP action.
 pub fn prog_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<u32> {
     let mut opts = libbpf_sys::bpf_test_run_opts {

@@ -427,8 +427,12 @@ pub fn check_packet(pkt: &[u8]) -> (Checked, usize) {
                 panic!("a rewritten flow packet does not parse back")
             };
             assert_eq!(back.tuple(), to);
+            // A wrong checksum patched into one equal to the new pseudo-header's sum is
+            // completed on the way back, not patched (found by fuzzing).
+            let seg = &buf[back.l4_offset()..back.ip_len()];
+            let completed_back = super::l4::checksum_is_partial(seg, to.proto, to.src, to.dst);
             rewrite(&mut buf, &back, &from).unwrap();
-            if round_trips_exactly(&pkt, &f) {
+            if round_trips_exactly(&pkt, &f) && !completed_back {
                 assert_eq!(buf, pkt);
             }
         }
