@@ -3,7 +3,7 @@
 use std::net::Ipv4Addr;
 
 use super::ParseError;
-use super::checksum::{Delta, finish, get16, sum};
+use super::checksum::{Delta, finish, fold, get16, sum};
 
 /// Byte offsets of the IPv4 header fields kxp reads or writes.
 mod field {
@@ -44,7 +44,7 @@ pub(super) struct Header {
 /// there; `total_len` is then the length of the packet the header came from.
 ///
 /// # Errors
-/// `Truncated`, `BadVersion`, `BadIhl`, `BadLength`.
+/// `Truncated`, `BadVersion`, `BadIhl`, `BadLength`, `BadChecksum`.
 pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
     if buf.len() < MIN_HEADER_LEN {
         return Err(ParseError::Truncated);
@@ -67,6 +67,11 @@ pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
     }
     if !quoted && buf.len() < total_len {
         return Err(ParseError::Truncated);
+    }
+    // As the kernel's `ip_rcv_core`: a header whose checksum does not verify is dropped
+    // (a quoted header is not checked: routers quote what they received).
+    if !quoted && fold(sum(&buf[..header_len])) != 0xFFFF {
+        return Err(ParseError::BadChecksum);
     }
     Ok(Header {
         header_len,
@@ -160,7 +165,7 @@ pub(super) fn write_header(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rewrite::testutil::{Endpoints, build, verify_checksums};
+    use crate::rewrite::testutil::{Endpoints, build, fix_ipv4_checksum, verify_checksums};
     use crate::tuple::Protocol;
 
     fn udp4() -> Vec<u8> {
@@ -201,19 +206,47 @@ mod tests {
     }
 
     #[test]
+    fn a_header_checksum_that_does_not_verify_is_refused_except_in_a_quote() {
+        let pkt = udp4();
+        for at in [10, 11, 8, 15] {
+            let mut p = pkt.clone();
+            p[at] ^= 0x40;
+            assert_eq!(
+                parse(&p, false).unwrap_err(),
+                ParseError::BadChecksum,
+                "{at}"
+            );
+            assert!(parse(&p, true).is_ok(), "quoted: {at}");
+            fix_ipv4_checksum(&mut p);
+            assert!(parse(&p, false).is_ok(), "fixed: {at}");
+        }
+        // A header with options is covered whole.
+        let mut p = pkt[..20].to_vec();
+        p.extend_from_slice(&[1, 1, 1, 0]);
+        p.extend_from_slice(&pkt[20..]);
+        p[0] = 0x46;
+        let len = p.len() as u16;
+        p[2..4].copy_from_slice(&len.to_be_bytes());
+        fix_ipv4_checksum(&mut p);
+        assert!(parse(&p, false).is_ok());
+        p[22] = 7;
+        assert_eq!(parse(&p, false).unwrap_err(), ParseError::BadChecksum);
+    }
+
+    #[test]
     fn flags_fragments() {
         let pkt = udp4();
         for (hi, lo) in [(0x20, 0x00), (0x00, 0x01), (0x1F, 0xFF), (0x60, 0x00)] {
             let mut p = pkt.clone();
             p[6] = hi;
             p[7] = lo;
-            fix_checksum(&mut p);
+            fix_ipv4_checksum(&mut p);
             assert!(parse(&p, false).unwrap().fragment, "{hi:#x} {lo:#x}");
         }
         let mut p = pkt.clone();
         p[6] = 0x40; // DF alone is not a fragment
         p[7] = 0;
-        fix_checksum(&mut p);
+        fix_ipv4_checksum(&mut p);
         assert!(!parse(&p, false).unwrap().fragment);
     }
 
@@ -221,7 +254,7 @@ mod tests {
     fn ttl_decrement_fixes_the_checksum() {
         let mut p = udp4();
         p[8] = 2;
-        fix_checksum(&mut p);
+        fix_ipv4_checksum(&mut p);
         assert!(decrement_ttl(&mut p));
         assert_eq!(p[8], 1);
         verify_checksums(&p);
@@ -230,13 +263,6 @@ mod tests {
         assert_eq!(p, before);
         p[8] = 0;
         assert!(!decrement_ttl(&mut p));
-    }
-
-    fn fix_checksum(p: &mut [u8]) {
-        p[10] = 0;
-        p[11] = 0;
-        let c = finish(sum(&p[..20]));
-        p[10..12].copy_from_slice(&c.to_be_bytes());
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub enum ParseError {
     /// followed by 8 bytes of transport header.
     #[error("ICMP error quotes a malformed packet")]
     BadIcmpQuote,
+    /// The IPv4 header checksum does not verify.
+    #[error("IPv4 header checksum does not verify")]
+    BadChecksum,
 }
 
 impl ParseError {
@@ -61,6 +64,7 @@ impl ParseError {
             ParseError::BadExtensionHeader => "bad_extension_header",
             ParseError::BadL4Header => "bad_l4_header",
             ParseError::BadIcmpQuote => "bad_icmp_quote",
+            ParseError::BadChecksum => "bad_checksum",
         }
     }
 }
