@@ -24,7 +24,9 @@ use std::net::IpAddr;
 
 use futures::TryStreamExt;
 use ipnet::IpNet;
-use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVeth, LinkAttribute};
+use rtnetlink::packet_route::link::{
+    AfSpecInet, AfSpecUnspec, InetDevConf, InfoData, InfoKind, InfoVeth, LinkAttribute,
+};
 use rtnetlink::packet_route::route::{RouteProtocol, RouteScope};
 use rtnetlink::{Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
@@ -263,12 +265,29 @@ impl ServiceDevice {
 
     /// The node's own connections to its NodePorts come back to it through the pair
     /// with a node address as source: accept them (`accept_local`) on both ends, kxp's
-    /// own devices.
+    /// own devices. Set over netlink (`IFLA_INET_CONF`, `CAP_NET_ADMIN`), not through
+    /// `/proc/sys`, which a container that is not privileged has read-only.
     fn accept_local(host: &str, dp: &str) {
         for dev in [host, dp] {
-            let path = format!("/proc/sys/net/ipv4/conf/{dev}/accept_local");
-            if let Err(e) = std::fs::write(&path, "1") {
-                tracing::warn!(%path, error = %e, "cannot set; the node's own connections to its NodePorts will fail");
+            let r = with_handle(dev, async |h| {
+                let Some(index) = index_of(h, dev).await else {
+                    return Ok(());
+                };
+                let mut conf = InetDevConf::default();
+                conf.accept_local = 1;
+                let msg = LinkUnspec::new_with_index(index)
+                    .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(
+                        vec![AfSpecInet::DevConfRequest(conf)],
+                    )]))
+                    .build();
+                h.link()
+                    .set(msg)
+                    .execute()
+                    .await
+                    .map_err(netlink_err("set accept_local on", dev))
+            });
+            if let Err(e) = r {
+                tracing::warn!(device = dev, error = %e, "cannot set accept_local; the node's own connections to its NodePorts will fail");
             }
         }
     }

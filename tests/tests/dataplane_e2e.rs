@@ -76,8 +76,9 @@ struct Opts<'a> {
     /// only these arguments (`@KUBECONFIG@`, `@CONFIG@` and `@CLUSTER_CIDR@` replaced),
     /// no kxp flag and no `--interface`; with `@CONFIG@`, the config is kubeadm's.
     kube_proxy_args: Option<&'a [&'a str]>,
-    /// Start kxp (and restart it) with only these capabilities (`setpriv` bounding set,
-    /// as a container runtime or systemd's `CapabilityBoundingSet` grants them).
+    /// Start kxp (and restart it) as in a container that is not privileged: only these
+    /// capabilities (`setpriv` bounding set, as the container runtime or systemd's
+    /// `CapabilityBoundingSet` grants them), `/proc/sys` read-only.
     capabilities: Option<Vec<String>>,
 }
 
@@ -266,7 +267,7 @@ impl Lab {
             std::fs::write(
                 &wrapper,
                 format!(
-                    "#!/bin/sh\nexec setpriv --bounding-set=-all,{} --inh-caps=-all {} \"$@\"\n",
+                    "#!/bin/sh\nset -e\nmount --bind /proc/sys /proc/sys\nmount -o remount,bind,ro /proc/sys\nexec setpriv --bounding-set=-all,{} --inh-caps=-all {} \"$@\"\n",
                     set.join(","),
                     exe.display()
                 ),
@@ -2428,6 +2429,32 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
     println!("{n} threads hold only the runtime set");
     let (spread, _, failed) = lab.http_spread(vip(80), 30);
     assert_eq!((failed, spread.len()), (0, 3), "{spread:?}\n{}", lab.log());
+
+    // The node's own connections to its NodePort: accept_local on kxp's device, set over
+    // netlink since /proc/sys is read-only here.
+    for dev in ["kxp0", "kxp0-dp"] {
+        let out = in_ns(
+            &lab.node,
+            &[
+                "cat",
+                &format!("/proc/sys/net/ipv4/conf/{dev}/accept_local"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "1",
+            "{dev}\n{}",
+            lab.log()
+        );
+    }
+    let np: SocketAddr = "198.18.1.1:30080".parse().unwrap();
+    let answers = lab.in_ns(&lab.node, move || {
+        (0..10)
+            .filter(|_| http_get(np, Duration::from_secs(3)).is_ok())
+            .count()
+    });
+    assert_eq!(answers, 10, "{}", lab.log());
 
     // A pod's veth appearing now is attached and served with what is left.
     let node = lab.node.clone();
