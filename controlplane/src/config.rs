@@ -20,8 +20,13 @@ pub struct KubeProxyConfiguration {
     pub feature_gates: Option<std::collections::BTreeMap<String, bool>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_connection: Option<ClientConnection>,
-    /// component-base logging options (format, verbosity, …): accepted as they are.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// component-base logging options (format, verbosity, …): accepted as they are
+    /// (YAML tags dropped, see [`untagged`]).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "untagged"
+    )]
     pub logging: Option<serde_yaml::Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hostname_override: Option<String>,
@@ -47,7 +52,11 @@ pub struct KubeProxyConfiguration {
     pub ipvs: Option<Ipvs>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nftables: Option<NfTables>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "untagged"
+    )]
     pub winkernel: Option<serde_yaml::Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detect_local_mode: Option<String>,
@@ -218,6 +227,25 @@ pub struct KxpSection {
 
 /// A value as a generated configuration writes an unset field: null, false, 0, "", "0",
 /// "0s", or a mapping of only such values.
+/// A free-form section with its YAML tags (`!foo value`) dropped, keys included: as
+/// kube-proxy reads it (through JSON, which has no tags), and so that kxp writes back
+/// (`--write-config-to`) what it read (the YAML emitter refuses some tagged keys; found
+/// by fuzzing).
+fn untagged<'de, D: Deserializer<'de>>(d: D) -> Result<Option<serde_yaml::Value>, D::Error> {
+    fn strip(v: serde_yaml::Value) -> serde_yaml::Value {
+        use serde_yaml::Value;
+        match v {
+            Value::Tagged(t) => strip(t.value),
+            Value::Sequence(s) => Value::Sequence(s.into_iter().map(strip).collect()),
+            Value::Mapping(m) => {
+                Value::Mapping(m.into_iter().map(|(k, v)| (strip(k), strip(v))).collect())
+            }
+            other => other,
+        }
+    }
+    Ok(Option::<serde_yaml::Value>::deserialize(d)?.map(strip))
+}
+
 fn zeroish(v: &serde_yaml::Value) -> bool {
     use serde_yaml::Value;
     match v {
@@ -555,6 +583,41 @@ impl KubeProxyConfiguration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by fuzzing (`fuzz/regressions/config/`): a tagged key in a free-form section
+    /// read, and then could not be written back (`--write-config-to` failed).
+    #[test]
+    fn tags_in_free_form_sections_are_dropped_and_what_reads_is_written_back() {
+        let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+                    logging: {!t0 format: json, verbosity: !!int 4, options: {!x text: {}}}\n\
+                    winkernel: !w {networkName: !n x}\n";
+        let cfg = KubeProxyConfiguration::parse(text, "test").unwrap();
+        let logging = serde_yaml::to_string(&cfg.logging).unwrap();
+        assert_eq!(
+            logging,
+            "format: json\nverbosity: 4\noptions:\n  text: {}\n"
+        );
+        let written = serde_yaml::to_string(&cfg).unwrap();
+        assert_eq!(
+            KubeProxyConfiguration::parse(&written, "written").unwrap(),
+            cfg
+        );
+        for f in std::fs::read_dir(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../fuzz/regressions/config"
+        ))
+        .unwrap()
+        {
+            let text = std::fs::read_to_string(f.unwrap().path()).unwrap();
+            if let Ok(cfg) = KubeProxyConfiguration::parse(&text, "found") {
+                let written = serde_yaml::to_string(&cfg).unwrap();
+                assert_eq!(
+                    KubeProxyConfiguration::parse(&written, "written").unwrap(),
+                    cfg
+                );
+            }
+        }
+    }
 
     #[test]
     fn fields_kxp_does_not_do_are_named() {
