@@ -97,7 +97,14 @@ pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
 /// multiple of 0xFFFF. Five loads and adds for a header without options.
 #[inline]
 fn checksum_verifies(hdr: &[u8]) -> bool {
-    let word = |i: usize| u64::from(u32::from_be_bytes([hdr[i], hdr[i + 1], hdr[i + 2], hdr[i + 3]]));
+    let word = |i: usize| {
+        u64::from(u32::from_be_bytes([
+            hdr[i],
+            hdr[i + 1],
+            hdr[i + 2],
+            hdr[i + 3],
+        ]))
+    };
     let mut s = word(0) + word(4) + word(8) + word(12) + word(16);
     if hdr.len() > MIN_HEADER_LEN {
         s += sum_fast(&hdr[MIN_HEADER_LEN..]);
