@@ -292,11 +292,13 @@ pub fn drop_after_setup() -> Result<Dropped, String> {
                     .is_none_or(|at| now - *at >= std::time::Duration::from_millis(100))
             })
             .collect();
-        for t in &todo {
-            signalled.insert(*t, now);
+        if !todo.is_empty() {
+            for t in &todo {
+                signalled.insert(*t, now);
+            }
+            crate::sys::reduce_threads(keep, last, &todo)
+                .map_err(|e| format!("reducing capabilities: {e}"))?;
         }
-        crate::sys::reduce_threads(keep, last, &todo)
-            .map_err(|e| format!("reducing capabilities: {e}"))?;
         std::thread::sleep(std::time::Duration::from_millis(2));
     };
     Ok(Dropped {

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use conntrack::persist::{AffinityRecord, HEADER_WORDS, Header, Kind, RECORD_WORDS, seal};
+use conntrack::persist::{AffinityRecord, Header, Kind, RECORD_WORDS, seal};
 use conntrack::{ConnTable, SnatPorts, Timeouts};
 use nat::rewrite::tcp_flags::{ACK, SYN};
 use nat::tuple::{Protocol, Tuple};
@@ -216,7 +216,6 @@ fn state() -> Vec<(&'static str, Vec<u8>)> {
             netns: 0,
         };
         let mut words: Vec<u64> = h.encode().to_vec();
-        let _ = HEADER_WORDS;
         for p in payloads {
             words.push(seal(2, p));
             words.extend_from_slice(p);
@@ -240,74 +239,10 @@ fn state() -> Vec<(&'static str, Vec<u8>)> {
 }
 
 fn config() -> Vec<(&'static str, String)> {
-    let kubeadm = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
-bindAddress: 0.0.0.0
-bindAddressHardFail: false
-clientConnection:
-  acceptContentTypes: \"\"
-  burst: 0
-  contentType: \"\"
-  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
-  qps: 0
-clusterCIDR: 10.244.0.0/16
-configSyncPeriod: 0s
-conntrack:
-  maxPerCore: null
-  min: null
-  tcpBeLiberal: false
-  tcpCloseWaitTimeout: null
-  tcpEstablishedTimeout: null
-  udpStreamTimeout: 0s
-  udpTimeout: 0s
-detectLocal:
-  bridgeInterface: \"\"
-  interfaceNamePrefix: \"\"
-detectLocalMode: \"\"
-enableProfiling: false
-healthzBindAddress: \"\"
-hostnameOverride: \"\"
-iptables:
-  localhostNodePorts: null
-  masqueradeAll: false
-  masqueradeBit: null
-  minSyncPeriod: 0s
-  syncPeriod: 0s
-ipvs:
-  excludeCIDRs: null
-  minSyncPeriod: 0s
-  scheduler: \"\"
-  strictARP: false
-  syncPeriod: 0s
-  tcpFinTimeout: 0s
-  tcpTimeout: 0s
-  udpTimeout: 0s
-kind: KubeProxyConfiguration
-logging:
-  flushFrequency: 0
-  options:
-    json:
-      infoBufferSize: \"0\"
-    text:
-      infoBufferSize: \"0\"
-  verbosity: 0
-metricsBindAddress: \"\"
-mode: \"\"
-nftables:
-  masqueradeAll: false
-  masqueradeBit: null
-  minSyncPeriod: 0s
-  syncPeriod: 0s
-nodePortAddresses: null
-oomScoreAdj: null
-portRange: \"\"
-showHiddenMetricsForVersion: \"\"
-winkernel:
-  enableDSR: false
-  forwardHealthCheckVip: false
-  networkName: \"\"
-  rootHnsEndpointName: \"\"
-  sourceVip: \"\"
-";
+    // The configuration kubeadm generates (the e2e tests' fixture), filled in.
+    let kubeadm = include_str!("../../tests/fixtures/kubeadm-kube-proxy.conf")
+        .replace("@KUBECONFIG@", "/var/lib/kube-proxy/kubeconfig.conf")
+        .replace("@CLUSTER_CIDR@", "10.244.0.0/16");
     let kxp = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: ipvs
@@ -330,7 +265,7 @@ detectLocal: {clusterCIDRs: [10.0.0.0/8, fd00::/48]}
 logging: {format: json, verbosity: 4}
 ";
     vec![
-        ("kubeadm", kubeadm.to_string()),
+        ("kubeadm", kubeadm),
         ("kxp", kxp.to_string()),
         ("v1alpha2", v2.to_string()),
     ]

@@ -2376,6 +2376,15 @@ fn thread_caps(pid: u32) -> Vec<(String, u64, u64, u64, bool)> {
         .collect()
 }
 
+/// Waits (up to 10 s) until kxp has logged its capability drop `n` times: it drops them
+/// once set up, a moment after /healthz answers.
+fn wait_dropped(lab: &Lab, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lab.log().matches("capabilities after setup").count() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The capability set kxp keeps once set up.
 fn runtime_capabilities() -> u64 {
     dataplane::caps::RUNTIME.iter().map(|&c| 1u64 << c).sum()
@@ -2399,7 +2408,8 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
         capabilities: Some(caps.clone()),
         ..Default::default()
     });
-    let check_threads = |lab: &Lab| {
+    let check_threads = |lab: &Lab, starts: usize| {
+        wait_dropped(lab, starts);
         let pid = lab.kxp.as_ref().unwrap().child.id();
         let threads = thread_caps(pid);
         assert!(threads.len() > 3, "{threads:?}");
@@ -2417,7 +2427,7 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
         }
         threads.len()
     };
-    let n = check_threads(&lab);
+    let n = check_threads(&lab, 1);
     let log = lab.log();
     // (What it drops is what the sandbox granted beyond: CAP_SYS_RESOURCE where root has it.)
     assert!(
@@ -2472,7 +2482,7 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
     let echo = Echoer::start(&lab.client, vip(7));
     std::thread::sleep(Duration::from_millis(300));
     let args = lab.args.clone();
-    for kind in ["kill -9", "SIGTERM"] {
+    for (i, kind) in ["kill -9", "SIGTERM"].into_iter().enumerate() {
         let k = lab.kxp.as_mut().unwrap();
         if kind == "kill -9" {
             k.kill();
@@ -2490,7 +2500,7 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
         std::thread::sleep(Duration::from_millis(500));
         let (spread, _, failed) = lab.http_spread(vip(80), 6);
         assert_eq!(failed, 0, "after {kind}: {spread:?}\n{}", lab.log());
-        check_threads(&lab);
+        check_threads(&lab, i + 2);
     }
     let echoed = echo.finish();
     assert!(echoed.error.is_none(), "{:?}\n{}", echoed.error, lab.log());
@@ -2508,6 +2518,7 @@ fn as_root_kxp_keeps_only_its_runtime_capabilities_once_set_up() {
         prefix: "kxe32",
         ..Default::default()
     });
+    wait_dropped(&lab, 1);
     let pid = lab.kxp.as_ref().unwrap().child.id();
     for (name, eff, prm, bnd, nnp) in thread_caps(pid) {
         let rt = runtime_capabilities();
