@@ -2,6 +2,9 @@
 //! Kubernetes objects so that benchmarks exercise the same path as `kxp`.
 #![forbid(unsafe_code)]
 
+pub mod chart;
+pub mod results;
+
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 

@@ -192,6 +192,17 @@ pub struct RunArgs {
     /// interfaces' napi_defer_hard_irqs and gro_flush_timeout. Off by default.
     #[arg(long, value_name = "USECS[,BUDGET]", value_parser = parse_busy_poll)]
     pub busy_poll: Option<(u32, u32)>,
+    /// The longest a received packet may wait in a worker's rings when the worker is
+    /// saturated: each interface's fill ring holds what the worker drains in this time,
+    /// and a load beyond that is dropped by the interface at once rather than queued
+    /// (0: no bound but the UMEM's share).
+    #[arg(long, value_name = "USECS", default_value_t = 250, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub queue_budget: u32,
+    /// How long a worker keeps polling after its last packet before it sleeps (waking
+    /// costs the next packet tens of µs) [default: 10000 for workers pinned by --cpus,
+    /// else 0: 64 empty rounds].
+    #[arg(long, value_name = "USECS", value_parser = clap::value_parser!(u32).range(0..=10_000_000))]
+    pub idle_spin: Option<u32>,
     /// Where connections, SNAT ports and affinity are kept so that a restart or an
     /// upgrade loses none (default /run/kxp, or /run/kxp/netns-INODE outside the host's
     /// network namespace; "" for memory only).
@@ -470,6 +481,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 cpus: args.cpus,
                 snat_ports: args.snat_port_range,
                 busy_poll: args.busy_poll,
+                queue_budget_us: args.queue_budget,
+                idle_spin_us: args.idle_spin,
                 state_dir: args.state_dir,
                 admin_socket: args.admin_socket,
             })

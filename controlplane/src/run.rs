@@ -42,6 +42,10 @@ pub struct RunOptions {
     pub snat_ports: Option<(u16, u16)>,
     /// Preferred busy polling on the AF_XDP sockets: (µs, budget).
     pub busy_poll: Option<(u32, u32)>,
+    /// See [`dataplane::xsk::XskConfig::queue_budget_us`].
+    pub queue_budget_us: u32,
+    /// See [`dataplane::xsk::XskConfig::idle_spin_us`].
+    pub idle_spin_us: Option<u32>,
     /// `--state-dir`: `Some("")` turns persistence off; `None`: the config's, else the
     /// default.
     pub state_dir: Option<PathBuf>,
@@ -717,6 +721,8 @@ fn dataplane_config(
         dp_cfg.snat_ports = r;
     }
     dp_cfg.xsk.busy_poll = opts.busy_poll;
+    dp_cfg.xsk.queue_budget_us = opts.queue_budget_us;
+    dp_cfg.xsk.idle_spin_us = opts.idle_spin_us;
     dp_cfg.state_dir = path_setting(&opts.state_dir, &kxp.state_directory, || {
         let gone = dataplane::statefile::remove_stale_dirs(Duration::from_secs(600));
         if gone > 0 {

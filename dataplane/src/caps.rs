@@ -218,14 +218,10 @@ fn last_cap() -> u32 {
 /// Threads of this process not reduced to `keep` yet (tid, name): holding more in a set
 /// (the bounding one too if `bounding`), or without no_new_privs.
 fn over(keep: u64, bounding: bool, me: i32) -> Vec<(i32, String)> {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Vec::new();
-    };
-    tasks
-        .filter_map(Result::ok)
-        .filter_map(|t| {
-            let tid: i32 = t.file_name().to_str()?.parse().ok()?;
-            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+    crate::sys::thread_ids()
+        .into_iter()
+        .filter_map(|tid| {
+            let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).ok()?;
             let sets: &[&str] = if bounding {
                 &["CapEff:", "CapPrm:", "CapInh:", "CapAmb:", "CapBnd:"]
             } else {

@@ -119,8 +119,12 @@ struct WorkerParts {
     shared: Arc<Shared>,
     commands: crossbeam::channel::Receiver<crate::worker::Command>,
     busy_poll: bool,
+    idle_spin_us: u32,
+    queue_budget_us: u32,
     journal: Option<crate::statefile::StateFile>,
     local_delivery: crate::worker::LocalDelivery,
+    /// Where the worker's thread id goes once it runs.
+    started: std::sync::mpsc::Sender<libc::pid_t>,
 }
 
 impl WorkerParts {
@@ -135,17 +139,70 @@ impl WorkerParts {
             shared,
             commands,
             busy_poll,
+            idle_spin_us,
+            queue_budget_us,
             journal,
             local_delivery,
+            started,
         } = self;
+        let _ = started.send(crate::sys::gettid());
+        drop(started);
         sockets.with(move |io| {
             let mut w = Worker::new(id, cpu, io, engine, fib, shared, commands);
             w.busy_poll = busy_poll;
+            w.idle_spin_ns = u64::from(idle_spin_us) * 1000;
+            w.queue_budget_ns = u64::from(queue_budget_us) * 1000;
             w.journal = journal;
             w.local_delivery = Some(local_delivery);
             w.run();
         });
     }
+}
+
+/// Moves every thread of the process but the workers (`worker_tids`) off the workers'
+/// pinned CPUs, the calling thread too, so that threads started later (inheriting its
+/// affinity) keep off them: a control-plane thread woken on a worker's CPU would take
+/// the CPU from its poll loop for a time slice, a standing queue of milliseconds in its
+/// rings. Nothing is moved when the workers take every CPU the process may use.
+fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
+    let allowed = match crate::sys::allowed_cpus() {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!("cannot read the CPUs kxp may use: {e}");
+            return;
+        }
+    };
+    let rest: Vec<usize> = allowed.into_iter().filter(|c| !cpus.contains(c)).collect();
+    if rest.is_empty() {
+        tracing::info!(
+            "the workers take every CPU kxp may use ({cpus:?}): its other threads share them"
+        );
+        return;
+    }
+    let mut moved = 0;
+    let mut failed = 0;
+    for tid in crate::sys::thread_ids() {
+        if worker_tids.contains(&tid) {
+            continue;
+        }
+        match crate::sys::set_affinity(tid, &rest) {
+            Ok(()) => moved += 1,
+            // A thread that ended meanwhile.
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+            Err(e) => {
+                failed += 1;
+                tracing::warn!("cannot move thread {tid} off the workers' CPUs: {e}");
+            }
+        }
+    }
+    tracing::info!(
+        "workers pinned to CPUs {cpus:?}; kxp's {moved} other thread(s) run on CPUs {rest:?}{}",
+        if failed > 0 {
+            format!(" ({failed} could not be moved)")
+        } else {
+            String::new()
+        }
+    );
 }
 
 /// A running dataplane.
@@ -599,6 +656,7 @@ impl Dataplane {
         // Each worker is put together in its own thread, around its sockets branded
         // there (see crate::xsk): what it needs is gathered here.
         let mut workers = Vec::new();
+        let (started_tx, started) = std::sync::mpsc::channel();
         for (id, (rx, table)) in rxs.into_iter().zip(tables).enumerate() {
             // The UMEM's own socket goes on the service device (see crate::servicedev).
             let sockets = Sockets::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
@@ -618,6 +676,12 @@ impl Dataplane {
                 shared: shared.clone(),
                 commands: rx,
                 busy_poll: xsk.busy_poll.is_some(),
+                idle_spin_us: xsk.idle_spin_us.unwrap_or(if cfg.cpus.is_some() {
+                    10_000
+                } else {
+                    0
+                }),
+                queue_budget_us: xsk.queue_budget_us,
                 journal: persistence
                     .as_mut()
                     .and_then(|p| p.conntrack.get_mut(id))
@@ -627,8 +691,10 @@ impl Dataplane {
                     src_mac: service.dp_mac,
                     dst_mac: service.host_mac,
                 },
+                started: started_tx.clone(),
             });
         }
+        drop(started_tx);
         let taken_over = !(keep && Steering::kept_on(&service.dp, attach));
         if taken_over {
             service_prog.attach(&service.dp, attach, keep)?;
@@ -697,6 +763,12 @@ impl Dataplane {
             })
             .map_err(|e| DataplaneError::Config(format!("cannot start the link thread: {e}")))?;
         dp.link_thread = Some(h);
+        if let Some(cpus) = &cfg.cpus {
+            let worker_tids: Vec<libc::pid_t> = (0..cpus.len())
+                .map_while(|_| started.recv_timeout(Duration::from_secs(2)).ok())
+                .collect();
+            keep_off_worker_cpus(cpus, &worker_tids);
+        }
         Ok(dp)
     }
 

@@ -69,22 +69,57 @@ pub fn kick_rx(fd: RawFd) {
 
 /// Pins the calling thread to one CPU.
 pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
-    if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("CPU {cpu} out of range"),
-        ));
-    }
+    set_affinity(0, &[cpu])
+}
+
+/// Restricts thread `tid` of this process (0: the calling thread) to `cpus`.
+pub fn set_affinity(tid: libc::pid_t, cpus: &[usize]) -> io::Result<()> {
     // SAFETY: cpu_set_t is plain data for which all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `cpu` is below CPU_SETSIZE (checked above) and `set` is a valid set.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: pid 0 is the calling thread; `set` is valid and its size is passed.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    for &cpu in cpus {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("CPU {cpu} out of range"),
+            ));
+        }
+        // SAFETY: `cpu` is below CPU_SETSIZE (checked above) and `set` is a valid set.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    // SAFETY: `tid` is a thread id (or 0, the caller); `set` is valid and its size is
+    // passed.
+    let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// The CPUs the calling thread may run on.
+pub fn allowed_cpus() -> io::Result<Vec<usize>> {
+    // SAFETY: cpu_set_t is plain data for which all-zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is valid, writable and its size passed.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: every index is below CPU_SETSIZE and `set` is a valid set.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// The thread ids of this process.
+pub fn thread_ids() -> Vec<libc::pid_t> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter_map(|t| t.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Whether the process runs as root (effective uid 0).

@@ -28,6 +28,8 @@ use crate::fib::{FibView, Route};
 use crate::xsk::{Frame, WorkerIo};
 
 const ETH_HLEN: usize = 14;
+/// Busy time over which the loop's drain rate is measured.
+const DRAIN_WINDOW_NS: u64 = 2_000_000;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 
@@ -268,6 +270,14 @@ pub struct Worker<'id> {
     now: u64,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
     pub busy_poll: bool,
+    /// How long to keep polling after the last packet before sleeping (see
+    /// [`crate::xsk::XskConfig::idle_spin_us`]).
+    pub idle_spin_ns: u64,
+    /// The longest a packet should wait in the rings at saturation (see
+    /// [`crate::xsk::XskConfig::queue_budget_us`]); 0: unbounded.
+    pub queue_budget_ns: u64,
+    /// Nanoseconds per packet of the loop, as last measured (0: not yet).
+    pub drain_ns_per_packet: f64,
     /// Where the connection table's changes go for the next process (see
     /// [`crate::statefile`]).
     pub journal: Option<crate::statefile::StateFile>,
@@ -338,6 +348,9 @@ impl<'id> Worker<'id> {
             waiting: std::collections::VecDeque::new(),
             now: 0,
             busy_poll: false,
+            idle_spin_ns: 0,
+            queue_budget_ns: 0,
+            drain_ns_per_packet: 0.0,
             journal: None,
             local: Local::default(),
         }
@@ -354,6 +367,11 @@ impl<'id> Worker<'id> {
         let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
         let mut idle: u32 = 0;
+        let mut last_work = crate::sys::monotonic_ns();
+        // The rate the loop drains packets at, measured over its busy rounds (the time
+        // from one busy round's start to the next's, and the packets it took).
+        let (mut prev_start, mut prev_work) = (last_work, 0usize);
+        let (mut busy_ns, mut busy_packets) = (0u64, 0u64);
         let mut iterations: u64 = 0;
         let mut busy: u64 = 0;
         let workers = self.shared.stats.len();
@@ -374,6 +392,15 @@ impl<'id> Worker<'id> {
             }
             let now = crate::sys::monotonic_ns();
             self.now = now;
+            if prev_work > 0 {
+                busy_ns += now.saturating_sub(prev_start);
+                busy_packets += prev_work as u64;
+                if busy_ns >= DRAIN_WINDOW_NS {
+                    self.drain_measured(busy_ns, busy_packets);
+                    (busy_ns, busy_packets) = (0, 0);
+                }
+            }
+            prev_start = now;
             if !self.waiting.is_empty() {
                 self.retry_waiting();
             }
@@ -436,12 +463,14 @@ impl<'id> Worker<'id> {
             }
 
             iterations += 1;
+            prev_work = work;
             if work > 0 {
                 busy += 1;
                 idle = 0;
+                last_work = now;
             } else {
                 idle = idle.saturating_add(1);
-                if idle > 64 {
+                if idle > 64 && now.saturating_sub(last_work) > self.idle_spin_ns {
                     // Back off: 1 ms, doubling to 16 ms; an arriving packet wakes us.
                     let ms = if self.waiting.is_empty() {
                         1i32 << ((idle - 64) / 64).min(4)
@@ -459,6 +488,21 @@ impl<'id> Worker<'id> {
         }
         self.write_journal();
         self.publish(iterations, busy, 0);
+    }
+
+    /// A window of busy rounds took `ns` for `packets`: the fill rings are bounded to
+    /// what the loop drains within the queue budget at that pace.
+    fn drain_measured(&mut self, ns: u64, packets: u64) {
+        let per = ns as f64 / packets.max(1) as f64;
+        self.drain_ns_per_packet = if self.drain_ns_per_packet == 0.0 {
+            per
+        } else {
+            0.75 * self.drain_ns_per_packet + 0.25 * per
+        };
+        if self.queue_budget_ns > 0 {
+            let frames = self.queue_budget_ns as f64 / self.drain_ns_per_packet;
+            self.io.set_fill_limit(frames as usize);
+        }
     }
 
     fn write_journal(&mut self) {

@@ -78,6 +78,16 @@ pub struct XskConfig {
     pub copy_mode: bool,
     /// Preferred busy polling: (busy-poll µs, budget).
     pub busy_poll: Option<(u32, u32)>,
+    /// The longest a received packet should wait in a port's rings when the worker is
+    /// saturated, in µs (0: no bound but the UMEM's share). The worker keeps each fill
+    /// ring at what it drains in this time, so a load beyond what it forwards is dropped
+    /// by the interface at once instead of standing in a queue that delays every packet.
+    pub queue_budget_us: u32,
+    /// How long a worker keeps polling after its last packet before it sleeps in
+    /// `poll()`, in µs (`None`: 10 ms for a worker pinned to a CPU, which it then has to
+    /// itself, and none for one that is not, which only spins 64 empty rounds). Waking
+    /// from `poll()` costs tens of µs of latency on the first packet after a pause.
+    pub idle_spin_us: Option<u32>,
     /// AF_XDP multi-buffer (`XDP_USE_SG`): packets larger than a frame (jumbo MTUs)
     /// arrive and leave as chains of frames. It costs on every packet in copy mode, so
     /// it is on only when an interface needs it.
@@ -92,6 +102,8 @@ impl Default for XskConfig {
             ring_size: 2048,
             copy_mode: true,
             busy_poll: None,
+            queue_budget_us: 250,
+            idle_spin_us: None,
             multi_buffer: false,
         }
     }
@@ -190,6 +202,8 @@ pub struct WorkerIo<'id> {
     /// Frames each port's fill ring is kept at: the UMEM less the reserve, shared evenly,
     /// so that no interface starves the others of receive buffers.
     fill_target: usize,
+    /// See [`WorkerIo::set_fill_limit`].
+    fill_limit: usize,
     frame_capacity: usize,
     _brand: Brand<'id>,
 }
@@ -271,6 +285,7 @@ impl Sockets {
             scratch,
             reserve,
             fill_target,
+            fill_limit,
             frame_capacity,
             _brand,
         } = self.0;
@@ -289,6 +304,7 @@ impl Sockets {
             scratch,
             reserve,
             fill_target,
+            fill_limit,
             frame_capacity,
             _brand: PhantomData,
         })
@@ -364,6 +380,7 @@ impl WorkerIo<'static> {
             frames_total,
             ring_size: cfg.ring_size as usize,
             fill_target: 0,
+            fill_limit: usize::MAX,
             reserve,
             free: descs,
             scratch: vec![FrameDesc::default(); BATCH],
@@ -479,6 +496,21 @@ impl<'id> WorkerIo<'id> {
         let others = self.ports.len().saturating_sub(1).max(1);
         self.fill_target = ((self.frames_total - self.reserve - FIRST_PORT_FILL) / others)
             .clamp(BATCH, self.ring_size);
+    }
+
+    /// Bounds every port's fill ring (but the first's, kxp's service device) to `frames`
+    /// (at least two batches): the most received packets that can wait in the port's
+    /// rings, since the kernel receives only into frames it was given. The worker sets it
+    /// from its latency budget and the rate it drains packets at, so that at saturation
+    /// the interface drops what the budget cannot hold instead of queueing it (see
+    /// [`XskConfig::queue_budget_us`]).
+    pub fn set_fill_limit(&mut self, frames: usize) {
+        self.fill_limit = frames.max(2 * BATCH);
+    }
+
+    /// See [`WorkerIo::set_fill_limit`].
+    pub fn fill_limit(&self) -> usize {
+        self.fill_limit
     }
 
     /// The ifindex of `port`.
@@ -776,7 +808,7 @@ impl<'id> WorkerIo<'id> {
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            (BATCH + p.demand).min(cap)
+            (BATCH + p.demand).min(cap).min(self.fill_limit)
         };
         let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
@@ -844,6 +876,49 @@ impl<'id> WorkerIo<'id> {
 mod tests {
     use super::*;
     use crate::lab::Topology;
+
+    /// The fill limit bounds what a busy port is given (the kernel can then hold no more
+    /// received packets than that), and raising it lets the port take more again.
+    #[test]
+    fn a_fill_limit_bounds_what_a_busy_port_is_given() {
+        assert!(
+            crate::sys::is_root(),
+            "needs root: it opens AF_XDP sockets in a netns"
+        );
+        let mut topo = Topology::new("kxqf");
+        let ns = topo.add_ns_unique("io").unwrap();
+        let peer = topo.add_ns_unique("peer").unwrap();
+        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
+        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        let given = topo
+            .run_in(&ns, || {
+                let sockets =
+                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
+                sockets.with(|mut io| {
+                    io.set_fill_limit(200);
+                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+                    io.add_port("pod", ifindex).unwrap();
+                    let port = io.port_of(ifindex).unwrap();
+                    let mut given = Vec::new();
+                    for limit in [200, 10, usize::MAX] {
+                        io.set_fill_limit(limit);
+                        // A port that received a lot asks for up to its share.
+                        io.ports[port].demand = 100_000;
+                        for _ in 0..4 {
+                            io.flush();
+                        }
+                        given.push((io.fill_limit(), io.ports[port].in_fill));
+                    }
+                    given
+                })
+            })
+            .unwrap();
+        assert_eq!(given[0], (200, 200), "{given:?}");
+        // At least two batches; lowering the limit takes no frame back (the ring drains
+        // to it as the port receives).
+        assert_eq!(given[1], (2 * BATCH, 200), "{given:?}");
+        assert!(given[2].1 > 1000, "unbounded, the port's share: {given:?}");
+    }
 
     #[test]
     fn a_removed_port_gives_back_every_frame_its_rings_held() {

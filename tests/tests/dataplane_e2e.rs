@@ -2509,6 +2509,65 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
     assert!(!log.contains("already attached"), "{log}");
 }
 
+/// With its worker pinned (`kxp.cpus`), kxp keeps every other thread of its own off the
+/// worker's CPU (and says so), so that none takes the poll loop's CPU for a time slice;
+/// the worker stays on its CPU, and kxp serves. Threads started later (the servers) are
+/// off it too.
+#[test]
+fn a_pinned_worker_has_its_cpu_to_itself() {
+    let ncpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count();
+    assert!(
+        ncpu >= 2,
+        "needs 2 CPUs (the worker on CPU 1, the rest on CPU 0)"
+    );
+    let lab = Lab::new(Opts {
+        prefix: "kxe34",
+        config_extra: "kxp:\n  cpus: [1]\n",
+        ..Default::default()
+    });
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!((failed, spread.len()), (0, 3), "{spread:?}\n{}", lab.log());
+    let pid = lab.kxp.as_ref().unwrap().child.id();
+    let threads: Vec<(String, String)> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .map(|st| {
+            let field = |f: &str| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix(f))
+                    .unwrap_or("")
+                    .trim()
+                    .to_string()
+            };
+            (field("Name:"), field("Cpus_allowed_list:"))
+        })
+        .collect();
+    let others = if ncpu == 2 {
+        "0".to_string()
+    } else {
+        format!("0,2-{}", ncpu - 1)
+    };
+    assert!(threads.len() > 2, "{threads:?}");
+    for (name, cpus) in &threads {
+        let want = if name == "kxp-worker-0" {
+            "1"
+        } else {
+            others.as_str()
+        };
+        assert_eq!(cpus, want, "thread {name}: {threads:?}\n{}", lab.log());
+    }
+    let log = lab.log();
+    assert!(
+        log.contains("workers pinned to CPUs [1]; kxp's") && log.contains("run on CPUs [0"),
+        "{log}"
+    );
+}
+
 /// As root (all capabilities, CAP_SETPCAP among them), kxp drops CAP_SYS_ADMIN and the
 /// rest once set up, from every set of every thread, the bounding set included, and
 /// still serves.

@@ -50,10 +50,15 @@ const R_GEN_IP: &str = "198.18.1.1";
 const R_BACK_IP: &str = "198.18.2.1";
 const ENDPOINTS: [&str; 3] = ["198.18.2.2", "198.18.2.3", "198.18.2.4"];
 const CLUSTER_CIDR: &str = "198.18.0.0/16";
+/// Where the scale cases' endpoints are (routed to the backend).
+const SCALE_EP_NET: &str = "198.18.128.0/17";
 const SERVICE_CIDR: &str = "198.19.0.0/16";
 const GEN_CPU: usize = 0;
 const ROUTER_CPU: usize = 1;
 const HEALTHZ: &str = "127.0.0.1:10256";
+
+/// `--kxp-arg`s.
+static KXP_ARGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
 /// kxp's macro benchmark against the kernel (run as root; see bench/MACRO.md).
 #[derive(Debug, Parser)]
@@ -81,6 +86,10 @@ struct Args {
     /// The kxp binary [default: `kxp` next to this program, built with cargo if missing].
     #[arg(long)]
     kxp: Option<PathBuf>,
+    /// More arguments for `kxp run` in the kxp cases (not kxp-base), e.g.
+    /// `--kxp-arg=--queue-budget=500`.
+    #[arg(long = "kxp-arg", value_name = "ARG", allow_hyphen_values = true)]
+    kxp_args: Vec<String>,
     /// An earlier kxp binary, measured as case `kxp-base` in the same run: a change on
     /// the packet path reports its ratios before and after side by side.
     #[arg(long)]
@@ -91,6 +100,11 @@ struct Args {
     /// Skip the latency phases.
     #[arg(long)]
     no_latency: bool,
+    /// Offered loads of the latency phase (after every case's rate runs): N% of the
+    /// slowest router's median rate in that mode in this run (the same load for every
+    /// router), N (Mpps), or max (unpaced).
+    #[arg(long, value_delimiter = ',', default_value = "50%,90%,max")]
+    lat_loads: Vec<String>,
     /// `kxp run --busy-poll` value of the kxp-busypoll case (USECS,BUDGET).
     #[arg(long, default_value = "50,64")]
     busy_poll: String,
@@ -119,6 +133,17 @@ struct Args {
     /// `trace --live`) against it, 5 times each.
     #[arg(long, value_name = "FLOWS")]
     admin_at: Option<u64>,
+    /// Where the run's result file (JSON) and chart (SVG) go, as
+    /// macro-YYYYmmddTHHMMSSZ.{json,svg}.
+    #[arg(long, value_name = "DIR", default_value = "target/macro-bench")]
+    out: PathBuf,
+    /// Instead of running: compare two result files (rates and their ratio, latency per
+    /// load), B against A.
+    #[arg(long, num_args = 2, value_names = ["A.json", "B.json"])]
+    compare: Option<Vec<PathBuf>>,
+    /// Instead of running: draw the chart of a result file again (to PATH.svg).
+    #[arg(long, value_name = "RESULT.json")]
+    chart: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,7 +169,20 @@ enum Case {
     KxpBase,
     KxpThreaded,
     KxpBusyPoll,
+    /// kube-proxy's iptables mode (the rules it writes, loaded with iptables-restore).
+    Ipt,
+    /// The scale cases: 10,000 Services (99,993 endpoints), traffic spread over all.
+    Nft10k,
+    Ipt10k,
+    Kxp10k,
+    /// kxp with 1,000,000 established flows.
+    Kxp1m,
 }
+
+/// Services of the scale cases.
+const SCALE_SERVICES: u32 = 10_000;
+/// Endpoints of each extra Service of the scale cases (the first keeps its 3).
+const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     fn parse(s: &str) -> anyhow::Result<Case> {
@@ -155,8 +193,15 @@ impl Case {
             "kxp-base" => Case::KxpBase,
             "kxp-threaded" => Case::KxpThreaded,
             "kxp-busypoll" => Case::KxpBusyPoll,
+            "iptables" => Case::Ipt,
+            "nft-10k" => Case::Nft10k,
+            "iptables-10k" => Case::Ipt10k,
+            "kxp-10k" => Case::Kxp10k,
+            "kxp-1m" => Case::Kxp1m,
             o => {
-                bail!("unknown case {o:?} (plain, nft, kxp, kxp-base, kxp-threaded, kxp-busypoll)")
+                bail!(
+                    "unknown case {o:?} (plain, nft, iptables, kxp, kxp-base, kxp-threaded, kxp-busypoll, nft-10k, iptables-10k, kxp-10k, kxp-1m)"
+                )
             }
         })
     }
@@ -168,6 +213,35 @@ impl Case {
             Case::KxpBase => "kxp-base",
             Case::KxpThreaded => "kxp-threaded",
             Case::KxpBusyPoll => "kxp-busypoll",
+            Case::Ipt => "iptables",
+            Case::Nft10k => "nft-10k",
+            Case::Ipt10k => "iptables-10k",
+            Case::Kxp10k => "kxp-10k",
+            Case::Kxp1m => "kxp-1m",
+        }
+    }
+    /// The router the case sets up (the scale cases are their router's at scale).
+    fn kind(self) -> Case {
+        match self {
+            Case::Nft10k => Case::Nft,
+            Case::Ipt10k => Case::Ipt,
+            Case::Kxp10k | Case::Kxp1m => Case::Kxp,
+            c => c,
+        }
+    }
+    /// Services in the state / ruleset.
+    fn services(self) -> u32 {
+        match self {
+            Case::Nft10k | Case::Ipt10k | Case::Kxp10k => SCALE_SERVICES,
+            _ => 1,
+        }
+    }
+    /// Established flows the generator's `est` mode cycles through.
+    fn flows(self) -> u32 {
+        match self {
+            Case::Kxp1m => 1_000_000,
+            Case::Nft10k | Case::Ipt10k | Case::Kxp10k => 10_240,
+            _ => 1024,
         }
     }
     fn describe(self) -> &'static str {
@@ -178,12 +252,26 @@ impl Case {
             Case::KxpBase => "kxp --kxp-baseline binary (before), as kxp",
             Case::KxpThreaded => "kxp, 1 worker on CPU1; threaded veth NAPI pinned to CPU1",
             Case::KxpBusyPoll => "kxp --busy-poll, 1 worker on CPU1; napi_defer_hard_irqs=2",
+            Case::Ipt => "kube-proxy iptables DNAT, 1 Service, 3 endpoints (RPS: CPU1)",
+            Case::Nft10k => {
+                "kube-proxy nftables, 10,000 Services / 99,993 endpoints, traffic to all (RPS: CPU1)"
+            }
+            Case::Ipt10k => {
+                "kube-proxy iptables, 10,000 Services / 99,993 endpoints, traffic to all (RPS: CPU1)"
+            }
+            Case::Kxp10k => "kxp, 10,000 Services / 99,993 endpoints, traffic to all",
+            Case::Kxp1m => "kxp, 1,000,000 established flows (table sized 1.2M)",
         }
     }
     fn is_kxp(self) -> bool {
         matches!(
             self,
-            Case::Kxp | Case::KxpBase | Case::KxpThreaded | Case::KxpBusyPoll
+            Case::Kxp
+                | Case::KxpBase
+                | Case::KxpThreaded
+                | Case::KxpBusyPoll
+                | Case::Kxp10k
+                | Case::Kxp1m
         )
     }
 }
@@ -312,6 +400,8 @@ struct Lab {
     gen_mac: String,
     dir: PathBuf,
     stop: Stop,
+    /// (Services, est flows) of the router set up now: what the generator sends to.
+    scale: std::sync::Mutex<(u32, u32)>,
     _dir_guard: RemoveDir,
     _topo: Topology,
 }
@@ -382,6 +472,18 @@ impl Lab {
             perm(&router, ep, &back_mac, &rb)?;
         }
         perm(&back, R_BACK_IP, &rb_mac, "eth0")?;
+        // The scale cases' endpoints (198.18.128.0/17) are behind the backend.
+        ip(&[
+            "-n",
+            &router,
+            "route",
+            "add",
+            SCALE_EP_NET,
+            "via",
+            ENDPOINTS[0],
+            "dev",
+            &rb,
+        ])?;
 
         // The router accepts the new-connection sources (198.18.64.0/18, not on its link).
         sh_in(
@@ -433,6 +535,7 @@ impl Lab {
             gen_mac,
             dir,
             stop,
+            scale: std::sync::Mutex::new((1, 1024)),
             _dir_guard: guard,
             _topo: topo,
         })
@@ -513,6 +616,7 @@ impl Lab {
         plan: &Plan,
         max_packets: u64,
         tag: &str,
+        rate: Option<f64>,
     ) -> anyhow::Result<Proc> {
         if let Some(gen_bin) = &plan.xsk_gen {
             let mut cmd = Command::new("ip");
@@ -525,17 +629,30 @@ impl Lab {
                 .args(["--dport", &SINK_PORT.to_string()])
                 .arg("--max")
                 .arg(max_packets.to_string());
+            if let Some(r) = rate {
+                cmd.arg("--rate").arg(format!("{}", r.round() as u64));
+            }
+            let (vips, flows) = *self.scale.lock().unwrap_or_else(|e| e.into_inner());
+            cmd.arg("--vips").arg(vips.to_string());
+            cmd.arg("--flows").arg(flows.to_string());
             return Proc::spawn(cmd, "xsk-gen", &self.dir.join(format!("xsk-gen-{tag}.log")));
+        }
+        if *self.scale.lock().unwrap_or_else(|e| e.into_inner()) != (1, 1024) {
+            bail!("the scale cases (-10k, -1m) need --generator xsk");
         }
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.genns, "taskset", "-c"])
             .arg(GEN_CPU.to_string())
             .args(["trafgen", "-o", "eth0", "-i"])
             .arg(cfg)
-            // -t 0: one sendto per packet (TX_RING fails with EAGAIN on this kernel);
-            // -P 1: one process (pinned to CPU0); --no-sock-mem -Q: leave the host's socket memory
-            // sysctls and IRQ affinities alone.
-            .args(["-t", "0", "-P", "1", "--no-sock-mem", "-Q", "-n"])
+            // -t 0: one sendto per packet (TX_RING fails with EAGAIN on this kernel), or
+            // -b: paced to a rate; -P 1: one process (pinned to CPU0); --no-sock-mem -Q:
+            // leave the host's socket memory sysctls and IRQ affinities alone.
+            .args(match rate {
+                Some(r) => vec!["-b".to_string(), format!("{}pps", r.round() as u64)],
+                None => vec!["-t".to_string(), "0".to_string()],
+            })
+            .args(["-P", "1", "--no-sock-mem", "-Q", "-n"])
             .arg(max_packets.to_string());
         Proc::spawn(cmd, "trafgen", &self.dir.join(format!("trafgen-{tag}.log")))
     }
@@ -642,13 +759,50 @@ fn chain_hash(name: &str) -> String {
         .collect()
 }
 
-/// The ruleset kube-proxy's nftables mode writes for one ClusterIP Service (ports
-/// sink 9000/UDP and probe 7000/UDP, three endpoints), following
+/// A Service of the benchmark's cluster.
+struct BenchService {
+    name: String,
+    vip: std::net::Ipv4Addr,
+    /// (port name, port = target port)
+    ports: Vec<(&'static str, u16)>,
+    endpoints: Vec<String>,
+}
+
+/// The benchmark's cluster of `n` Services: `sink` (VIP 198.19.0.10, ports sink 9000/UDP
+/// and probe 7000/UDP, the backend's three addresses), then `svc-1`… on the next
+/// ClusterIPs, port 9000/UDP, 10 endpoints each in 198.18.128.0/17 (an address serves
+/// about three Services: 32,768 addresses for 99,990 endpoints).
+fn bench_services(n: u32) -> Vec<BenchService> {
+    let vip0 = u32::from(VIP.parse::<std::net::Ipv4Addr>().expect("VIP"));
+    let ep0 = u32::from(std::net::Ipv4Addr::new(198, 18, 128, 0));
+    let mut v = vec![BenchService {
+        name: "sink".into(),
+        vip: vip0.into(),
+        ports: vec![("sink", SINK_PORT), ("probe", PROBE_PORT)],
+        endpoints: ENDPOINTS.iter().map(|e| e.to_string()).collect(),
+    }];
+    for k in 1..n {
+        v.push(BenchService {
+            name: format!("svc-{k}"),
+            vip: (vip0 + k).into(),
+            ports: vec![("sink", SINK_PORT)],
+            endpoints: (0..SCALE_ENDPOINTS)
+                .map(|j| {
+                    std::net::Ipv4Addr::from(ep0 + (k * SCALE_ENDPOINTS + j) % 32_768).to_string()
+                })
+                .collect(),
+        });
+    }
+    v
+}
+
+/// The ruleset kube-proxy's nftables mode writes for the benchmark's ClusterIP Services
+/// (see [`bench_services`]), following
 /// pkg/proxy/nftables/proxier.go (the base chains, sets and maps of its
 /// TestOverallNFTablesRules, then per service port a `service-…` chain with the
 /// masquerade check and `numgen random mod N vmap`, and per endpoint an `endpoint-…`
 /// chain with the hairpin check and `dnat to`).
-fn kube_proxy_ruleset() -> String {
+fn kube_proxy_ruleset(services: u32) -> String {
     let mut r = String::new();
     let _ = write!(
         r,
@@ -702,83 +856,211 @@ add element ip kube-proxy nodeport-ips {{ {R_GEN_IP} }}
 add rule ip kube-proxy service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services
 "#
     );
-    let _ = writeln!(r, "add element ip kube-proxy cluster-ips {{ {VIP} }}");
-    for (port_name, port) in [("sink", SINK_PORT), ("probe", PROBE_PORT)] {
-        let spn = format!("bench/sink/udp/{port_name}");
-        let svc_chain = format!("service-{}-{spn}", chain_hash(&spn));
-        let mut vmap = Vec::new();
-        let mut ep_rules = String::new();
-        for (i, ep) in ENDPOINTS.iter().enumerate() {
-            let epn = format!("{spn}__{ep}/{port}");
-            let ep_chain = format!("endpoint-{}-{epn}", chain_hash(&epn));
-            let _ = writeln!(ep_rules, "add chain ip kube-proxy {ep_chain}");
+    for svc in bench_services(services) {
+        let vip = svc.vip;
+        let _ = writeln!(r, "add element ip kube-proxy cluster-ips {{ {vip} }}");
+        for &(port_name, port) in &svc.ports {
+            let spn = format!("bench/{}/udp/{port_name}", svc.name);
+            let svc_chain = format!("service-{}-{spn}", chain_hash(&spn));
+            let mut vmap = Vec::new();
+            let mut ep_rules = String::new();
+            for (i, ep) in svc.endpoints.iter().enumerate() {
+                let epn = format!("{spn}__{ep}/{port}");
+                let ep_chain = format!("endpoint-{}-{epn}", chain_hash(&epn));
+                let _ = writeln!(ep_rules, "add chain ip kube-proxy {ep_chain}");
+                let _ = writeln!(
+                    ep_rules,
+                    "add rule ip kube-proxy {ep_chain} ip saddr {ep} jump mark-for-masquerade"
+                );
+                let _ = writeln!(
+                    ep_rules,
+                    "add rule ip kube-proxy {ep_chain} meta l4proto udp dnat to {ep}:{port}"
+                );
+                vmap.push(format!("{i} : goto {ep_chain}"));
+            }
+            // Chains first (a vmap's goto needs its target), then their rules.
+            let _ = writeln!(r, "add chain ip kube-proxy {svc_chain}");
+            r.push_str(&ep_rules);
             let _ = writeln!(
-                ep_rules,
-                "add rule ip kube-proxy {ep_chain} ip saddr {ep} jump mark-for-masquerade"
+                r,
+                "add rule ip kube-proxy {svc_chain} ip daddr {vip} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade"
             );
             let _ = writeln!(
-                ep_rules,
-                "add rule ip kube-proxy {ep_chain} meta l4proto udp dnat to {ep}:{port}"
+                r,
+                "add rule ip kube-proxy {svc_chain} numgen random mod {} vmap {{ {} }}",
+                svc.endpoints.len(),
+                vmap.join(" , ")
             );
-            vmap.push(format!("{i} : goto {ep_chain}"));
+            let _ = writeln!(
+                r,
+                "add element ip kube-proxy service-ips {{ {vip} . udp . {port} : goto {svc_chain} }}"
+            );
         }
-        // Chains first (a vmap's goto needs its target), then their rules.
-        let _ = writeln!(r, "add chain ip kube-proxy {svc_chain}");
-        r.push_str(&ep_rules);
-        let _ = writeln!(
-            r,
-            "add rule ip kube-proxy {svc_chain} ip daddr {VIP} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade"
-        );
-        let _ = writeln!(
-            r,
-            "add rule ip kube-proxy {svc_chain} numgen random mod {} vmap {{ {} }}",
-            ENDPOINTS.len(),
-            vmap.join(" , ")
-        );
-        let _ = writeln!(
-            r,
-            "add element ip kube-proxy service-ips {{ {VIP} . udp . {port} : goto {svc_chain} }}"
-        );
     }
     r
 }
 
-fn state_yaml() -> String {
-    let mut eps = String::new();
-    for ep in ENDPOINTS {
-        let _ = writeln!(eps, "- addresses: [{ep}]\n  conditions: {{ready: true}}");
+/// The rules kube-proxy's iptables mode writes for the same Services, following
+/// pkg/proxy/iptables/proxier.go: `KUBE-SERVICES` with one rule per Service port (the
+/// linear chain every new connection walks), per Service port a `KUBE-SVC-…` chain with
+/// the masquerade check and `statistic --mode random` rules, per endpoint a `KUBE-SEP-…`
+/// chain with the hairpin check and the DNAT; `KUBE-POSTROUTING` masquerades what is
+/// marked, and the filter table's `KUBE-FORWARD` accepts marked and established traffic.
+/// Chain-name hashes are FNV, as in the nft ruleset. Services are written in a shuffled
+/// order, as kube-proxy's map iteration does.
+fn kube_proxy_iptables(services: u32) -> String {
+    let mut chains = String::new();
+    let mut rules = String::new();
+    let mut portals = Vec::new();
+    for svc in bench_services(services) {
+        let vip = svc.vip;
+        for &(port_name, port) in &svc.ports {
+            let spn = format!("bench/{}:{port_name}", svc.name);
+            let svc_chain = format!(
+                "KUBE-SVC-{}{}",
+                chain_hash(&spn),
+                chain_hash(&format!("{spn}/udp"))
+            );
+            let _ = writeln!(chains, ":{svc_chain} - [0:0]");
+            portals.push(format!(
+                "-A KUBE-SERVICES -d {vip}/32 -p udp -m comment --comment \"{spn} cluster IP\" -m udp --dport {port} -j {svc_chain}"
+            ));
+            let _ = writeln!(
+                rules,
+                "-A {svc_chain} -d {vip}/32 ! -s {CLUSTER_CIDR} -p udp -m comment --comment \"{spn} cluster IP\" -m udp --dport {port} -j KUBE-MARK-MASQ"
+            );
+            let n = svc.endpoints.len();
+            for (i, ep) in svc.endpoints.iter().enumerate() {
+                let epn = format!("{spn}/{ep}:{port}");
+                let sep = format!(
+                    "KUBE-SEP-{}{}",
+                    chain_hash(&epn),
+                    chain_hash(&format!("{epn}/udp"))
+                );
+                let _ = writeln!(chains, ":{sep} - [0:0]");
+                let left = n - i;
+                if left > 1 {
+                    let _ = writeln!(
+                        rules,
+                        "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{port}\" -m statistic --mode random --probability {:.11} -j {sep}",
+                        1.0 / left as f64
+                    );
+                } else {
+                    let _ = writeln!(
+                        rules,
+                        "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{port}\" -j {sep}"
+                    );
+                }
+                let _ = writeln!(
+                    rules,
+                    "-A {sep} -s {ep}/32 -m comment --comment \"{spn}\" -j KUBE-MARK-MASQ"
+                );
+                let _ = writeln!(
+                    rules,
+                    "-A {sep} -p udp -m comment --comment \"{spn}\" -m udp -j DNAT --to-destination {ep}:{port}"
+                );
+            }
+        }
     }
-    format!(
-        r#"apiVersion: v1
+    // kube-proxy writes the Services in its map's order: a fixed shuffle (so the sink
+    // Service is somewhere in the chain, not first).
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for i in (1..portals.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        portals.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let mut r = String::new();
+    r.push_str("*filter\n:KUBE-FORWARD - [0:0]\n:KUBE-PROXY-FIREWALL - [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-EXTERNAL-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\n");
+    r.push_str("-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n");
+    r.push_str("-A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS\n");
+    r.push_str("-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES\n");
+    r.push_str("-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n");
+    r.push_str("-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n");
+    r.push_str("-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
+    r.push_str("-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES\n");
+    r.push_str("-A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n");
+    r.push_str("-A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
+    r.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
+    r.push_str("-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x4000/0x4000 -j ACCEPT\n");
+    r.push_str("-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n");
+    r.push_str("COMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n");
+    r.push_str(&chains);
+    r.push_str(
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
+    );
+    r.push_str("-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
+    r.push_str("-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n");
+    r.push_str("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n");
+    r.push_str("-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n");
+    r.push_str("-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n");
+    r.push_str("-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n");
+    for p in &portals {
+        r.push_str(p);
+        r.push('\n');
+    }
+    r.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
+    r.push_str(&rules);
+    r.push_str("COMMIT\n");
+    r
+}
+
+fn state_yaml(services: u32) -> String {
+    let mut out = String::new();
+    for svc in bench_services(services) {
+        let (name, vip) = (&svc.name, svc.vip);
+        let sports: Vec<String> = svc
+            .ports
+            .iter()
+            .map(|(n, p)| format!("  - {{name: {n}, port: {p}, targetPort: {p}, protocol: UDP}}"))
+            .collect();
+        let eports: Vec<String> = svc
+            .ports
+            .iter()
+            .map(|(n, p)| format!("- {{name: {n}, port: {p}, protocol: UDP}}"))
+            .collect();
+        let mut eps = String::new();
+        for ep in &svc.endpoints {
+            let _ = writeln!(eps, "- addresses: [{ep}]\n  conditions: {{ready: true}}");
+        }
+        let _ = write!(
+            out,
+            r#"apiVersion: v1
 kind: Service
-metadata: {{name: sink, namespace: bench}}
+metadata: {{name: {name}, namespace: bench}}
 spec:
   type: ClusterIP
-  clusterIP: {VIP}
-  clusterIPs: [{VIP}]
+  clusterIP: {vip}
+  clusterIPs: [{vip}]
   ipFamilies: [IPv4]
   ports:
-  - {{name: sink, port: {SINK_PORT}, targetPort: {SINK_PORT}, protocol: UDP}}
-  - {{name: probe, port: {PROBE_PORT}, targetPort: {PROBE_PORT}, protocol: UDP}}
+{}
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata:
-  name: sink-1
+  name: {name}-1
   namespace: bench
-  labels: {{kubernetes.io/service-name: sink}}
+  labels: {{kubernetes.io/service-name: {name}}}
 addressType: IPv4
 ports:
-- {{name: sink, port: {SINK_PORT}, protocol: UDP}}
-- {{name: probe, port: {PROBE_PORT}, protocol: UDP}}
+{}
 endpoints:
 {eps}---
-apiVersion: networking.k8s.io/v1
+"#,
+            sports.join("\n"),
+            eports.join("\n")
+        );
+    }
+    out.push_str(&format!(
+        r#"apiVersion: networking.k8s.io/v1
 kind: ServiceCIDR
 metadata: {{name: kubernetes}}
 spec: {{cidrs: [{SERVICE_CIDR}]}}
 "#
-    )
+    ));
+    out
 }
 
 /// A router case set up in the lab; undone on drop.
@@ -804,7 +1086,8 @@ impl<'a> Router<'a> {
             kxp: None,
             kxp_cmd: None,
         };
-        match case {
+        *lab.scale.lock().unwrap_or_else(|e| e.into_inner()) = (case.services(), case.flows());
+        match case.kind() {
             Case::Plain => {
                 // The VIP is the backend's own address; the router just routes it there.
                 ip(&[
@@ -828,18 +1111,33 @@ impl<'a> Router<'a> {
             }
             Case::Nft => {
                 let f = lab.dir.join("kube-proxy.nft");
-                std::fs::write(&f, kube_proxy_ruleset())?;
+                std::fs::write(&f, kube_proxy_ruleset(case.services()))?;
                 in_ns(&lab.router, &["nft", "-f", &f.display().to_string()])
                     .context("loading the kube-proxy ruleset")?;
             }
-            Case::Kxp | Case::KxpBase | Case::KxpThreaded | Case::KxpBusyPoll => {
+            Case::Ipt => {
+                let f = lab.dir.join("kube-proxy.iptables");
+                std::fs::write(&f, kube_proxy_iptables(case.services()))?;
+                in_ns(&lab.router, &["iptables-restore", &f.display().to_string()])
+                    .context("loading the kube-proxy iptables rules")?;
+            }
+            _ => {
                 let state = lab.dir.join("state.yaml");
                 let config = lab.dir.join("kube-proxy.yaml");
-                std::fs::write(&state, state_yaml())?;
+                std::fs::write(&state, state_yaml(case.services()))?;
+                // A table for the flows (one worker) when they outgrow the default.
+                let conntrack = if case.flows() > 200_000 {
+                    format!(
+                        "conntrack:\n  maxPerCore: 32768\n  min: {}\n",
+                        u64::from(case.flows()) * 6 / 5
+                    )
+                } else {
+                    String::new()
+                };
                 std::fs::write(
                     &config,
                     format!(
-                        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\n"
+                        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\n{conntrack}"
                     ),
                 )?;
                 if case == Case::KxpBusyPoll {
@@ -860,6 +1158,9 @@ impl<'a> Router<'a> {
                 ]);
                 if case == Case::KxpBusyPoll {
                     args.extend(["--busy-poll".into(), busy_poll.to_string()]);
+                }
+                if case != Case::KxpBase {
+                    args.extend(KXP_ARGS.get().into_iter().flatten().cloned());
                 }
                 let mut p = spawn_kxp(lab, kxp_bin, &args, &format!("kxp-{tag}"))?;
                 wait_healthy(lab, &mut p)?;
@@ -918,7 +1219,8 @@ impl<'a> Router<'a> {
 impl Drop for Router<'_> {
     fn drop(&mut self) {
         let lab = self.lab;
-        match self.case {
+        *lab.scale.lock().unwrap_or_else(|e| e.into_inner()) = (1, 1024);
+        match self.case.kind() {
             Case::Plain => {
                 let _ = ip(&["-n", &lab.router, "route", "del", &format!("{VIP}/32")]);
                 let _ = ip(&[
@@ -933,6 +1235,12 @@ impl Drop for Router<'_> {
             }
             Case::Nft => {
                 let _ = in_ns(&lab.router, &["nft", "delete", "table", "ip", "kube-proxy"]);
+            }
+            Case::Ipt => {
+                let _ = sh_in(
+                    &lab.router,
+                    "iptables -t nat -F; iptables -t nat -X; iptables -F; iptables -X",
+                );
             }
             _ => {
                 if let Some(mut p) = self.kxp.take() {
@@ -1225,8 +1533,6 @@ struct RunResult {
 #[derive(Debug, Default)]
 struct ModeResult {
     runs: Vec<RunResult>,
-    loaded: Option<Latency>,
-    loaded_pps: Option<f64>,
     kxp_totals: Option<String>,
     kernel_conntrack: Option<u64>,
     error: Option<String>,
@@ -1237,7 +1543,71 @@ struct CaseResult {
     case: Case,
     idle: Option<Latency>,
     modes: Vec<(Mode, ModeResult)>,
+    /// The latency phase: one point per mode and offered load.
+    loaded: Vec<LoadPoint>,
     error: Option<String>,
+}
+
+/// An offered load of the latency phase.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Load {
+    /// A share of the slowest router's median rate in that mode, in this run.
+    Pct(f64),
+    /// Packets per second.
+    Pps(f64),
+    /// Unpaced: as fast as the generator goes (every router saturated).
+    Max,
+}
+
+impl Load {
+    fn parse(s: &str) -> anyhow::Result<Load> {
+        let s = s.trim();
+        if s == "max" {
+            return Ok(Load::Max);
+        }
+        if let Some(p) = s.strip_suffix('%') {
+            let v: f64 = p.parse().with_context(|| format!("bad load {s:?}"))?;
+            if !(v > 0.0 && v <= 1000.0) {
+                bail!("load {s:?}: a share must be in (0, 1000]%");
+            }
+            return Ok(Load::Pct(v));
+        }
+        let v: f64 = s
+            .strip_suffix("Mpps")
+            .unwrap_or(s)
+            .parse()
+            .with_context(|| format!("bad load {s:?} (N%, N Mpps, or max)"))?;
+        if !(v > 0.0 && v < 100.0) {
+            bail!("load {s:?}: Mpps must be in (0, 100)");
+        }
+        Ok(Load::Pps(v * 1e6))
+    }
+    fn label(self) -> String {
+        match self {
+            Load::Pct(p) => format!("{p}%"),
+            Load::Pps(p) => format!("{:.3} Mpps", p / 1e6),
+            Load::Max => "max".into(),
+        }
+    }
+}
+
+/// Latency under one offered load.
+#[derive(Debug, Clone)]
+struct LoadPoint {
+    mode: Mode,
+    load: Load,
+    /// The rate asked of the generator (None: unpaced).
+    target: Option<f64>,
+    offered: Option<f64>,
+    delivered: f64,
+    lat: Latency,
+}
+
+impl LoadPoint {
+    /// The router forwarded less than was offered (2% slack for counting windows).
+    fn saturated(&self) -> bool {
+        self.offered.is_some_and(|o| self.delivered < 0.98 * o)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -1250,6 +1620,7 @@ struct Plan {
     lat_secs: f64,
     probe_rate: u32,
     latency: bool,
+    lat_loads: Vec<Load>,
     busy_poll: String,
     kxp: PathBuf,
     kxp_base: Option<PathBuf>,
@@ -1299,21 +1670,38 @@ fn wait_quiet(lab: &Lab, plan: &Plan, ours: &[u32]) -> anyhow::Result<f64> {
     }
 }
 
+/// How a run is measured: with latency probes or not, at a paced rate (packets/s) or
+/// unpaced.
+#[derive(Debug, Clone, Copy)]
+struct Probed {
+    probe: bool,
+    rate: Option<f64>,
+}
+
 fn run_once(
     lab: &Lab,
     cfg: &Path,
     mode: Mode,
     plan: &Plan,
     tag: &str,
-    probe: bool,
     ours: &[u32],
+    probed: Probed,
 ) -> anyhow::Result<(RunResult, Option<Latency>)> {
+    let Probed { probe, rate } = probed;
     wait_quiet(lab, plan, ours)?;
-    let max_packets = ((plan.warm + plan.secs + 5.0) * 5e6) as u64;
-    let mut tg = lab.start_trafgen(cfg, mode, plan, max_packets, tag)?;
+    // Many established flows: the first pass through them is new connections; the
+    // window starts once every flow exists (at 0.25 Mpps, a conservative pace).
+    let flows = lab.scale.lock().unwrap_or_else(|e| e.into_inner()).1;
+    let warm = if mode == Mode::Est && flows > 100_000 {
+        plan.warm + f64::from(flows) / 250_000.0
+    } else {
+        plan.warm
+    };
+    let max_packets = ((warm + plan.secs + 5.0) * 5e6) as u64;
+    let mut tg = lab.start_trafgen(cfg, mode, plan, max_packets, tag, rate)?;
     let mut ours = ours.to_vec();
     ours.push(tg.child.id());
-    lab.stop.sleep(Duration::from_secs_f64(plan.warm))?;
+    lab.stop.sleep(Duration::from_secs_f64(warm))?;
     if !tg.running() {
         bail!("trafgen exited early:\n{}", tg.log_text());
     }
@@ -1375,8 +1763,11 @@ fn run_mode(
             mode,
             plan,
             &format!("{name}-{}-{i}", mode.name()),
-            false,
             &ours,
+            Probed {
+                probe: false,
+                rate: None,
+            },
         )?;
         eprintln!(
             "  {name:<13} {} run {}: {:.3} Mpps delivered (trafgen offered {}, {:.3} Mpps dropped on the way), CPU0 {:.0}% CPU1 {:.0}% busy, others {:.0}% of a CPU",
@@ -1392,32 +1783,7 @@ fn run_mode(
         );
         out.runs.push(r);
     }
-    if plan.latency {
-        let lat_plan = Plan {
-            secs: plan.lat_secs,
-            ..plan.clone()
-        };
-        let (r, lat) = run_once(
-            lab,
-            &cfg,
-            mode,
-            &lat_plan,
-            &format!("{name}-{}-lat", mode.name()),
-            true,
-            &ours,
-        )?;
-        if let Some(l) = &lat {
-            eprintln!(
-                "  {name:<13} {} latency under load ({:.3} Mpps): {}",
-                mode.name(),
-                r.pps / 1e6,
-                l.summary()
-            );
-        }
-        out.loaded_pps = Some(r.pps);
-        out.loaded = lat;
-    }
-    if router.case == Case::Nft {
+    if matches!(router.case.kind(), Case::Nft | Case::Ipt) {
         out.kernel_conntrack = stdout_of(in_ns(
             &lab.router,
             &["cat", "/proc/sys/net/netfilter/nf_conntrack_count"],
@@ -1433,12 +1799,17 @@ fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
         case,
         idle: None,
         modes: Vec::new(),
+        loaded: Vec::new(),
         error: None,
     };
     eprintln!("case {}: {}", case.name(), case.describe());
-    for (mi, &mode) in modes.iter().enumerate() {
+    for &mode in modes {
         if lab.stop.check().is_err() {
             break;
+        }
+        if case == Case::Kxp1m && mode == Mode::New {
+            // New connections do not depend on the table's fill: that is kxp's `new`.
+            continue;
         }
         let mut out = ModeResult::default();
         // Set up per mode: kxp starts afresh (empty connection table, its own totals).
@@ -1460,20 +1831,6 @@ fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
                 break;
             }
         };
-        if mi == 0 && plan.latency {
-            let idle = Probe::start(lab, plan.probe_rate, Duration::from_secs_f64(plan.lat_secs))
-                .and_then(|p| {
-                    lab.stop.sleep(Duration::from_secs_f64(plan.lat_secs))?;
-                    p.finish()
-                });
-            match idle {
-                Ok(l) => {
-                    eprintln!("  {:<13} latency, no load: {}", case.name(), l.summary());
-                    res.idle = Some(l);
-                }
-                Err(e) => eprintln!("  {}: idle latency failed: {e:#}", case.name()),
-            }
-        }
         if let Err(e) = run_mode(lab, &router, mode, plan, &mut out) {
             eprintln!("  {} {}: {e:#}", case.name(), mode.name());
             out.error = Some(format!("{e:#}"));
@@ -1490,6 +1847,149 @@ fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
         res.modes.push((mode, out));
     }
     res
+}
+
+/// The latency phase of one case: with no load (once), then under each offered load
+/// of `plan.lat_loads` in each mode; `reference` is, per mode, the rate the `N%` loads
+/// are shares of.
+fn run_latency(
+    lab: &Lab,
+    res: &mut CaseResult,
+    modes: &[Mode],
+    plan: &Plan,
+    reference: &[(Mode, f64)],
+) {
+    let case = res.case;
+    eprintln!("case {}: latency", case.name());
+    for (mi, &mode) in modes.iter().enumerate() {
+        if lab.stop.check().is_err() {
+            return;
+        }
+        if case == Case::Kxp1m && mode == Mode::New {
+            continue;
+        }
+        let bin = match (case, &plan.kxp_base) {
+            (Case::KxpBase, Some(b)) => b,
+            _ => &plan.kxp,
+        };
+        let tag = format!("{}-{}-lat", case.name(), mode.name());
+        let router = match Router::setup(lab, case, bin, &plan.busy_poll, &tag) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("  {}: setup failed: {e:#}", case.name());
+                res.error.get_or_insert(format!("{e:#}"));
+                return;
+            }
+        };
+        if mi == 0 {
+            let idle = Probe::start(lab, plan.probe_rate, Duration::from_secs_f64(plan.lat_secs))
+                .and_then(|p| {
+                    lab.stop.sleep(Duration::from_secs_f64(plan.lat_secs))?;
+                    p.finish()
+                });
+            match idle {
+                Ok(l) => {
+                    eprintln!("  {:<13} latency, no load: {}", case.name(), l.summary());
+                    res.idle = Some(l);
+                }
+                Err(e) => eprintln!("  {}: idle latency failed: {e:#}", case.name()),
+            }
+        }
+        let ours: Vec<u32> = router
+            .kxp
+            .as_ref()
+            .map(|p| p.child.id())
+            .into_iter()
+            .collect();
+        let cfg = match lab.trafgen_cfg(mode) {
+            Ok(c) => c,
+            Err(e) => {
+                res.error.get_or_insert(format!("{e:#}"));
+                return;
+            }
+        };
+        let lat_plan = Plan {
+            secs: plan.lat_secs,
+            ..plan.clone()
+        };
+        let base = reference.iter().find(|(m, _)| *m == mode).map(|r| r.1);
+        for &load in &plan.lat_loads {
+            let target = match load {
+                Load::Max => None,
+                Load::Pps(p) => Some(p),
+                Load::Pct(p) => match base {
+                    Some(b) => Some(b * p / 100.0),
+                    None => continue,
+                },
+            };
+            let r = run_once(
+                lab,
+                &cfg,
+                mode,
+                &lat_plan,
+                &format!("{tag}-{}", load.label().replace([' ', '%'], "")),
+                &ours,
+                Probed {
+                    probe: true,
+                    rate: target,
+                },
+            );
+            match r {
+                Ok((r, Some(lat))) => {
+                    let point = LoadPoint {
+                        mode,
+                        load,
+                        target,
+                        offered: r.offered,
+                        delivered: r.pps,
+                        lat,
+                    };
+                    eprintln!(
+                        "  {:<13} {} latency at {} (offered {}, delivered {:.3} Mpps{}): {}",
+                        case.name(),
+                        mode.name(),
+                        load.label(),
+                        r.offered.map_or("?".into(), |o| format!("{:.3}", o / 1e6)),
+                        r.pps / 1e6,
+                        if point.saturated() { ", saturated" } else { "" },
+                        point.lat.summary()
+                    );
+                    res.loaded.push(point);
+                }
+                Ok((_, None)) => {}
+                Err(e) => {
+                    eprintln!(
+                        "  {} {} at {}: {e:#}",
+                        case.name(),
+                        mode.name(),
+                        load.label()
+                    );
+                    res.error.get_or_insert(format!("{e:#}"));
+                }
+            }
+        }
+        if case.is_kxp() {
+            let _ = router.finish();
+        } else {
+            drop(router);
+        }
+    }
+}
+
+/// Per mode, the slowest router's median rate among `results` (what `N%` loads are
+/// shares of).
+fn reference_rates(results: &[CaseResult], modes: &[Mode]) -> Vec<(Mode, f64)> {
+    modes
+        .iter()
+        .filter_map(|&m| {
+            results
+                .iter()
+                .filter_map(|c| med_pps(c, m))
+                .filter(|&p| p > 0.0)
+                .min_by(|a, b| a.total_cmp(b))
+                .map(|p| (m, p))
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1639,13 +2139,25 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
     };
     println!();
     for k in results.iter().filter(|c| c.case.is_kxp()) {
+        let at_scale = k.case.services() > 1;
         for (base, bname) in [
-            (Case::Nft, "kernel nft DNAT"),
+            (
+                if at_scale { Case::Nft10k } else { Case::Nft },
+                "kernel nft DNAT",
+            ),
+            (
+                if at_scale { Case::Ipt10k } else { Case::Ipt },
+                "kernel iptables DNAT",
+            ),
             (Case::Plain, "plain forwarding"),
+            (Case::Kxp, "kxp, 1 Service"),
         ] {
+            if base == k.case {
+                continue;
+            }
             if let Some(b) = find(base) {
                 println!(
-                    "ratio {:<13} / {:<17}: est {}  new {}",
+                    "ratio {:<13} / {:<20}: est {}  new {}",
                     k.case.name(),
                     bname,
                     ratio(med_pps(k, Mode::Est), med_pps(b, Mode::Est)),
@@ -1657,21 +2169,53 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
     if plan.latency {
         println!();
         println!(
-            "one-way latency generator -> backend through the VIP, µs p50/p99/p99.9 (probe loss), {} probes/s:",
+            "one-way latency generator -> backend through the VIP, µs p50/p99/p99.9 (probe loss), {} probes/s; loads offered (Mpps) as shares of the slowest router's rate per mode (* = the router forwarded less than offered):",
             plan.probe_rate
         );
-        println!(
-            "{:<13} | {:<24} | {:<24} | {:<24}",
-            "router", "no load", "under est. load", "under new-conn load"
-        );
+        println!("{:<13} | {:<24}", "router", "no load");
         for c in results {
-            println!(
-                "{:<13} | {:<24} | {:<24} | {:<24}",
-                c.case.name(),
-                lat_cell(c.idle.as_ref()),
-                lat_cell(mode_of(c, Mode::Est).and_then(|r| r.loaded.as_ref())),
-                lat_cell(mode_of(c, Mode::New).and_then(|r| r.loaded.as_ref()))
-            );
+            println!("{:<13} | {}", c.case.name(), lat_cell(c.idle.as_ref()));
+        }
+        for &m in modes {
+            let points: Vec<&LoadPoint> = results
+                .iter()
+                .flat_map(|c| c.loaded.iter())
+                .filter(|p| p.mode == m)
+                .collect();
+            if points.is_empty() {
+                continue;
+            }
+            let loads: Vec<Load> = plan.lat_loads.clone();
+            println!();
+            let mut head = format!("{:<13}", format!("{} load", m.name()));
+            for l in &loads {
+                let tgt = points
+                    .iter()
+                    .find(|p| p.load == *l)
+                    .and_then(|p| p.target)
+                    .map_or(String::new(), |t| format!(" ({:.3})", t / 1e6));
+                head += &format!(" | {:<30}", format!("{}{tgt}", l.label()));
+            }
+            println!("{head}");
+            for c in results {
+                let mut row = format!("{:<13}", c.case.name());
+                for l in &loads {
+                    let cell = c
+                        .loaded
+                        .iter()
+                        .find(|p| p.mode == m && p.load == *l)
+                        .map_or("-".into(), |p| {
+                            format!(
+                                "{}{} @{:.3}",
+                                lat_cell(Some(&p.lat)),
+                                if p.saturated() { "*" } else { "" },
+                                p.delivered / 1e6
+                            )
+                        });
+                    row += &format!(" | {cell:<30}");
+                }
+                println!("{row}");
+            }
         }
     }
     println!();
@@ -1708,8 +2252,164 @@ fn have(prog: &str, arg: &str) -> bool {
         .is_ok()
 }
 
+fn read_results(p: &Path) -> anyhow::Result<kxp_bench::results::Results> {
+    let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a macro-bench result file", p.display()))
+}
+
+fn lat_out(l: &Latency) -> kxp_bench::results::Latency {
+    let q = |x: f64| if l.hist.is_empty() { 0.0 } else { l.us(x) };
+    kxp_bench::results::Latency {
+        sent: l.sent,
+        got: l.got,
+        loss_pct: l.loss_pct(),
+        p50_us: q(0.5),
+        p90_us: q(0.9),
+        p99_us: q(0.99),
+        p999_us: q(0.999),
+        max_us: if l.hist.is_empty() {
+            0.0
+        } else {
+            l.hist.max() as f64 / 1e3
+        },
+        quantiles: if l.hist.is_empty() {
+            Vec::new()
+        } else {
+            kxp_bench::results::QUANTILES
+                .iter()
+                .map(|&x| (x, q(x)))
+                .collect()
+        },
+    }
+}
+
+/// The run as a result file.
+fn results_of(
+    results: &[CaseResult],
+    plan: &Plan,
+    load: (&str, &str),
+) -> kxp_bench::results::Results {
+    use kxp_bench::results as r;
+    let date = Command::new("date")
+        .args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default();
+    r::Results {
+        version: r::VERSION,
+        date,
+        command: std::env::args().collect(),
+        machine: r::Machine {
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            cpu_model,
+            // (this thread is pinned to one CPU by now: count them all)
+            cpus: std::fs::read_to_string("/proc/cpuinfo")
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.starts_with("processor"))
+                .count(),
+            load_before: load.0.to_string(),
+            load_after: load.1.to_string(),
+        },
+        generator: if plan.xsk_gen.is_some() {
+            "xsk"
+        } else {
+            "trafgen"
+        }
+        .into(),
+        runs: plan.runs,
+        secs: plan.secs,
+        probe_rate: plan.probe_rate,
+        cases: results
+            .iter()
+            .map(|c| r::Case {
+                name: c.case.name().into(),
+                describe: c.case.describe().into(),
+                modes: c
+                    .modes
+                    .iter()
+                    .map(|(m, mr)| r::Mode {
+                        mode: m.name().into(),
+                        median_pps: med_pps(c, *m),
+                        runs: mr
+                            .runs
+                            .iter()
+                            .map(|x| r::Run {
+                                pps: x.pps,
+                                offered_pps: x.offered,
+                                drop_pps: x.drop_pps,
+                                cpu: x.cpu.clone(),
+                                foreign_pct: x.foreign,
+                            })
+                            .collect(),
+                        kxp_totals: mr.kxp_totals.clone(),
+                        kernel_conntrack: mr.kernel_conntrack,
+                        error: mr.error.clone(),
+                    })
+                    .collect(),
+                idle: c.idle.as_ref().map(lat_out),
+                loaded: c
+                    .loaded
+                    .iter()
+                    .map(|p| r::LoadPoint {
+                        mode: p.mode.name().into(),
+                        load: p.load.label(),
+                        target_pps: p.target,
+                        offered_pps: p.offered,
+                        delivered_pps: p.delivered,
+                        saturated: p.saturated(),
+                        latency: lat_out(&p.lat),
+                    })
+                    .collect(),
+                error: c.error.clone(),
+            })
+            .collect(),
+    }
+}
+
+/// Writes the result file and its chart into `dir`; returns their paths.
+fn write_results(
+    res: &kxp_bench::results::Results,
+    dir: &Path,
+) -> anyhow::Result<(PathBuf, PathBuf)> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let stem = format!("macro-{}", res.date.replace(['-', ':'], ""));
+    let json = dir.join(format!("{stem}.json"));
+    std::fs::write(&json, serde_json::to_string_pretty(res)?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    let svg = dir.join(format!("{stem}.svg"));
+    kxp_bench::chart::render(res, &svg).map_err(|e| anyhow::anyhow!(e))?;
+    Ok((json, svg))
+}
+
 fn real_main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(ab) = &args.compare {
+        let (a, b) = (read_results(&ab[0])?, read_results(&ab[1])?);
+        print!("{}", kxp_bench::results::compare(&a, &b));
+        return Ok(());
+    }
+    if let Some(p) = &args.chart {
+        let res = read_results(p)?;
+        let svg = p.with_extension("svg");
+        kxp_bench::chart::render(&res, &svg).map_err(|e| anyhow::anyhow!(e))?;
+        println!("chart: {}", svg.display());
+        return Ok(());
+    }
+    let _ = KXP_ARGS.set(args.kxp_args.clone());
     if !dataplane::sys::is_root() {
         bail!("macro-bench creates network namespaces and attaches XDP programs: run it as root");
     }
@@ -1729,6 +2429,11 @@ fn real_main() -> anyhow::Result<()> {
     if ncpu <= ROUTER_CPU {
         bail!("need at least 2 CPUs (generator on CPU{GEN_CPU}, router on CPU{ROUTER_CPU})");
     }
+    // The benchmark's own work (reading the counters with `ip netns exec nft ...`, its
+    // threads) stays on the generator's CPU, and so does every process it starts unless
+    // pinned elsewhere: a counter read that lands on the router's CPU takes it from the
+    // router for a millisecond or more, which shows as latency of whatever router runs.
+    dataplane::sys::pin_to_cpu(GEN_CPU).context("pinning the benchmark to the generator's CPU")?;
     let mut cases: Vec<Case> = args
         .cases
         .iter()
@@ -1782,6 +2487,11 @@ fn real_main() -> anyhow::Result<()> {
         lat_secs: if args.quick { 1.0 } else { 2.0 },
         probe_rate: args.probe_rate.clamp(1, 20_000),
         latency: !args.no_latency,
+        lat_loads: args
+            .lat_loads
+            .iter()
+            .map(|l| Load::parse(l))
+            .collect::<anyhow::Result<_>>()?,
         busy_poll: args.busy_poll.clone(),
         kxp,
         kxp_base: args.kxp_baseline.clone(),
@@ -1817,14 +2527,36 @@ fn real_main() -> anyhow::Result<()> {
         return r;
     }
     let mut results = Vec::new();
-    for &case in &cases {
-        if stop.check().is_err() {
-            break;
+    // Every case's rates first, then the latency phase, whose paced loads are shares of
+    // the slowest router's rate; the threaded case (last: it cannot be undone) does both
+    // after the others.
+    let (late, early): (Vec<Case>, Vec<Case>) =
+        cases.iter().partition(|c| **c == Case::KxpThreaded);
+    for group in [early, late] {
+        let first = results.len();
+        for &case in &group {
+            if stop.check().is_err() {
+                break;
+            }
+            results.push(run_case(&lab, case, &modes, &plan));
         }
-        results.push(run_case(&lab, case, &modes, &plan));
+        if plan.latency {
+            let reference = reference_rates(&results, &modes);
+            for res in &mut results[first..] {
+                if stop.check().is_err() {
+                    break;
+                }
+                run_latency(&lab, res, &modes, &plan, &reference);
+            }
+        }
     }
     let load_after = loadavg();
     report(&results, &modes, &plan, (&load_before, &load_after));
+    let res = results_of(&results, &plan, (&load_before, &load_after));
+    match write_results(&res, &args.out) {
+        Ok((json, svg)) => println!("\nresults: {}\nchart:   {}", json.display(), svg.display()),
+        Err(e) => eprintln!("macro-bench: cannot write the results: {e:#}"),
+    }
     stop.check()?;
     drop(lab);
     Ok(())
@@ -1845,7 +2577,7 @@ fn admin_at_scale(lab: &Lab, plan: &Plan, flows: u64) -> anyhow::Result<()> {
     router.restart_kxp(false, None, "kxp-admin")?;
     let cfg = lab.trafgen_cfg(Mode::New)?;
     // More packets than flows: the generator offers more than kxp takes.
-    let mut tg = lab.start_trafgen(&cfg, Mode::New, plan, flows * 4, "admin")?;
+    let mut tg = lab.start_trafgen(&cfg, Mode::New, plan, flows * 4, "admin", None)?;
     let deadline = Instant::now() + Duration::from_secs(120);
     let cli = |args: &[&str]| -> anyhow::Result<(Duration, String)> {
         let t0 = Instant::now();
@@ -1964,7 +2696,7 @@ fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
         ("new binary (SIGTERM, start)", false, Some(&upgrade)),
     ];
     let total = 1.0 + kinds.len() as f64 * 5.0 + 2.0;
-    let mut tg = lab.start_trafgen(&cfg, Mode::Est, plan, (total * 5e6) as u64, "restart")?;
+    let mut tg = lab.start_trafgen(&cfg, Mode::Est, plan, (total * 5e6) as u64, "restart", None)?;
     lab.stop.sleep(Duration::from_secs(1))?;
     if !tg.running() {
         bail!(

@@ -7,6 +7,9 @@
 //! what it saves is the system call and the per-packet socket work, which is what limits
 //! trafgen on one core.
 //!
+//! With `--rate` the packets are paced (bursts of `--burst` at even intervals), for the
+//! benchmark's latency under a set offered load.
+//!
 //! Stops after `--max` packets or at SIGINT/SIGTERM and prints trafgen's closing lines
 //! (`N packets outgoing`, `S sec, U usec on CPU0`) so the benchmark reads both alike.
 #![forbid(unsafe_code)]
@@ -42,6 +45,33 @@ struct Args {
     /// Stop after this many packets.
     #[arg(long)]
     max: u64,
+    /// Offered load in packets per second, sent in bursts of `--burst` at even
+    /// intervals (0: as fast as the socket takes them).
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// Packets per burst when paced by `--rate`.
+    #[arg(long, default_value_t = 8)]
+    burst: u32,
+    /// Destinations: `--dst-ip` and the next N-1 addresses (Services' ClusterIPs), one
+    /// after another.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    vips: u32,
+    /// `est`: this many flows. Up to 50,000 they come from `--src-ip`, ports 10000 up;
+    /// beyond, from 198.18.64.1 up (one address per 50,000 flows).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    flows: u32,
+}
+
+/// Source address and port of established flow `k`.
+fn est_source(a: &Args, k: u32) -> (Ipv4Addr, u16) {
+    if a.flows <= 50_000 {
+        return (a.src_ip, 10_000 + k as u16);
+    }
+    let host = k / 50_000;
+    (
+        Ipv4Addr::new(198, 18, 64 + (host / 251) as u8, 1 + (host % 251) as u8),
+        10_000 + (k % 50_000) as u16,
+    )
 }
 
 fn mac(s: &str) -> anyhow::Result<[u8; 6]> {
@@ -68,7 +98,13 @@ fn sum16(data: &[u8]) -> u32 {
 }
 
 /// One 60-byte frame: Ethernet, IPv4 (no options), UDP, 18 bytes of payload.
-fn frame(a: &Args, src_mac: [u8; 6], dst_mac: [u8; 6], src: Ipv4Addr, sport: u16) -> [u8; 60] {
+fn frame(
+    a: &Args,
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    (src, sport): (Ipv4Addr, u16),
+    dst: Ipv4Addr,
+) -> [u8; 60] {
     let mut f = [0x2eu8; 60];
     f[0..6].copy_from_slice(&dst_mac);
     f[6..12].copy_from_slice(&src_mac);
@@ -82,7 +118,7 @@ fn frame(a: &Args, src_mac: [u8; 6], dst_mac: [u8; 6], src: Ipv4Addr, sport: u16
     ip[9] = 17;
     ip[10..12].copy_from_slice(&[0, 0]);
     ip[12..16].copy_from_slice(&src.octets());
-    ip[16..20].copy_from_slice(&a.dst_ip.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
     let c = fold(sum16(ip));
     ip[10..12].copy_from_slice(&c.to_be_bytes());
     f[34..36].copy_from_slice(&sport.to_be_bytes());
@@ -117,24 +153,47 @@ fn main() -> anyhow::Result<()> {
     let (sent, t) = sockets.with(|mut io| {
         let started = Instant::now();
         let mut sent = 0u64;
-        // Tuple counters, as trafgen's dinc(): periods 1,024 (est) or 64 × 251 × 64,512 (new).
-        let (mut b2, mut b3, mut port) = (0u32, 0u32, 0u32);
+        // Tuple counters, as trafgen's dinc(): periods --flows (est) or 64 × 251 × 64,512
+        // (new), and --vips for the destination (est: flow k goes to VIP k mod --vips).
+        let (mut b2, mut b3, mut port, mut vip) = (0u32, 0u32, 0u32, 0u32);
+        let base = u32::from(a.dst_ip);
+        // Paced: burst k leaves at start + k × burst / rate (busy-waiting on the clock;
+        // the generator has its CPU to itself). A burst that is late goes at once, but
+        // one more than 4 intervals late restarts the schedule from now: a moment the
+        // generator lost is not made up for with bursts back to back.
+        let burst = if a.rate > 0 { a.burst.clamp(1, 64) } else { 64 };
+        let interval_ns = (a.rate > 0).then(|| 1e9 * f64::from(burst) / a.rate as f64);
+        let mut bursts = 0u64;
         while sent < a.max && !stop.load(Ordering::Relaxed) {
-            for _ in 0..64 {
+            if let Some(ns) = interval_ns {
+                let at = |k: u64| started + std::time::Duration::from_nanos((k as f64 * ns) as u64);
+                let now = Instant::now();
+                if now > at(bursts + 4) {
+                    bursts = ((now - started).as_nanos() as f64 / ns) as u64;
+                }
+                let due = at(bursts);
+                while Instant::now() < due && !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+                bursts += 1;
+            }
+            for _ in 0..burst {
                 let Some(mut f) = io.alloc() else { break };
-                let (src, sport) = if new {
+                let (source, dst) = if new {
                     let src = Ipv4Addr::new(198, 18, 64 + b2 as u8, 1 + b3 as u8);
                     let sport = 1024 + port as u16;
                     b2 = (b2 + 1) % 64;
                     b3 = (b3 + 1) % 251;
                     port = (port + 1) % 64_512;
-                    (src, sport)
+                    let dst = Ipv4Addr::from(base + vip);
+                    vip = (vip + 1) % a.vips;
+                    ((src, sport), dst)
                 } else {
-                    let sport = 10_000 + port as u16;
-                    port = (port + 1) % 1024;
-                    (a.src_ip, sport)
+                    let k = port;
+                    port = (port + 1) % a.flows;
+                    (est_source(&a, k), Ipv4Addr::from(base + k % a.vips))
                 };
-                let bytes = frame(&a, src_mac, dst_mac, src, sport);
+                let bytes = frame(&a, src_mac, dst_mac, source, dst);
                 io.set_len(&mut f, 60);
                 io.bytes(&mut f).copy_from_slice(&bytes);
                 io.send(0, f);
