@@ -1066,10 +1066,11 @@ impl LinkCtl {
             }
             changed = true;
             match self.attach(&mut prog, l) {
-                Ok(queues) => tracing::info!(
+                Ok((queues, mode)) => tracing::info!(
                     interface = %l.name,
                     ifindex = l.ifindex,
                     sockets = queues,
+                    mode,
                     "attached"
                 ),
                 Err(e) => {
@@ -1101,7 +1102,12 @@ impl LinkCtl {
     /// Loads and attaches a program instance to `link`, fills its maps with what is
     /// wanted now, and has each worker whose queue the interface has open a socket there.
     /// Returns the number of sockets.
-    fn attach(&self, prog: &mut Programming, link: &LinkInfo) -> Result<usize, DataplaneError> {
+    /// Attaches to `link`: its queues (one socket each) and their AF_XDP mode.
+    fn attach(
+        &self,
+        prog: &mut Programming,
+        link: &LinkInfo,
+    ) -> Result<(usize, &'static str), DataplaneError> {
         let queues = rx_queues(&link.name).unwrap_or(1).clamp(1, self.workers);
         if !self.multi_buffer
             && let Some((_, mtu)) = matching_links(std::slice::from_ref(&link.name)).first()
@@ -1124,6 +1130,7 @@ impl LinkCtl {
         }
         prog.fill(&mut s)?;
         let mut opened = Vec::new();
+        let mut zero_copy = Vec::new();
         let mut result = Ok(());
         for (queue, tx) in self.shared.commands.iter().enumerate().take(queues) {
             let (rtx, rrx) = crossbeam::channel::bounded(1);
@@ -1133,8 +1140,9 @@ impl LinkCtl {
                 reply: rtx,
             });
             let r = match rrx.recv_timeout(WORKER_REPLY) {
-                Ok(Ok(fd)) => {
+                Ok(Ok((fd, zc))) => {
                     opened.push(queue);
+                    zero_copy.push(zc);
                     s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
                 }
                 Ok(Err(reason)) => Err(DataplaneError::Config(reason)),
@@ -1166,7 +1174,14 @@ impl LinkCtl {
                 .extend(busy_poll_knobs(std::slice::from_ref(&link.name)));
         }
         prog.steering.push(s);
-        Ok(queues)
+        Ok((
+            queues,
+            match (zero_copy.iter().all(|z| *z), zero_copy.iter().any(|z| *z)) {
+                (true, _) => "zero-copy",
+                (false, true) => "zero-copy on some queues, copy on others",
+                (false, false) => "copy",
+            },
+        ))
     }
 
     /// Detaches from `ifindex` and has the workers close their sockets there.

@@ -111,6 +111,31 @@ pub fn allowed_cpus() -> io::Result<Vec<usize>> {
         .collect())
 }
 
+/// Whether the AF_XDP socket `fd` is bound in zero-copy mode (`XDP_OPTIONS`,
+/// `XDP_OPTIONS_ZEROCOPY`), else copy mode.
+pub fn xsk_zero_copy(fd: RawFd) -> io::Result<bool> {
+    const SOL_XDP: libc::c_int = 283;
+    const XDP_OPTIONS: libc::c_int = 8;
+    const XDP_OPTIONS_ZEROCOPY: u32 = 1;
+    let mut flags: u32 = 0;
+    let mut len = std::mem::size_of::<u32>() as libc::socklen_t;
+    // SAFETY: `flags` is a writable u32 (struct xdp_options has one u32 field) and `len`
+    // holds its size; the kernel writes at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            SOL_XDP,
+            XDP_OPTIONS,
+            (&raw mut flags).cast::<libc::c_void>(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(flags & XDP_OPTIONS_ZEROCOPY != 0)
+}
+
 /// The thread ids of this process.
 pub fn thread_ids() -> Vec<libc::pid_t> {
     std::fs::read_dir("/proc/self/task")

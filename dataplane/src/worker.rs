@@ -65,7 +65,8 @@ pub enum Command {
     AddPort {
         ifname: String,
         ifindex: u32,
-        reply: crossbeam::channel::Sender<Result<std::os::fd::RawFd, String>>,
+        /// The socket's descriptor and whether it is in zero-copy mode.
+        reply: crossbeam::channel::Sender<Result<(std::os::fd::RawFd, bool), String>>,
     },
     /// Close the socket on an interface that went away (or no longer matches), taking
     /// back the frames its rings held; answers when done.
@@ -631,6 +632,14 @@ impl<'id> Worker<'id> {
                 let r = self
                     .io
                     .add_port(&ifname, ifindex)
+                    .map(|fd| {
+                        (
+                            fd,
+                            self.io
+                                .port_of(ifindex)
+                                .is_some_and(|p| self.io.zero_copy(p)),
+                        )
+                    })
                     .map_err(|e| e.to_string());
                 self.ports_changed = true;
                 let _ = reply.send(r);

@@ -74,7 +74,11 @@ pub struct XskConfig {
     pub frames: u32,
     pub frame_size: u32,
     pub ring_size: u32,
-    /// Copy mode (veth, most drivers without AF_XDP zero-copy); zero-copy otherwise.
+    /// Force copy mode; otherwise the UMEM's own socket asks for zero-copy and the
+    /// kernel falls back to copy mode where the driver has none (veths, kxp's service
+    /// device among them). Every socket sharing the UMEM has the mode of its first, so
+    /// with kxp's service device first the mode is copy; [`WorkerIo::zero_copy`] says
+    /// which a port got.
     pub copy_mode: bool,
     /// Preferred busy polling: (busy-poll µs, budget).
     pub busy_poll: Option<(u32, u32)>,
@@ -100,7 +104,7 @@ impl Default for XskConfig {
             frames: 8192,
             frame_size: 2048,
             ring_size: 2048,
-            copy_mode: true,
+            copy_mode: false,
             busy_poll: None,
             queue_budget_us: 250,
             idle_spin_us: None,
@@ -147,6 +151,8 @@ struct Port {
     rx: RxQueue,
     fq: FillQueue,
     cq: CompQueue,
+    /// The socket is in zero-copy mode (`XDP_OPTIONS`), not copy mode.
+    zero_copy: bool,
     /// Frames waiting for room on the TX ring.
     tx_pending: Vec<FrameDesc>,
     /// A multi-buffer packet being received (its first descriptors came in an earlier
@@ -354,11 +360,11 @@ impl WorkerIo<'static> {
         if cfg.multi_buffer {
             bind |= BindFlags::XDP_USE_SG;
         }
-        bind |= if cfg.copy_mode {
-            BindFlags::XDP_COPY
-        } else {
-            BindFlags::XDP_ZEROCOPY
-        };
+        // Neither flag: zero-copy if the driver has it, else copy mode (the kernel's
+        // fallback); XDP_COPY when asked for.
+        if cfg.copy_mode {
+            bind |= BindFlags::XDP_COPY;
+        }
         let sock_cfg = SocketConfig::builder()
             .rx_queue_size(ring)
             .tx_queue_size(ring)
@@ -435,9 +441,11 @@ impl<'id> WorkerIo<'id> {
             })?;
         }
         let fd = rx.fd().as_raw_fd();
+        let zero_copy = crate::sys::xsk_zero_copy(fd).unwrap_or(false);
         self.ports.push(Port {
             ifname: ifname.to_string(),
             ifindex,
+            zero_copy,
             tx,
             rx,
             fq,
@@ -511,6 +519,11 @@ impl<'id> WorkerIo<'id> {
     /// See [`WorkerIo::set_fill_limit`].
     pub fn fill_limit(&self) -> usize {
         self.fill_limit
+    }
+
+    /// Whether `port`'s socket is in zero-copy mode (else copy mode).
+    pub fn zero_copy(&self, port: usize) -> bool {
+        self.ports[port].zero_copy
     }
 
     /// The ifindex of `port`.
@@ -899,6 +912,8 @@ mod tests {
                     let ifindex = crate::xdp::ifindex_of("pod").unwrap();
                     io.add_port("pod", ifindex).unwrap();
                     let port = io.port_of(ifindex).unwrap();
+                    // veths have no AF_XDP zero-copy: asked for first, copy mode it is.
+                    assert!(!io.zero_copy(0) && !io.zero_copy(port));
                     let mut given = Vec::new();
                     for limit in [200, 10, usize::MAX] {
                         io.set_fill_limit(limit);

@@ -2566,6 +2566,12 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         log.contains("workers pinned to CPUs [1]; kxp's") && log.contains("run on CPUs [0"),
         "{log}"
     );
+    // Each interface says which AF_XDP mode it got: copy, on veths (no zero-copy there).
+    let attached: Vec<&str> = log.lines().filter(|l| l.contains(" attached")).collect();
+    assert!(!attached.is_empty(), "{log}");
+    for l in attached {
+        assert!(l.contains("mode=\"copy\""), "{l}");
+    }
 }
 
 /// As root (all capabilities, CAP_SETPCAP among them), kxp drops CAP_SYS_ADMIN and the
