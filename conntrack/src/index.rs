@@ -54,6 +54,11 @@ impl FlowIndex {
         self.len
     }
 
+    /// Where the buckets are: (address, bytes).
+    pub(crate) fn region(&self) -> (usize, usize) {
+        (self.buckets.as_ptr() as usize, self.allocation_size())
+    }
+
     pub(crate) fn allocation_size(&self) -> usize {
         self.buckets.len() * size_of::<Bucket>()
     }

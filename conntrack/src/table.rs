@@ -333,7 +333,20 @@ impl ConnTable {
         &self.snat
     }
 
-    /// Bytes reserved by the table now (slab plus index; the index grows with the flows).
+    /// The table's two large allocations, as (address, bytes): the entries (reserved in
+    /// full, touched as flows arrive) and the flow index. For the dataplane to ask the
+    /// kernel for huge pages there; nothing here reads or writes through them.
+    pub fn regions(&self) -> [(usize, usize); 2] {
+        [
+            (
+                self.slots.as_ptr() as usize,
+                self.slots.capacity() * ConnTable::ENTRY_SIZE,
+            ),
+            self.index.region(),
+        ]
+    }
+
+    /// Bytes reserved by the table (slab plus index, both sized at creation).
     pub fn memory_bytes(&self) -> usize {
         self.slots.capacity() * ConnTable::ENTRY_SIZE + self.index.allocation_size()
     }

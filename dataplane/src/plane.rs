@@ -628,6 +628,15 @@ impl Dataplane {
                     .map_err(|e| DataplaneError::Conntrack(e.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Huge pages for the tables: at hundreds of thousands of flows a lookup misses the
+        // TLB as well as the cache (the tables are tens to hundreds of MiB).
+        let mut advised = Ok(());
+        for (addr, len) in tables.iter().flat_map(conntrack::ConnTable::regions) {
+            advised = advised.and(crate::sys::advise_huge_pages(addr, len));
+        }
+        if let Err(e) = advised {
+            tracing::info!("no transparent huge pages for the connection tables: {e}");
+        }
         let (mut persistence, node) = match &cfg.state_dir {
             Some(dir) => {
                 let (p, affinity) = crate::persistence::Persistence::start(

@@ -136,6 +136,29 @@ pub fn xsk_zero_copy(fd: RawFd) -> io::Result<bool> {
     Ok(flags & XDP_OPTIONS_ZEROCOPY != 0)
 }
 
+/// Asks for transparent huge pages on the pages of `[addr, addr + len)` (madvise
+/// `MADV_HUGEPAGE`; rounded inwards to whole pages). Pages not touched yet are then
+/// faulted in as huge pages where the kernel has them, touched ones collapsed by
+/// khugepaged. Advice only: nothing is read or written, and a kernel without THP
+/// answers EINVAL.
+pub fn advise_huge_pages(addr: usize, len: usize) -> io::Result<()> {
+    const PAGE: usize = 4096;
+    let start = addr.div_ceil(PAGE) * PAGE;
+    let end = (addr + len) / PAGE * PAGE;
+    if end <= start {
+        return Ok(());
+    }
+    // SAFETY: madvise with MADV_HUGEPAGE changes only how the kernel backs these pages
+    // (their contents and validity are unchanged); the range is page aligned and lies
+    // within an allocation of this process (the caller's), so it names no memory the
+    // process does not map.
+    let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The thread ids of this process.
 pub fn thread_ids() -> Vec<libc::pid_t> {
     std::fs::read_dir("/proc/self/task")
