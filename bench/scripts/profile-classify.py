@@ -2,7 +2,8 @@
 """Classifies a `perf report --sort cpu,sym` of the macro benchmark's kxp case: where
 CPU0 (generator + the router veth's NAPI) and CPU1 (kxp's worker) spend their time.
 
-Usage: perf report -i perf.data --no-children --sort cpu,comm,sym -g none --stdio \
+Usage: bash bench/scripts/profile (runs the benchmark and perf), or by hand:
+  perf report -i perf.data --no-children --sort cpu,comm,sym -g none --stdio \
          | python3 bench/scripts/profile-classify.py
 """
 import re

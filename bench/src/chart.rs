@@ -8,7 +8,7 @@ use crate::results::{Latency, Results};
 
 /// A router's colour, the same in every panel.
 fn colour(i: usize) -> RGBColor {
-    const C: [RGBColor; 8] = [
+    const C: [RGBColor; 10] = [
         RGBColor(0x55, 0x55, 0x55), // plain
         RGBColor(0xd6, 0x27, 0x28), // nft
         RGBColor(0x1f, 0x77, 0xb4), // kxp
@@ -17,6 +17,8 @@ fn colour(i: usize) -> RGBColor {
         RGBColor(0x94, 0x67, 0xbd),
         RGBColor(0x8c, 0x56, 0x4b),
         RGBColor(0x17, 0xbe, 0xcf),
+        RGBColor(0xe3, 0x77, 0xc2),
+        RGBColor(0xbc, 0xbd, 0x22),
     ];
     C[i % C.len()]
 }

@@ -103,6 +103,7 @@ pub struct Metrics {
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
     xdp: Family<Labels, Counter>,
+    xsk_drops: Family<Labels, Counter>,
     api_events: Family<Labels, Counter>,
     api_errors: Family<Labels, Counter>,
     api_relists: Family<Labels, Counter>,
@@ -194,6 +195,7 @@ impl Metrics {
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
             xdp: Family::default(),
+            xsk_drops: Family::default(),
             api_events: Family::default(),
             api_errors: Family::default(),
             api_relists: Family::default(),
@@ -394,6 +396,11 @@ impl Metrics {
                 "xdp_packets",
                 "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged, passed); dropped (held while kxp restarts, or on the service device and not for the node)",
                 m.xdp.clone(),
+            );
+            kxp.register(
+                "xsk_rx_drops",
+                "Packets the kernel redirected to kxp's AF_XDP sockets and dropped, per interface and reason: fill_ring_empty (no receive buffer: kxp's rings held what its queue budget allows, or it fell behind), rx_ring_full (the receive ring was full), other",
+                m.xsk_drops.clone(),
             );
             kxp.register(
                 "worker_busy_ratio",
@@ -621,6 +628,32 @@ impl Metrics {
                     &format!("xdp/{ifname}/{outcome}"),
                     n,
                     &self.xdp.get_or_create(&l),
+                );
+            }
+        }
+    }
+
+    /// Takes the AF_XDP sockets' counters, per interface.
+    pub fn update_xsk(&self, per_interface: &[(String, dataplane::xsk::PortStats)]) {
+        let Ok(mut t) = self.totals.lock() else {
+            return;
+        };
+        for (ifname, st) in per_interface {
+            // The kernel counts a packet dropped for want of a buffer in both rx_dropped
+            // and the fill ring's empty count.
+            for (reason, n) in [
+                ("fill_ring_empty", st.rx_fill_ring_empty),
+                ("rx_ring_full", st.rx_ring_full),
+                ("other", st.rx_dropped.saturating_sub(st.rx_fill_ring_empty)),
+            ] {
+                let l = vec![
+                    ("interface".to_string(), ifname.clone()),
+                    ("reason".to_string(), reason.to_string()),
+                ];
+                t.advance(
+                    &format!("xsk/{ifname}/{reason}"),
+                    n,
+                    &self.xsk_drops.get_or_create(&l),
                 );
             }
         }
@@ -968,6 +1001,37 @@ mod tests {
         let mut resp = String::new();
         std::io::Read::read_to_string(&mut c, &mut resp).unwrap();
         resp
+    }
+
+    #[test]
+    fn socket_drops_are_counted_per_interface_and_reason() {
+        let m = Metrics::new();
+        let st = |empty: u64, full: u64, dropped: u64| dataplane::xsk::PortStats {
+            rx_dropped: dropped,
+            rx_ring_full: full,
+            rx_fill_ring_empty: empty,
+            ..Default::default()
+        };
+        m.update_xsk(&[("eth0".into(), st(5, 1, 7)), ("veth1".into(), st(0, 0, 0))]);
+        m.update_xsk(&[("eth0".into(), st(9, 1, 12))]);
+        let t = m.render();
+        let get = |n: &str| sample(&t, n).unwrap_or_else(|| panic!("{n} in\n{t}"));
+        assert_eq!(
+            get("kxp_xsk_rx_drops_total{interface=\"eth0\",reason=\"fill_ring_empty\"}"),
+            9.0
+        );
+        assert_eq!(
+            get("kxp_xsk_rx_drops_total{interface=\"eth0\",reason=\"rx_ring_full\"}"),
+            1.0
+        );
+        assert_eq!(
+            get("kxp_xsk_rx_drops_total{interface=\"eth0\",reason=\"other\"}"),
+            3.0
+        );
+        assert_eq!(
+            get("kxp_xsk_rx_drops_total{interface=\"veth1\",reason=\"fill_ring_empty\"}"),
+            0.0
+        );
     }
 
     #[test]

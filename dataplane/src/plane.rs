@@ -628,14 +628,24 @@ impl Dataplane {
                     .map_err(|e| DataplaneError::Conntrack(e.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // Huge pages for the tables: at hundreds of thousands of flows a lookup misses the
-        // TLB as well as the cache (the tables are tens to hundreds of MiB).
+        // The tables on huge pages (at hundreds of thousands of flows a lookup misses the
+        // TLB as well as the cache) and resident from now: a page fault on the packet
+        // path, a huge page's above all, stalled the worker for milliseconds.
         let mut advised = Ok(());
+        let mut bytes = 0;
         for (addr, len) in tables.iter().flat_map(conntrack::ConnTable::regions) {
-            advised = advised.and(crate::sys::advise_huge_pages(addr, len));
+            advised = advised.and(crate::sys::populate_huge(addr, len));
+            bytes += len;
         }
-        if let Err(e) = advised {
-            tracing::info!("no transparent huge pages for the connection tables: {e}");
+        match advised {
+            Ok(()) => tracing::info!(
+                "connection tables resident, on huge pages where the kernel has them: {} MiB",
+                bytes >> 20
+            ),
+            Err(e) => tracing::info!(
+                "connection tables ({} MiB) not all on huge pages or resident: {e}",
+                bytes >> 20
+            ),
         }
         let (mut persistence, node) = match &cfg.state_dir {
             Some(dir) => {

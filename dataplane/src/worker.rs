@@ -58,6 +58,8 @@ pub enum Command {
     },
     /// Send back the connection table's counters.
     TableStats(crossbeam::channel::Sender<TableStats>),
+    /// The kernel's statistics of each of this worker's sockets (interface name, stats).
+    SocketStats(crossbeam::channel::Sender<Vec<(String, crate::xsk::PortStats)>>),
     /// Send back the live flows, packets and bytes per endpoint (for `kxp service list`).
     EndpointCounts(crossbeam::channel::Sender<EndpointMap>),
     /// Open a socket on a newly attached interface at this worker's queue and send back
@@ -124,6 +126,7 @@ impl std::fmt::Debug for Command {
             Command::RemoveUdpTo(ip, port) => write!(f, "RemoveUdpTo({ip}, {port})"),
             Command::Flows { delete, .. } => write!(f, "Flows {{ delete: {delete} }}"),
             Command::TableStats(_) => f.write_str("TableStats"),
+            Command::SocketStats(_) => f.write_str("SocketStats"),
             Command::EndpointCounts(_) => f.write_str("EndpointCounts"),
             Command::AddPort { ifname, .. } => write!(f, "AddPort({ifname})"),
             Command::RemovePort { ifindex, .. } => write!(f, "RemovePort({ifindex})"),
@@ -246,6 +249,31 @@ impl Shared {
     /// Every worker's connection-table counters.
     pub fn table_stats(&self, timeout: std::time::Duration) -> Vec<TableStats> {
         self.ask_all(Command::TableStats, timeout)
+    }
+
+    /// The kernel's statistics of every worker's sockets, summed per interface.
+    pub fn socket_stats(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Vec<(String, crate::xsk::PortStats)> {
+        let mut sum: Vec<(String, crate::xsk::PortStats)> = Vec::new();
+        for (ifname, st) in self
+            .ask_all(Command::SocketStats, timeout)
+            .into_iter()
+            .flatten()
+        {
+            match sum.iter_mut().find(|(n, _)| *n == ifname) {
+                Some((_, a)) => {
+                    a.rx_dropped += st.rx_dropped;
+                    a.rx_ring_full += st.rx_ring_full;
+                    a.rx_fill_ring_empty += st.rx_fill_ring_empty;
+                    a.tx_invalid += st.tx_invalid;
+                    a.tx_ring_empty += st.tx_ring_empty;
+                }
+                None => sum.push((ifname, st)),
+            }
+        }
+        sum
     }
 }
 
@@ -614,6 +642,12 @@ impl<'id> Worker<'id> {
                     })
                     .collect();
                 let _ = reply.send(m);
+            }
+            Command::SocketStats(reply) => {
+                let v = (0..self.io.port_count())
+                    .map(|p| (self.io.ifname(p).to_string(), self.io.stats(p)))
+                    .collect();
+                let _ = reply.send(v);
             }
             Command::TableStats(reply) => {
                 let t = &self.engine.table;

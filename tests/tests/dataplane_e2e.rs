@@ -2572,6 +2572,13 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
     for l in attached {
         assert!(l.contains("mode=\"copy\""), "{l}");
     }
+    // The sockets' drop counters are exported per interface (refreshed every second).
+    std::thread::sleep(Duration::from_millis(1100));
+    let m = node_http(&lab, 10249, "/metrics");
+    for reason in ["fill_ring_empty", "rx_ring_full", "other"] {
+        let want = format!("kxp_xsk_rx_drops_total{{interface=\"n-client\",reason=\"{reason}\"}} ");
+        assert!(m.lines().any(|l| l.starts_with(&want)), "{want} in\n{m}");
+    }
 }
 
 /// As root (all capabilities, CAP_SETPCAP among them), kxp drops CAP_SYS_ADMIN and the

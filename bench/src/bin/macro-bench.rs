@@ -1976,14 +1976,15 @@ fn run_latency(
     }
 }
 
-/// Per mode, the slowest router's median rate among `results` (what `N%` loads are
-/// shares of).
+/// Per mode, the slowest router's median rate among `results`, the scale cases left out
+/// (what `N%` loads are shares of).
 fn reference_rates(results: &[CaseResult], modes: &[Mode]) -> Vec<(Mode, f64)> {
     modes
         .iter()
         .filter_map(|&m| {
             results
                 .iter()
+                .filter(|c| c.case.services() == 1 && c.case.flows() == 1024)
                 .filter_map(|c| med_pps(c, m))
                 .filter(|&p| p > 0.0)
                 .min_by(|a, b| a.total_cmp(b))
