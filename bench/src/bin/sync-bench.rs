@@ -181,6 +181,10 @@ fn run_one(kxp_bin: &std::path::Path, services: u32, changes: u32) -> anyhow::Re
         }
     }
     kxp.terminate();
+    // A stopped kxp leaves its programs (pinned) and state for a successor; none comes.
+    if let Err(e) = kxp.cleanup() {
+        eprintln!("sync-bench: {e:#}");
+    }
     drop(api);
     drop(topo);
     let _ = std::fs::remove_dir_all(&dir);
