@@ -18,10 +18,18 @@ pub struct Results {
     pub machine: Machine,
     /// `xsk` or `trafgen`.
     pub generator: String,
+    /// Runs per case and mode in each round.
     pub runs: usize,
+    /// Interleaved rounds of the throughput phase (`--rounds`; 1 in files of before).
+    #[serde(default = "one")]
+    pub rounds: usize,
     pub secs: f64,
     pub probe_rate: u32,
     pub cases: Vec<Case>,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -293,6 +301,7 @@ mod tests {
             },
             generator: "xsk".into(),
             runs: 1,
+            rounds: 1,
             secs: 3.0,
             probe_rate: 1000,
             cases: vec![case("nft", 400_000.0), case("kxp", kxp_est)],
@@ -349,5 +358,15 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want} missing");
         }
+    }
+
+    /// A file written before `--rounds` existed (the README's reference run) still
+    /// reads, as one round.
+    #[test]
+    fn a_file_of_before_rounds_reads_as_one_round() {
+        let r: Results =
+            serde_json::from_str(include_str!("../results/reference.json")).unwrap();
+        assert_eq!((r.runs, r.rounds), (3, 1));
+        assert!(r.cases.iter().any(|c| c.name == "kxp-10k"));
     }
 }

@@ -166,6 +166,8 @@ struct Port {
     demand: usize,
     /// TX ring size (all free = nothing left for the kernel to send).
     tx_size: u32,
+    /// sendto() calls made to have the kernel transmit (copy mode).
+    tx_kicks: u64,
 }
 
 /// Per-port socket statistics from the kernel.
@@ -442,6 +444,13 @@ impl<'id> WorkerIo<'id> {
         }
         let fd = rx.fd().as_raw_fd();
         let zero_copy = crate::sys::xsk_zero_copy(fd).unwrap_or(false);
+        if !zero_copy {
+            // Copy mode: one sendto() may send the whole TX ring (Linux 6.17; older
+            // kernels keep 32 per call, and `flush_port` kicks again).
+            if let Err(e) = crate::sys::set_xsk_tx_budget(fd, self.ring_size as u32) {
+                tracing::debug!(interface = %ifname, error = %e, "the TX budget per sendto stays the kernel's default");
+            }
+        }
         self.ports.push(Port {
             ifname: ifname.to_string(),
             ifindex,
@@ -456,6 +465,7 @@ impl<'id> WorkerIo<'id> {
             received: 0,
             demand: 0,
             tx_size: self.ring_size as u32,
+            tx_kicks: 0,
         });
         self.reshare();
         for i in 0..self.ports.len() {
@@ -765,11 +775,16 @@ impl<'id> WorkerIo<'id> {
                 }
             }
         }
-        // Copy mode: each sendto() makes the kernel transmit at most 32 frames, so kick
-        // until the ring is drained (bounded; transient errors such as EAGAIN or ENOBUFS
+        // Copy mode: each sendto() makes the kernel transmit at most its budget (the TX
+        // ring on Linux 6.17 and later, see `add_port`; 32 before), so kick until the
+        // ring is drained (bounded; transient errors such as EAGAIN or ENOBUFS
         // leave the rest for the next flush).
         for _ in 0..16 {
-            if !p.tx.needs_wakeup() || p.tx.wakeup().is_err() {
+            if !p.tx.needs_wakeup() {
+                break;
+            }
+            p.tx_kicks += 1;
+            if p.tx.wakeup().is_err() {
                 break;
             }
             if p.tx.nb_free_exact() >= p.tx_size {
@@ -933,6 +948,55 @@ mod tests {
         // to it as the port receives).
         assert_eq!(given[1], (2 * BATCH, 200), "{given:?}");
         assert!(given[2].1 > 1000, "unbounded, the port's share: {given:?}");
+    }
+
+    /// In copy mode one sendto() sends a whole batch (the TX budget is the ring, not the
+    /// kernel's default 32 per call), and every frame leaves.
+    #[test]
+    fn one_kick_sends_a_whole_batch() {
+        assert!(
+            crate::sys::is_root(),
+            "needs root: it opens AF_XDP sockets in a netns"
+        );
+        let mut topo = Topology::new("kxqk");
+        let ns = topo.add_ns_unique("io").unwrap();
+        let peer = topo.add_ns_unique("peer").unwrap();
+        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
+        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        // This thread's network namespace's counters (sysfs shows the mounter's).
+        let tx_packets = || -> u64 {
+            let dev = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap();
+            let line = dev
+                .lines()
+                .find_map(|l| l.trim_start().strip_prefix("pod:"))
+                .unwrap();
+            // Receive: bytes packets errs drop fifo frame compressed multicast; then
+            // transmit: bytes packets …
+            line.split_whitespace().nth(9).unwrap().parse().unwrap()
+        };
+        let (kicks, sent) = topo
+            .run_in(&ns, || {
+                let sockets =
+                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
+                sockets.with(|mut io| {
+                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+                    io.add_port("pod", ifindex).unwrap();
+                    let port = io.port_of(ifindex).unwrap();
+                    let before = tx_packets();
+                    let mut frame = [0u8; 60];
+                    frame[..6].copy_from_slice(&[0xff; 6]);
+                    frame[12..14].copy_from_slice(&[0x88, 0xb5]);
+                    // `send` flushes by itself when a batch is queued.
+                    for _ in 0..BATCH {
+                        let f = io.frame_from(&frame).unwrap();
+                        assert!(io.send(port, f));
+                    }
+                    (io.ports[port].tx_kicks, tx_packets() - before)
+                })
+            })
+            .unwrap();
+        assert_eq!(sent, BATCH as u64);
+        assert_eq!(kicks, 1, "sendto() calls for one batch of {BATCH}");
     }
 
     #[test]

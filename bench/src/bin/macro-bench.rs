@@ -70,6 +70,13 @@ struct Args {
     /// Throughput runs per case and mode (the median is reported) [default: 3, --quick 1].
     #[arg(long)]
     runs: Option<usize>,
+    /// Rounds of the throughput phase: each round runs every case once (its `--runs`
+    /// runs per mode), in the given order, then reversed, and so on (A B, B A, A B …),
+    /// and a case's runs of all rounds make its median. Interleaving spreads what drifts
+    /// during a run (the machine warming, a neighbour's load) over the cases instead of
+    /// giving it to whichever ran first: for A/B comparisons such as kxp-base vs kxp.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Measured seconds per run [default: 3, --quick 1].
     #[arg(long)]
     secs: Option<f64>,
@@ -1615,6 +1622,7 @@ struct Plan {
     /// `None`: trafgen; `Some(path)`: the AF_XDP generator at `path`.
     xsk_gen: Option<PathBuf>,
     runs: usize,
+    rounds: usize,
     secs: f64,
     warm: f64,
     lat_secs: f64,
@@ -1847,6 +1855,29 @@ fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
         res.modes.push((mode, out));
     }
     res
+}
+
+/// Adds a later round's runs of a case to its earlier ones (per mode; the last round's
+/// kxp totals; the first error).
+fn merge_rounds(into: &mut CaseResult, later: CaseResult) {
+    for (mode, mr) in later.modes {
+        match into.modes.iter_mut().find(|(m, _)| *m == mode) {
+            Some((_, have)) => {
+                have.runs.extend(mr.runs);
+                if mr.kxp_totals.is_some() {
+                    have.kxp_totals = mr.kxp_totals;
+                }
+                have.kernel_conntrack = mr.kernel_conntrack.or(have.kernel_conntrack);
+                if have.error.is_none() {
+                    have.error = mr.error;
+                }
+            }
+            None => into.modes.push((mode, mr)),
+        }
+    }
+    if into.error.is_none() {
+        into.error = later.error;
+    }
 }
 
 /// The latency phase of one case: with no load (once), then under each offered load
@@ -2083,8 +2114,16 @@ fn lat_cell(l: Option<&Latency>) -> String {
 fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str)) {
     println!();
     println!(
-        "macro-bench: {} run(s) x {:.1} s per case and mode (median [min-max]); 64-byte UDP (60 B + FCS) to {VIP}:{SINK_PORT};",
-        plan.runs, plan.secs
+        "macro-bench: {} x {:.1} s per case and mode (median [min-max]); 64-byte UDP (60 B + FCS) to {VIP}:{SINK_PORT};",
+        if plan.rounds > 1 {
+            format!(
+                "{} run(s) in each of {} interleaved rounds",
+                plan.runs, plan.rounds
+            )
+        } else {
+            format!("{} run(s)", plan.runs)
+        },
+        plan.secs
     );
     println!(
         "generator {} on CPU{GEN_CPU}, router on CPU{ROUTER_CPU}; Mpps = packets/s counted at the backend's interface",
@@ -2332,6 +2371,7 @@ fn results_of(
         }
         .into(),
         runs: plan.runs,
+        rounds: plan.rounds,
         secs: plan.secs,
         probe_rate: plan.probe_rate,
         cases: results
@@ -2483,6 +2523,7 @@ fn real_main() -> anyhow::Result<()> {
     let plan = Plan {
         xsk_gen,
         runs: args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
+        rounds: args.rounds.max(1),
         secs: args.secs.unwrap_or(if args.quick { 1.0 } else { 3.0 }),
         warm: if args.quick { 0.5 } else { 1.0 },
         lat_secs: if args.quick { 1.0 } else { 2.0 },
@@ -2527,7 +2568,7 @@ fn real_main() -> anyhow::Result<()> {
         drop(lab);
         return r;
     }
-    let mut results = Vec::new();
+    let mut results: Vec<CaseResult> = Vec::new();
     // Every case's rates first, then the latency phase, whose paced loads are shares of
     // the slowest router's rate; the threaded case (last: it cannot be undone) does both
     // after the others.
@@ -2535,11 +2576,25 @@ fn real_main() -> anyhow::Result<()> {
         cases.iter().partition(|c| **c == Case::KxpThreaded);
     for group in [early, late] {
         let first = results.len();
-        for &case in &group {
-            if stop.check().is_err() {
-                break;
+        for round in 0..plan.rounds {
+            let order: Vec<Case> = if round % 2 == 0 {
+                group.clone()
+            } else {
+                group.iter().rev().copied().collect()
+            };
+            if plan.rounds > 1 && !group.is_empty() {
+                eprintln!("round {} of {}", round + 1, plan.rounds);
             }
-            results.push(run_case(&lab, case, &modes, &plan));
+            for case in order {
+                if stop.check().is_err() {
+                    break;
+                }
+                let r = run_case(&lab, case, &modes, &plan);
+                match results[first..].iter_mut().find(|c| c.case == case) {
+                    Some(c) => merge_rounds(c, r),
+                    None => results.push(r),
+                }
+            }
         }
         if plan.latency {
             let reference = reference_rates(&results, &modes);
