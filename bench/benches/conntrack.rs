@@ -1,5 +1,6 @@
-//! Connection table: lookup of an established flow and insert of a new one, in a table
-//! holding 1M flows (and 1k for comparison). Memory per entry is printed once. The
+//! Connection table: lookup of an established flow (alone, and a batch of 64 with and
+//! without warming the cache first) and insert of a new one, in a table holding 1M flows
+//! (and 1k for comparison). Memory per entry is printed once. The
 //! per-node state a new connection may touch: ClientIP affinity (alone and with another
 //! thread hammering the table, as a second worker would), and the state file written for
 //! every new flow (insert + journal + remove + journal, against the mapped file).
@@ -74,6 +75,30 @@ fn conntrack(c: &mut Criterion) {
                 )
             })
         });
+        // A received batch of 64 packets looked up one by one, as a worker does, with and
+        // without warming the cache for the batch first (`ConnTable::warm`).
+        for warmed in [false, true] {
+            let name = if warmed {
+                "lookup_batch_64_warmed"
+            } else {
+                "lookup_batch_64"
+            };
+            let mut k = 0usize;
+            g.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+                b.iter(|| {
+                    k = (k + 64) & 65_535;
+                    let batch = &keys[k..k + 64];
+                    if warmed {
+                        t.warm(batch);
+                    }
+                    let mut found = 0u32;
+                    for key in batch {
+                        found += u32::from(t.on_packet(black_box(key), ACK, 2).is_some());
+                    }
+                    black_box(found)
+                })
+            });
+        }
         if n == 1_000 {
             // The same 1,000 hot flows in a table sized as kxp sizes a worker's (262,144
             // flows): what the index's sizing costs a worker with few flows.

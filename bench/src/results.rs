@@ -364,8 +364,7 @@ mod tests {
     /// reads, as one round.
     #[test]
     fn a_file_of_before_rounds_reads_as_one_round() {
-        let r: Results =
-            serde_json::from_str(include_str!("../results/reference.json")).unwrap();
+        let r: Results = serde_json::from_str(include_str!("../results/reference.json")).unwrap();
         assert_eq!((r.runs, r.rounds), (3, 1));
         assert!(r.cases.iter().any(|c| c.name == "kxp-10k"));
     }

@@ -89,6 +89,22 @@ impl FlowIndex {
         None
     }
 
+    /// Reads `hash`'s home bucket, to have its line in the cache for a lookup soon (see
+    /// [`crate::ConnTable::warm`]); its first tag, for the caller to keep the read alive.
+    #[inline]
+    pub(crate) fn touch(&self, hash: u64) -> u16 {
+        self.buckets[hash as usize & self.mask()].tags[0]
+    }
+
+    /// The first value in `hash`'s home bucket whose tag matches: a candidate, its key not
+    /// compared (for [`crate::ConnTable::warm`]).
+    #[inline]
+    pub(crate) fn candidate(&self, hash: u64) -> Option<u32> {
+        let t = tag(hash);
+        let b = &self.buckets[hash as usize & self.mask()];
+        b.tags.iter().position(|&x| x == t).map(|k| b.vals[k])
+    }
+
     /// Entries the index holds at most (90% of its room).
     pub(crate) fn capacity(&self) -> usize {
         self.buckets.len() * WAYS * 9 / 10

@@ -27,6 +27,11 @@ use crate::engine::{DropCause, Engine, MasqueradeSource, Verdict};
 use crate::fib::{FibView, Route};
 use crate::xsk::{Frame, WorkerIo};
 
+/// From how many tracked flows a worker warms the cache for each received batch
+/// ([`Worker::warm`]): below, the table's lines stay in the cache anyway (32,768
+/// entries and their index are a few MiB) and warming would only cost the parse.
+const WARM_FROM: usize = 32_768;
+
 const ETH_HLEN: usize = 14;
 /// Busy time over which the loop's drain rate is measured.
 const DRAIN_WINDOW_NS: u64 = 2_000_000;
@@ -394,6 +399,7 @@ impl<'id> Worker<'id> {
         }
         let mut fds = self.io.fds();
         let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
+        let mut keys: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
         let mut idle: u32 = 0;
         let mut last_work = crate::sys::monotonic_ns();
@@ -478,6 +484,9 @@ impl<'id> Worker<'id> {
                 let n = self.io.recv(port, &mut batch);
                 work += n;
                 let ifindex = self.io.ifindex(port);
+                if n > 1 && self.engine.table.len() >= WARM_FROM {
+                    self.warm(&mut batch, &mut keys);
+                }
                 for f in batch.drain(..) {
                     self.handle(f, ifindex, &snap, now, workers, &mut answer, false);
                 }
@@ -709,6 +718,22 @@ impl<'id> Worker<'id> {
             self.local.no_route += 1;
         }
         self.io.recycle(f);
+    }
+
+    /// Has the connection table bring the flows of a received batch into the cache
+    /// before its packets are handled one by one ([`conntrack::ConnTable::warm`]): with
+    /// more flows than the cache holds, the batch's misses overlap instead of each
+    /// packet waiting for its own. Packets that are not flows (fragments, ICMP errors,
+    /// other protocols) are left out.
+    fn warm(&mut self, batch: &mut [Frame<'id>], keys: &mut Vec<Tuple>) {
+        keys.clear();
+        for f in batch.iter_mut() {
+            let frame = self.io.bytes(f);
+            if let Some(Ok(Parsed::Flow(fl))) = frame.get(ETH_HLEN..).map(rewrite::parse) {
+                keys.push(fl.tuple());
+            }
+        }
+        self.engine.table.warm(keys);
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -93,11 +93,11 @@ struct Args {
     /// The kxp binary [default: `kxp` next to this program, built with cargo if missing].
     #[arg(long)]
     kxp: Option<PathBuf>,
-    /// More arguments for `kxp run` in the kxp cases (not kxp-base), e.g.
+    /// More arguments for `kxp run` in the kxp cases (not kxp-base, kxp-1m-base), e.g.
     /// `--kxp-arg=--queue-budget=500`.
     #[arg(long = "kxp-arg", value_name = "ARG", allow_hyphen_values = true)]
     kxp_args: Vec<String>,
-    /// An earlier kxp binary, measured as case `kxp-base` in the same run: a change on
+    /// An earlier kxp binary, measured as cases `kxp-base` and `kxp-1m-base` in the same run: a change on
     /// the packet path reports its ratios before and after side by side.
     #[arg(long)]
     kxp_baseline: Option<PathBuf>,
@@ -184,6 +184,8 @@ enum Case {
     Kxp10k,
     /// kxp with 1,000,000 established flows.
     Kxp1m,
+    /// Kxp1m with the --kxp-baseline binary.
+    Kxp1mBase,
 }
 
 /// Services of the scale cases.
@@ -205,9 +207,10 @@ impl Case {
             "iptables-10k" => Case::Ipt10k,
             "kxp-10k" => Case::Kxp10k,
             "kxp-1m" => Case::Kxp1m,
+            "kxp-1m-base" => Case::Kxp1mBase,
             o => {
                 bail!(
-                    "unknown case {o:?} (plain, nft, iptables, kxp, kxp-base, kxp-threaded, kxp-busypoll, nft-10k, iptables-10k, kxp-10k, kxp-1m)"
+                    "unknown case {o:?} (plain, nft, iptables, kxp, kxp-base, kxp-threaded, kxp-busypoll, nft-10k, iptables-10k, kxp-10k, kxp-1m, kxp-1m-base)"
                 )
             }
         })
@@ -225,6 +228,7 @@ impl Case {
             Case::Ipt10k => "iptables-10k",
             Case::Kxp10k => "kxp-10k",
             Case::Kxp1m => "kxp-1m",
+            Case::Kxp1mBase => "kxp-1m-base",
         }
     }
     /// The router the case sets up (the scale cases are their router's at scale).
@@ -232,7 +236,7 @@ impl Case {
         match self {
             Case::Nft10k => Case::Nft,
             Case::Ipt10k => Case::Ipt,
-            Case::Kxp10k | Case::Kxp1m => Case::Kxp,
+            Case::Kxp10k | Case::Kxp1m | Case::Kxp1mBase => Case::Kxp,
             c => c,
         }
     }
@@ -246,7 +250,7 @@ impl Case {
     /// Established flows the generator's `est` mode cycles through.
     fn flows(self) -> u32 {
         match self {
-            Case::Kxp1m => 1_000_000,
+            Case::Kxp1m | Case::Kxp1mBase => 1_000_000,
             Case::Nft10k | Case::Ipt10k | Case::Kxp10k => 10_240,
             _ => 1024,
         }
@@ -268,6 +272,7 @@ impl Case {
             }
             Case::Kxp10k => "kxp, 10,000 Services / 99,993 endpoints, traffic to all",
             Case::Kxp1m => "kxp, 1,000,000 established flows (table sized 1.2M)",
+            Case::Kxp1mBase => "kxp-1m with the --kxp-baseline binary (before)",
         }
     }
     fn is_kxp(self) -> bool {
@@ -279,7 +284,12 @@ impl Case {
                 | Case::KxpBusyPoll
                 | Case::Kxp10k
                 | Case::Kxp1m
+                | Case::Kxp1mBase
         )
+    }
+    /// A case of the --kxp-baseline binary.
+    fn is_base(self) -> bool {
+        matches!(self, Case::KxpBase | Case::Kxp1mBase)
     }
 }
 
@@ -1166,7 +1176,7 @@ impl<'a> Router<'a> {
                 if case == Case::KxpBusyPoll {
                     args.extend(["--busy-poll".into(), busy_poll.to_string()]);
                 }
-                if case != Case::KxpBase {
+                if !case.is_base() {
                     args.extend(KXP_ARGS.get().into_iter().flatten().cloned());
                 }
                 let mut p = spawn_kxp(lab, kxp_bin, &args, &format!("kxp-{tag}"))?;
@@ -1815,14 +1825,14 @@ fn run_case(lab: &Lab, case: Case, modes: &[Mode], plan: &Plan) -> CaseResult {
         if lab.stop.check().is_err() {
             break;
         }
-        if case == Case::Kxp1m && mode == Mode::New {
+        if case.flows() == 1_000_000 && mode == Mode::New {
             // New connections do not depend on the table's fill: that is kxp's `new`.
             continue;
         }
         let mut out = ModeResult::default();
         // Set up per mode: kxp starts afresh (empty connection table, its own totals).
         let bin = match (case, &plan.kxp_base) {
-            (Case::KxpBase, Some(b)) => b,
+            (c, Some(b)) if c.is_base() => b,
             _ => &plan.kxp,
         };
         let router = match Router::setup(
@@ -1896,11 +1906,11 @@ fn run_latency(
         if lab.stop.check().is_err() {
             return;
         }
-        if case == Case::Kxp1m && mode == Mode::New {
+        if case.flows() == 1_000_000 && mode == Mode::New {
             continue;
         }
         let bin = match (case, &plan.kxp_base) {
-            (Case::KxpBase, Some(b)) => b,
+            (c, Some(b)) if c.is_base() => b,
             _ => &plan.kxp,
         };
         let tag = format!("{}-{}-lat", case.name(), mode.name());
@@ -2485,8 +2495,8 @@ fn real_main() -> anyhow::Result<()> {
     // and the setting stays on the device): the threaded case runs last so that it
     // does not leak into the others.
     cases.sort_by_key(|c| *c == Case::KxpThreaded);
-    if cases.contains(&Case::KxpBase) && args.kxp_baseline.is_none() {
-        bail!("case kxp-base measures an earlier binary: give --kxp-baseline PATH");
+    if cases.iter().any(|c| c.is_base()) && args.kxp_baseline.is_none() {
+        bail!("cases kxp-base and kxp-1m-base measure an earlier binary: give --kxp-baseline PATH");
     }
     let modes: Vec<Mode> = args
         .modes

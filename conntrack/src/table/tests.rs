@@ -649,3 +649,37 @@ fn flows_count_their_packets_and_bytes_and_endpoints_keep_them_when_flows_go() {
     assert_eq!(t.endpoint_counts(S)[&(ep, Protocol::Tcp)].1.packets, 2);
     check(&t);
 }
+
+/// Warming the cache for a batch reads and changes nothing: tracked and untracked keys,
+/// in either direction, more keys than it reads, none at all.
+#[test]
+fn warming_a_batch_changes_nothing() {
+    let mut t = table(512);
+    for cport in 40000..40200 {
+        establish(&mut t, cport, S);
+    }
+    let before: Vec<(u16, u64, u64)> = (40000..40200)
+        .map(|cport| {
+            let e = t.get(&flow(Protocol::Tcp, cport).0, S).unwrap().1;
+            (cport, e.packets(), e.expires_at())
+        })
+        .collect();
+    let stats = *t.stats();
+    let mut keys = Vec::new();
+    for cport in 39900..40300 {
+        let (o, r) = flow(Protocol::Tcp, cport);
+        keys.push(o);
+        keys.push(r);
+    }
+    t.warm(&keys);
+    t.warm(&keys[..ConnTable::WARM_BATCH - 1]);
+    t.warm(&[]);
+    assert_eq!(*t.stats(), stats);
+    assert_eq!(t.len(), 200);
+    for (cport, packets, expires) in before {
+        let e = t.get(&flow(Protocol::Tcp, cport).0, S).unwrap().1;
+        assert_eq!((e.packets(), e.expires_at()), (packets, expires));
+    }
+    assert!(t.get(&flow(Protocol::Tcp, 39999).0, S).is_none());
+    check(&t);
+}
