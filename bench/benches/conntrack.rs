@@ -99,6 +99,49 @@ fn conntrack(c: &mut Criterion) {
                 })
             });
         }
+        if n == 1_000_000 {
+            // A batch of 64 new connections into a full table of kxp's default size per
+            // worker (262,144 unanswered flows: each new one evicts the oldest), as in
+            // the macro benchmark's new-connection mode: lookup (a miss), then insert.
+            for warmed in [false, true] {
+                let name = if warmed {
+                    "new_flows_batch_64_full_262144_warmed"
+                } else {
+                    "new_flows_batch_64_full_262144"
+                };
+                let cap = 262_144u32;
+                let mut full = ConnTable::new(
+                    cap as usize,
+                    Timeouts::default(),
+                    SnatPorts::new(32768..=65535).unwrap(),
+                )
+                .unwrap();
+                for i in 0..cap {
+                    let (o, r) = flow(i);
+                    full.insert(o, r, 0, SYN, 1).unwrap();
+                }
+                let mut next = cap;
+                let mut batch = Vec::with_capacity(64);
+                g.bench_function(name, |b| {
+                    b.iter(|| {
+                        batch.clear();
+                        batch.extend((0..64).map(|j| flow(next.wrapping_add(j))));
+                        next = next.wrapping_add(64);
+                        if warmed {
+                            let keys: [Tuple; 64] = std::array::from_fn(|j| batch[j].0);
+                            full.warm(&keys);
+                        }
+                        let mut made = 0u32;
+                        for (o, r) in &batch {
+                            if full.on_packet(o, SYN, 3).is_none() {
+                                made += u32::from(full.insert(*o, *r, 0, SYN, 3).is_ok());
+                            }
+                        }
+                        black_box(made)
+                    })
+                });
+            }
+        }
         if n == 1_000 {
             // The same 1,000 hot flows in a table sized as kxp sizes a worker's (262,144
             // flows): what the index's sizing costs a worker with few flows.
