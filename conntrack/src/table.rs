@@ -377,11 +377,27 @@ impl ConnTable {
             *h = self.hash(k);
             seen = seen.wrapping_add(u64::from(self.index.touch(*h)));
         }
+        let mut new = 0;
         for &h in &hashes[..n] {
-            if let Some((slot, dir)) = self.index.candidate(h).map(unpack)
-                && let Some(e) = self.slots.get(slot)
-            {
-                seen = seen.wrapping_add(u64::from(e.tuple(dir).sport));
+            match self.index.candidate(h).map(unpack) {
+                Some((slot, dir)) => {
+                    if let Some(e) = self.slots.get(slot) {
+                        seen = seen.wrapping_add(u64::from(e.tuple(dir).sport));
+                    }
+                }
+                None => new += 1,
+            }
+        }
+        if self.len >= self.capacity {
+            let mut victim = self.unassured_head;
+            for _ in 0..new {
+                let Some(e) = self.slots.get(victim as usize) else {
+                    break;
+                };
+                for t in [&e.orig, &e.reply] {
+                    seen = seen.wrapping_add(u64::from(self.index.touch(self.hash(t))));
+                }
+                victim = e.next;
             }
         }
         // The reads are what is wanted, not the sum: keep the compiler from dropping them.

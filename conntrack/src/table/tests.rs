@@ -684,3 +684,29 @@ fn warming_a_batch_changes_nothing() {
     assert!(t.get(&flow(Protocol::Tcp, 39999).0, S).is_none());
     check(&t);
 }
+
+/// In a full table, warming also reads the buckets of the flows new keys would evict:
+/// still nothing changes, and the next insert evicts the oldest unassured flow as before.
+#[test]
+fn warming_a_full_table_changes_nothing() {
+    let mut t = table(16);
+    for cport in 1000..1016 {
+        let (o, r) = flow(Protocol::Udp, cport);
+        t.insert(o, r, 0, 0, S).unwrap();
+    }
+    assert_eq!(t.len(), t.capacity());
+    let stats = *t.stats();
+    let head = t.unassured_head;
+    let fresh: Vec<Tuple> = (2000..2100).map(|p| flow(Protocol::Udp, p).0).collect();
+    t.warm(&fresh);
+    assert_eq!((*t.stats(), t.unassured_head, t.len()), (stats, head, 16));
+    check(&t);
+    let (o, r) = flow(Protocol::Udp, 2000);
+    t.insert(o, r, 0, 0, 2 * S).unwrap();
+    assert!(
+        t.get(&flow(Protocol::Udp, 1000).0, 2 * S).is_none(),
+        "the oldest went"
+    );
+    assert!(t.get(&flow(Protocol::Udp, 1001).0, 2 * S).is_some());
+    check(&t);
+}
