@@ -367,8 +367,11 @@ impl ConnTable {
     /// twice, the index bucket and then the entry, and one packet's lookup waits for
     /// its misses; here the reads of the whole batch are independent of one another, so
     /// the processor has many misses in flight at once. First every key's bucket, then
-    /// the entry of each bucket's first candidate. Changes nothing; at most the first
-    /// [`ConnTable::WARM_BATCH`] keys are read.
+    /// the entry of each bucket's first candidate. In a full table, a key with no
+    /// candidate is most likely a new flow, which will evict the oldest unassured flow
+    /// ([`ConnTable::insert`]): as many of those, from the oldest on, have the buckets of
+    /// their two tuples read as well (the removal's misses). Changes nothing; at most the
+    /// first [`ConnTable::WARM_BATCH`] keys are read.
     pub fn warm(&self, keys: &[Tuple]) {
         let mut hashes = [0u64; Self::WARM_BATCH];
         let n = keys.len().min(Self::WARM_BATCH);

@@ -231,19 +231,39 @@ pub struct KxpSection {
 /// kube-proxy reads it (through JSON, which has no tags), and so that kxp writes back
 /// (`--write-config-to`) what it read (the YAML emitter refuses some tagged keys; found
 /// by fuzzing).
+///
+/// A key that is a mapping or a list (YAML's `? {a: b}: c`) is an error: kube-proxy's
+/// YAML-to-JSON reading refuses it (JSON keys are strings), and the YAML emitter cannot
+/// write it back (found by fuzzing).
 fn untagged<'de, D: Deserializer<'de>>(d: D) -> Result<Option<serde_yaml::Value>, D::Error> {
-    fn strip(v: serde_yaml::Value) -> serde_yaml::Value {
+    fn strip<E: serde::de::Error>(v: serde_yaml::Value) -> Result<serde_yaml::Value, E> {
         use serde_yaml::Value;
-        match v {
-            Value::Tagged(t) => strip(t.value),
-            Value::Sequence(s) => Value::Sequence(s.into_iter().map(strip).collect()),
-            Value::Mapping(m) => {
-                Value::Mapping(m.into_iter().map(|(k, v)| (strip(k), strip(v))).collect())
+        Ok(match v {
+            Value::Tagged(t) => strip(t.value)?,
+            Value::Sequence(s) => {
+                Value::Sequence(s.into_iter().map(strip).collect::<Result<_, _>>()?)
             }
+            Value::Mapping(m) => Value::Mapping(
+                m.into_iter()
+                    .map(|(k, v)| match strip(k)? {
+                        k @ (Value::Mapping(_) | Value::Sequence(_)) => Err(E::custom(format!(
+                            "a key must be a string, number or boolean, not {}",
+                            if k.is_mapping() {
+                                "a mapping"
+                            } else {
+                                "a list"
+                            }
+                        ))),
+                        k => Ok((k, strip(v)?)),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
             other => other,
-        }
+        })
     }
-    Ok(Option::<serde_yaml::Value>::deserialize(d)?.map(strip))
+    Option::<serde_yaml::Value>::deserialize(d)?
+        .map(strip)
+        .transpose()
 }
 
 fn zeroish(v: &serde_yaml::Value) -> bool {
@@ -602,6 +622,12 @@ mod tests {
             KubeProxyConfiguration::parse(&written, "written").unwrap(),
             cfg
         );
+        // A key that is a mapping: refused, naming the section.
+        let text = "kind: KubeProxyConfiguration\nlogging:\n  options:\n    ? {a: b}\n    : c\n";
+        let e = KubeProxyConfiguration::parse(text, "test")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("logging") && e.contains("not a mapping"), "{e}");
         for f in std::fs::read_dir(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../fuzz/regressions/config"
