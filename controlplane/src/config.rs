@@ -261,9 +261,12 @@ fn untagged<'de, D: Deserializer<'de>>(d: D) -> Result<Option<serde_yaml::Value>
             other => other,
         })
     }
-    Option::<serde_yaml::Value>::deserialize(d)?
+    // A section that is null once its tag is dropped (`logging: !t`) is unset, as a plain
+    // `logging: null` reads (and as kxp writes it back).
+    Ok(Option::<serde_yaml::Value>::deserialize(d)?
         .map(strip)
-        .transpose()
+        .transpose()?
+        .filter(|v| !v.is_null()))
 }
 
 fn zeroish(v: &serde_yaml::Value) -> bool {
@@ -622,6 +625,10 @@ mod tests {
             KubeProxyConfiguration::parse(&written, "written").unwrap(),
             cfg
         );
+        // A section that is only a tag reads as unset, as `logging: null` does.
+        let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nlogging: !t\nwinkernel: !w ~\n";
+        let cfg = KubeProxyConfiguration::parse(text, "test").unwrap();
+        assert_eq!((&cfg.logging, &cfg.winkernel), (&None, &None));
         // A key that is a mapping: refused, naming the section.
         let text = "kind: KubeProxyConfiguration\nlogging:\n  options:\n    ? {a: b}\n    : c\n";
         let e = KubeProxyConfiguration::parse(text, "test")
