@@ -1085,11 +1085,12 @@ impl LinkCtl {
             }
             changed = true;
             match self.attach(&mut prog, l) {
-                Ok((queues, mode)) => tracing::info!(
+                Ok((queues, mode, tx_per_sendto)) => tracing::info!(
                     interface = %l.name,
                     ifindex = l.ifindex,
                     sockets = queues,
                     mode,
+                    tx_per_sendto,
                     "attached"
                 ),
                 Err(e) => {
@@ -1121,12 +1122,13 @@ impl LinkCtl {
     /// Loads and attaches a program instance to `link`, fills its maps with what is
     /// wanted now, and has each worker whose queue the interface has open a socket there.
     /// Returns the number of sockets.
-    /// Attaches to `link`: its queues (one socket each) and their AF_XDP mode.
+    /// Attaches to `link`: its queues (one socket each), their AF_XDP mode, and the
+    /// fewest frames one sendto() on them transmits in copy mode (0: zero-copy).
     fn attach(
         &self,
         prog: &mut Programming,
         link: &LinkInfo,
-    ) -> Result<(usize, &'static str), DataplaneError> {
+    ) -> Result<(usize, &'static str, u32), DataplaneError> {
         let queues = rx_queues(&link.name).unwrap_or(1).clamp(1, self.workers);
         if !self.multi_buffer
             && let Some((_, mtu)) = matching_links(std::slice::from_ref(&link.name)).first()
@@ -1150,6 +1152,7 @@ impl LinkCtl {
         prog.fill(&mut s)?;
         let mut opened = Vec::new();
         let mut zero_copy = Vec::new();
+        let mut tx_budget = u32::MAX;
         let mut result = Ok(());
         for (queue, tx) in self.shared.commands.iter().enumerate().take(queues) {
             let (rtx, rrx) = crossbeam::channel::bounded(1);
@@ -1159,9 +1162,10 @@ impl LinkCtl {
                 reply: rtx,
             });
             let r = match rrx.recv_timeout(WORKER_REPLY) {
-                Ok(Ok((fd, zc))) => {
+                Ok(Ok((fd, zc, budget))) => {
                     opened.push(queue);
                     zero_copy.push(zc);
+                    tx_budget = tx_budget.min(budget);
                     s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
                 }
                 Ok(Err(reason)) => Err(DataplaneError::Config(reason)),
@@ -1200,6 +1204,7 @@ impl LinkCtl {
                 (false, true) => "zero-copy on some queues, copy on others",
                 (false, false) => "copy",
             },
+            if tx_budget == u32::MAX { 0 } else { tx_budget },
         ))
     }
 

@@ -72,8 +72,9 @@ pub enum Command {
     AddPort {
         ifname: String,
         ifindex: u32,
-        /// The socket's descriptor and whether it is in zero-copy mode.
-        reply: crossbeam::channel::Sender<Result<(std::os::fd::RawFd, bool), String>>,
+        /// The socket's descriptor, whether it is in zero-copy mode, and its TX budget
+        /// per sendto() ([`crate::xsk::WorkerIo::tx_budget`]).
+        reply: crossbeam::channel::Sender<Result<(std::os::fd::RawFd, bool, u32), String>>,
     },
     /// Close the socket on an interface that went away (or no longer matches), taking
     /// back the frames its rings held; answers when done.
@@ -676,11 +677,11 @@ impl<'id> Worker<'id> {
                     .io
                     .add_port(&ifname, ifindex)
                     .map(|fd| {
+                        let port = self.io.port_of(ifindex);
                         (
                             fd,
-                            self.io
-                                .port_of(ifindex)
-                                .is_some_and(|p| self.io.zero_copy(p)),
+                            port.is_some_and(|p| self.io.zero_copy(p)),
+                            port.map_or(0, |p| self.io.tx_budget(p)),
                         )
                     })
                     .map_err(|e| e.to_string());

@@ -153,6 +153,8 @@ struct Port {
     cq: CompQueue,
     /// The socket is in zero-copy mode (`XDP_OPTIONS`), not copy mode.
     zero_copy: bool,
+    /// In copy mode, the most frames one sendto() has the kernel transmit.
+    tx_budget: u32,
     /// Frames waiting for room on the TX ring.
     tx_pending: Vec<FrameDesc>,
     /// A multi-buffer packet being received (its first descriptors came in an earlier
@@ -333,6 +335,10 @@ impl std::fmt::Debug for WorkerIo<'_> {
 
 /// Most frames moved per ring call.
 pub const BATCH: usize = 64;
+
+/// Frames one sendto() transmits in copy mode on a kernel without
+/// `XDP_MAX_TX_SKB_BUDGET` (`TX_BATCH_SIZE` in `net/xdp/xsk.c`).
+pub const KERNEL_TX_BUDGET: u32 = 32;
 /// Receive frames kept on the first port's fill ring (kxp's service device).
 const FIRST_PORT_FILL: usize = 256;
 
@@ -444,17 +450,23 @@ impl<'id> WorkerIo<'id> {
         }
         let fd = rx.fd().as_raw_fd();
         let zero_copy = crate::sys::xsk_zero_copy(fd).unwrap_or(false);
+        let mut tx_budget = 0;
         if !zero_copy {
             // Copy mode: one sendto() may send the whole TX ring (Linux 6.17; older
             // kernels keep 32 per call, and `flush_port` kicks again).
-            if let Err(e) = crate::sys::set_xsk_tx_budget(fd, self.ring_size as u32) {
-                tracing::debug!(interface = %ifname, error = %e, "the TX budget per sendto stays the kernel's default");
-            }
+            tx_budget = match crate::sys::set_xsk_tx_budget(fd, self.ring_size as u32) {
+                Ok(()) => self.ring_size as u32,
+                Err(e) => {
+                    tracing::debug!(interface = %ifname, error = %e, "the TX budget per sendto stays the kernel's default");
+                    KERNEL_TX_BUDGET
+                }
+            };
         }
         self.ports.push(Port {
             ifname: ifname.to_string(),
             ifindex,
             zero_copy,
+            tx_budget,
             tx,
             rx,
             fq,
@@ -534,6 +546,13 @@ impl<'id> WorkerIo<'id> {
     /// Whether `port`'s socket is in zero-copy mode (else copy mode).
     pub fn zero_copy(&self, port: usize) -> bool {
         self.ports[port].zero_copy
+    }
+
+    /// In copy mode, the most frames one sendto() on `port` has the kernel transmit: the
+    /// TX ring's size where the kernel takes `XDP_MAX_TX_SKB_BUDGET`, else its default
+    /// ([`KERNEL_TX_BUDGET`]); 0 in zero-copy mode (the driver takes what the ring holds).
+    pub fn tx_budget(&self, port: usize) -> u32 {
+        self.ports[port].tx_budget
     }
 
     /// The ifindex of `port`.
@@ -974,7 +993,7 @@ mod tests {
             // transmit: bytes packets …
             line.split_whitespace().nth(9).unwrap().parse().unwrap()
         };
-        let (kicks, sent) = topo
+        let (kicks, sent, budget) = topo
             .run_in(&ns, || {
                 let sockets =
                     Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
@@ -991,12 +1010,22 @@ mod tests {
                         let f = io.frame_from(&frame).unwrap();
                         assert!(io.send(port, f));
                     }
-                    (io.ports[port].tx_kicks, tx_packets() - before)
+                    (
+                        io.ports[port].tx_kicks,
+                        tx_packets() - before,
+                        io.tx_budget(port),
+                    )
                 })
             })
             .unwrap();
         assert_eq!(sent, BATCH as u64);
-        assert_eq!(kicks, 1, "sendto() calls for one batch of {BATCH}");
+        // Linux 6.17 and later take the budget; before, the kernel's 32 per call stay.
+        let want = if budget == KERNEL_TX_BUDGET { 2 } else { 1 };
+        assert!(budget == KERNEL_TX_BUDGET || budget == 2048, "{budget}");
+        assert_eq!(
+            kicks, want,
+            "sendto() calls for one batch of {BATCH}, budget {budget}"
+        );
     }
 
     #[test]
