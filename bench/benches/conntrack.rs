@@ -34,9 +34,10 @@ fn flow(i: u32) -> (Tuple, Tuple) {
     )
 }
 
-fn filled(n: u32) -> ConnTable {
+/// A table for `capacity` flows holding flows `0..n` (unanswered: SYN only).
+fn holding(capacity: usize, n: u32) -> ConnTable {
     let mut t = ConnTable::new(
-        n as usize + 1024,
+        capacity,
         Timeouts::default(),
         SnatPorts::new(32768..=65535).unwrap(),
     )
@@ -46,6 +47,10 @@ fn filled(n: u32) -> ConnTable {
         t.insert(o, r, 0, SYN, 1).unwrap();
     }
     t
+}
+
+fn filled(n: u32) -> ConnTable {
+    holding(n as usize + 1024, n)
 }
 
 fn conntrack(c: &mut Criterion) {
@@ -110,16 +115,7 @@ fn conntrack(c: &mut Criterion) {
                     "new_flows_batch_64_full_262144"
                 };
                 let cap = 262_144u32;
-                let mut full = ConnTable::new(
-                    cap as usize,
-                    Timeouts::default(),
-                    SnatPorts::new(32768..=65535).unwrap(),
-                )
-                .unwrap();
-                for i in 0..cap {
-                    let (o, r) = flow(i);
-                    full.insert(o, r, 0, SYN, 1).unwrap();
-                }
+                let mut full = holding(cap as usize, cap);
                 let mut next = cap;
                 let mut batch = Vec::with_capacity(64);
                 g.bench_function(name, |b| {
@@ -145,16 +141,7 @@ fn conntrack(c: &mut Criterion) {
         if n == 1_000 {
             // The same 1,000 hot flows in a table sized as kxp sizes a worker's (262,144
             // flows): what the index's sizing costs a worker with few flows.
-            let mut big = ConnTable::new(
-                262_144,
-                Timeouts::default(),
-                SnatPorts::new(32768..=65535).unwrap(),
-            )
-            .unwrap();
-            for i in 0..n {
-                let (o, r) = flow(i);
-                big.insert(o, r, 0, SYN, 1).unwrap();
-            }
+            let mut big = holding(262_144, n);
             g.bench_with_input(
                 BenchmarkId::new("lookup_established_in_262144", n),
                 &n,

@@ -924,6 +924,17 @@ mod tests {
     use super::*;
     use crate::lab::Topology;
 
+    /// A namespace for the sockets with two veths, `anchor` (the UMEM's first socket, as
+    /// kxp's service device) and `pod`, to a peer namespace; the namespace's name.
+    fn two_links(prefix: &str) -> (Topology, String) {
+        let mut topo = Topology::new(prefix);
+        let ns = topo.add_ns_unique("io").unwrap();
+        let peer = topo.add_ns_unique("peer").unwrap();
+        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
+        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        (topo, ns)
+    }
+
     /// The fill limit bounds what a busy port is given (the kernel can then hold no more
     /// received packets than that), and raising it lets the port take more again.
     #[test]
@@ -932,11 +943,7 @@ mod tests {
             crate::sys::is_root(),
             "needs root: it opens AF_XDP sockets in a netns"
         );
-        let mut topo = Topology::new("kxqf");
-        let ns = topo.add_ns_unique("io").unwrap();
-        let peer = topo.add_ns_unique("peer").unwrap();
-        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
-        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        let (topo, ns) = two_links("kxqf");
         let given = topo
             .run_in(&ns, || {
                 let sockets =
@@ -977,11 +984,7 @@ mod tests {
             crate::sys::is_root(),
             "needs root: it opens AF_XDP sockets in a netns"
         );
-        let mut topo = Topology::new("kxqk");
-        let ns = topo.add_ns_unique("io").unwrap();
-        let peer = topo.add_ns_unique("peer").unwrap();
-        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
-        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        let (topo, ns) = two_links("kxqk");
         // This thread's network namespace's counters (sysfs shows the mounter's).
         let tx_packets = || -> u64 {
             let dev = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap();
@@ -1034,11 +1037,7 @@ mod tests {
             crate::sys::is_root(),
             "needs root: it opens AF_XDP sockets in a netns"
         );
-        let mut topo = Topology::new("kxpq");
-        let ns = topo.add_ns_unique("io").unwrap();
-        let peer = topo.add_ns_unique("peer").unwrap();
-        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
-        topo.link((&ns, "pod", ""), (&peer, "p0", "")).unwrap();
+        let (topo, ns) = two_links("kxpq");
         let (before, during, after) = topo
             .run_in(&ns, || {
                 let cfg = XskConfig::default();

@@ -1090,6 +1090,11 @@ struct Router<'a> {
 }
 
 impl<'a> Router<'a> {
+    /// The PID of the kxp this router runs, if any (its CPU is not "other processes").
+    fn kxp_pids(&self) -> Vec<u32> {
+        self.kxp.iter().map(|p| p.child.id()).collect()
+    }
+
     fn setup(
         lab: &'a Lab,
         case: Case,
@@ -1768,12 +1773,7 @@ fn run_mode(
 ) -> anyhow::Result<()> {
     let cfg = lab.trafgen_cfg(mode)?;
     let name = router.case.name();
-    let ours: Vec<u32> = router
-        .kxp
-        .as_ref()
-        .map(|p| p.child.id())
-        .into_iter()
-        .collect();
+    let ours = router.kxp_pids();
     for i in 0..plan.runs {
         let (r, _) = run_once(
             lab,
@@ -1936,12 +1936,7 @@ fn run_latency(
                 Err(e) => eprintln!("  {}: idle latency failed: {e:#}", case.name()),
             }
         }
-        let ours: Vec<u32> = router
-            .kxp
-            .as_ref()
-            .map(|p| p.child.id())
-            .into_iter()
-            .collect();
+        let ours = router.kxp_pids();
         let cfg = match lab.trafgen_cfg(mode) {
             Ok(c) => c,
             Err(e) => {
