@@ -10,6 +10,7 @@
 //! | `CAP_PERFMON` (or `CAP_SYS_ADMIN`) | what the verifier allows the steering program with it |
 //! | `CAP_IPC_LOCK` | the UMEMs' pinned memory beyond `RLIMIT_MEMLOCK` |
 //! | `CAP_SYS_RESOURCE` | a negative `oomScoreAdj` (kube-proxy's -999) |
+//! | `CAP_SYS_NICE` | moving threaded NAPI kthreads off pinned workers' CPUs ([`crate::napi`]) |
 //!
 //! The first three are required; without the others kxp starts and says what will not
 //! work.
@@ -25,6 +26,7 @@ pub const CAP_NET_ADMIN: u32 = 12;
 pub const CAP_NET_RAW: u32 = 13;
 pub const CAP_IPC_LOCK: u32 = 14;
 pub const CAP_SYS_ADMIN: u32 = 21;
+pub const CAP_SYS_NICE: u32 = 23;
 pub const CAP_SYS_RESOURCE: u32 = 24;
 pub const CAP_PERFMON: u32 = 38;
 pub const CAP_BPF: u32 = 39;
@@ -34,14 +36,16 @@ pub const CAP_NET_BIND_SERVICE: u32 = 10;
 /// that come later (`CAP_NET_ADMIN`), their AF_XDP sockets (`CAP_NET_RAW`), their
 /// programs and maps (`CAP_BPF`, `CAP_PERFMON`), their UMEMs (`CAP_IPC_LOCK`), and
 /// health-check ports below 1024 if a node port range reaches there
-/// (`CAP_NET_BIND_SERVICE`).
-pub const RUNTIME: [u32; 6] = [
+/// (`CAP_NET_BIND_SERVICE`), and the NAPI kthreads of those interfaces, kept off the
+/// workers' CPUs (`CAP_SYS_NICE`).
+pub const RUNTIME: [u32; 7] = [
     CAP_NET_ADMIN,
     CAP_NET_RAW,
     CAP_BPF,
     CAP_PERFMON,
     CAP_IPC_LOCK,
     CAP_NET_BIND_SERVICE,
+    CAP_SYS_NICE,
 ];
 
 /// `linux/capability.h`'s names, by number.
@@ -154,6 +158,12 @@ impl Caps {
         }
         if !self.has(CAP_SYS_RESOURCE) {
             optional.push(("CAP_SYS_RESOURCE", "a negative oomScoreAdj cannot be set"));
+        }
+        if !self.has(CAP_SYS_NICE) {
+            optional.push((
+                "CAP_SYS_NICE",
+                "threaded NAPI kthreads cannot be moved off pinned workers' CPUs",
+            ));
         }
         (required, optional)
     }
@@ -313,13 +323,18 @@ mod tests {
     fn reads_cap_eff_and_names_what_is_missing() {
         let full = Caps::parse("Name:\tkxp\nCapInh:\t0\nCapEff:\t000001ffffffffff\n").unwrap();
         assert_eq!(full.missing(), (vec![], vec![]));
-        // NET_ADMIN, NET_RAW, BPF only (DaemonSet without PERFMON, IPC_LOCK, SYS_RESOURCE).
+        // NET_ADMIN, NET_RAW, BPF only (a DaemonSet without the optional ones).
         let some = Caps((1 << CAP_NET_ADMIN) | (1 << CAP_NET_RAW) | (1 << CAP_BPF));
         let (req, opt) = some.missing();
         assert!(req.is_empty());
         assert_eq!(
             opt.iter().map(|o| o.0).collect::<Vec<_>>(),
-            ["CAP_PERFMON", "CAP_IPC_LOCK", "CAP_SYS_RESOURCE"]
+            [
+                "CAP_PERFMON",
+                "CAP_IPC_LOCK",
+                "CAP_SYS_RESOURCE",
+                "CAP_SYS_NICE"
+            ]
         );
         // SYS_ADMIN stands in for BPF and PERFMON.
         let old = Caps((1 << CAP_NET_ADMIN) | (1 << CAP_NET_RAW) | (1 << CAP_SYS_ADMIN));

@@ -10,6 +10,7 @@ pub mod fib;
 pub mod ifmatch;
 pub mod lab;
 pub mod logrl;
+pub mod napi;
 pub mod persistence;
 pub mod plane;
 pub mod servicedev;

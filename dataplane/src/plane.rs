@@ -767,10 +767,33 @@ impl Dataplane {
         let stop = dp.link_stop.clone();
         let published = dp.fib.published();
         let view = dp.fib.view();
+        // With pinned workers, the attached interfaces' threaded NAPI kthreads are kept
+        // off their CPUs (crate::napi), checked once a second.
+        let mut napi = cfg.cpus.as_ref().map(|cpus| {
+            let rest = crate::sys::allowed_cpus()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|c| !cpus.contains(c))
+                .collect();
+            crate::napi::NapiGuard::new(cpus.clone(), rest)
+        });
         let h = std::thread::Builder::new()
             .name("kxp-links".into())
             .spawn(move || {
+                let mut napi_checked: Option<Instant> = None;
                 while !stop.load(Ordering::Relaxed) {
+                    if let Some(g) = napi.as_mut()
+                        && napi_checked.is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+                    {
+                        napi_checked = Some(Instant::now());
+                        let names: Vec<String> = links
+                            .lock()
+                            .steering
+                            .iter()
+                            .filter_map(|s| s.ifname().map(str::to_string))
+                            .collect();
+                        g.check(&names);
+                    }
                     // Woken by every change of the host's tables (links included), and
                     // at least ten times a second (a stop is seen within 0.1 s).
                     let _ = published.recv_timeout(Duration::from_millis(100));

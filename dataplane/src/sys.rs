@@ -72,7 +72,8 @@ pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
     set_affinity(0, &[cpu])
 }
 
-/// Restricts thread `tid` of this process (0: the calling thread) to `cpus`.
+/// Restricts thread `tid` (of this process, or another's with `CAP_SYS_NICE`; 0: the
+/// calling thread) to `cpus`.
 pub fn set_affinity(tid: libc::pid_t, cpus: &[usize]) -> io::Result<()> {
     // SAFETY: cpu_set_t is plain data for which all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
@@ -97,11 +98,17 @@ pub fn set_affinity(tid: libc::pid_t, cpus: &[usize]) -> io::Result<()> {
 
 /// The CPUs the calling thread may run on.
 pub fn allowed_cpus() -> io::Result<Vec<usize>> {
+    affinity(0)
+}
+
+/// The CPUs thread `tid` (any process's; 0: the calling thread) may run on.
+pub fn affinity(tid: libc::pid_t) -> io::Result<Vec<usize>> {
     // SAFETY: cpu_set_t is plain data for which all-zero is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is the calling thread; `set` is valid, writable and its size passed.
+    // SAFETY: `tid` is a thread id or 0 (the caller); `set` is valid, writable and its
+    // size passed.
     let rc =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+        unsafe { libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }

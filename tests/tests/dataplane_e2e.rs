@@ -2432,7 +2432,7 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
     // (What it drops is what the sandbox granted beyond: CAP_SYS_RESOURCE where root has it.)
     assert!(
         log.contains(
-            "capabilities after setup: kept CAP_NET_ADMIN, CAP_NET_RAW, CAP_IPC_LOCK, CAP_PERFMON, CAP_BPF; dropped"
+            "capabilities after setup: kept CAP_NET_ADMIN, CAP_NET_RAW, CAP_IPC_LOCK, CAP_SYS_NICE, CAP_PERFMON, CAP_BPF; dropped"
         ),
         "{log}"
     );
@@ -2585,6 +2585,60 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         let want = format!("kxp_xsk_rx_drops_total{{interface=\"n-client\",reason=\"{reason}\"}} ");
         assert!(m.lines().any(|l| l.starts_with(&want)), "{want} in\n{m}");
     }
+
+    // Threaded NAPI turned on for an attached interface, its kthreads pinned to the
+    // worker's CPU (where the busy-polling worker would starve them): kxp moves them
+    // off it within a second or two, and says so.
+    let out = in_ns(
+        &lab.node,
+        &["sh", "-c", "echo 1 > /sys/class/net/n-client/threaded"],
+    )
+    .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let napi = |name: &str| name.starts_with("napi/n-client-");
+    let threads = || -> Vec<(u32, String)> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter_map(|pid| {
+                let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                let field = |f: &str| st.lines().find_map(|l| l.strip_prefix(f)).map(str::trim);
+                let cpus = field("Cpus_allowed_list:")?.to_string();
+                napi(field("Name:")?).then_some((pid, cpus))
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut found = threads();
+    while found.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        found = threads();
+    }
+    assert!(!found.is_empty(), "no napi/n-client-* kthread");
+    for (pid, _) in &found {
+        let o = std::process::Command::new("taskset")
+            .args(["-pc", "1", &pid.to_string()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while threads().iter().any(|(_, cpus)| cpus == "1") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for (pid, cpus) in threads() {
+        assert_eq!(cpus, others, "napi kthread {pid}\n{}", lab.log());
+    }
+    let log = lab.log();
+    assert!(
+        log.lines().any(|l| l.contains("NAPI thread napi/n-client-")
+            && l.contains("of n-client could run on the workers' CPUs [1]")
+            && l.contains("moved to CPUs [0")),
+        "{log}"
+    );
+    let (spread, _, failed) = lab.http_spread(vip(80), 30);
+    assert_eq!((failed, spread.len()), (0, 3), "{spread:?}\n{}", lab.log());
 }
 
 /// As root (all capabilities, CAP_SETPCAP among them), kxp drops CAP_SYS_ADMIN and the

@@ -181,6 +181,7 @@ fn daemonset_and_unit_grant_exactly_kxps_capabilities() {
         "PERFMON",
         "IPC_LOCK",
         "SYS_RESOURCE",
+        "SYS_NICE",
     ]
     .map(String::from)
     .to_vec();

@@ -261,7 +261,9 @@ impl Case {
             Case::Nft => "kube-proxy nftables DNAT, 1 Service, 3 endpoints (RPS: CPU1)",
             Case::Kxp => "kxp, 1 worker on CPU1; veth NAPI where the kernel puts it",
             Case::KxpBase => "kxp --kxp-baseline binary (before), as kxp",
-            Case::KxpThreaded => "kxp, 1 worker on CPU1; threaded veth NAPI pinned to CPU1",
+            Case::KxpThreaded => {
+                "kxp, 1 worker on CPU1; threaded veth NAPI, its kthreads pinned to CPU1 (kxp moves them)"
+            }
             Case::KxpBusyPoll => "kxp --busy-poll, 1 worker on CPU1; napi_defer_hard_irqs=2",
             Case::Ipt => "kube-proxy iptables DNAT, 1 Service, 3 endpoints (RPS: CPU1)",
             Case::Nft10k => {
