@@ -74,8 +74,12 @@ pub struct Run {
     pub offered_pps: Option<f64>,
     /// Packets/s lost before the backend.
     pub drop_pps: f64,
-    /// (busy %, softirq %) per CPU.
+    /// (busy %, softirq %) per CPU; busy includes the steal.
     pub cpu: Vec<(f64, f64)>,
+    /// Steal % per CPU: time the hypervisor gave the vCPU to something else (empty in
+    /// files of before).
+    #[serde(default)]
+    pub steal_pct: Vec<f64>,
     /// CPU other processes used (% of one).
     pub foreign_pct: f64,
 }
@@ -93,6 +97,9 @@ pub struct Latency {
     pub max_us: f64,
     /// (quantile, µs) at [`QUANTILES`].
     pub quantiles: Vec<(f64, f64)>,
+    /// The most steal of either CPU while the probes ran (%; 0 in files of before).
+    #[serde(default)]
+    pub steal_pct: f64,
 }
 
 /// The quantiles kept of every distribution.
@@ -258,6 +265,7 @@ mod tests {
             p999_us: p99_us * 2.0,
             max_us: p99_us * 3.0,
             quantiles: QUANTILES.iter().map(|&q| (q, 10.0 + q * p99_us)).collect(),
+            steal_pct: 2.0,
         };
         let case = |name: &str, est: f64| Case {
             name: name.into(),
@@ -270,6 +278,7 @@ mod tests {
                     offered_pps: Some(est * 1.1),
                     drop_pps: 0.0,
                     cpu: vec![(100.0, 50.0), (100.0, 30.0)],
+                    steal_pct: vec![1.0, 3.0],
                     foreign_pct: 1.0,
                 }],
                 kxp_totals: None,
@@ -367,5 +376,9 @@ mod tests {
         let r: Results = serde_json::from_str(include_str!("../results/reference.json")).unwrap();
         assert_eq!((r.runs, r.rounds), (3, 1));
         assert!(r.cases.iter().any(|c| c.name == "kxp-10k"));
+        // Nor the steal, which reads as none.
+        let kxp = r.case("kxp").unwrap();
+        assert!(kxp.modes[0].runs[0].steal_pct.is_empty());
+        assert_eq!(kxp.idle.as_ref().unwrap().steal_pct, 0.0);
     }
 }

@@ -820,8 +820,23 @@ fn path_setting(
 fn totals_line(dp: &Dataplane) -> String {
     let t = dp.totals();
     let drops: Vec<String> = t.drops.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    // What the interfaces dropped before kxp saw it (the kernel's AF_XDP counters, as
+    // kxp_xsk_rx_drops_total): a fill ring kept to the queue budget runs empty.
+    let xsk: Vec<String> = dp
+        .shared
+        .socket_stats(Duration::from_millis(200))
+        .iter()
+        .map(|(ifname, st)| {
+            format!(
+                "{ifname}:fill_ring_empty={},rx_ring_full={},other={}",
+                st.rx_fill_ring_empty,
+                st.rx_ring_full,
+                st.rx_dropped.saturating_sub(st.rx_fill_ring_empty)
+            )
+        })
+        .collect();
     format!(
-        "totals: rx {} tx {} forwarded {} new_flows {} rejected {} dropped {} [{}] handoffs {} conntrack {} neighbour_pending {} no_route {}",
+        "totals: rx {} tx {} forwarded {} new_flows {} rejected {} dropped {} [{}] handoffs {} conntrack {} neighbour_pending {} no_route {} xsk_drops [{}]",
         t.rx_packets,
         t.tx_packets,
         t.forwarded,
@@ -832,7 +847,8 @@ fn totals_line(dp: &Dataplane) -> String {
         t.handoffs,
         t.conntrack_entries,
         t.neighbour_pending,
-        t.no_route
+        t.no_route,
+        xsk.join(" ")
     )
 }
 

@@ -691,15 +691,20 @@ fn cpu_times() -> Vec<[u64; 8]> {
         .collect()
 }
 
-/// Per CPU over a window: (busy %, softirq %).
-fn cpu_usage(a: &[[u64; 8]], b: &[[u64; 8]]) -> Vec<(f64, f64)> {
+/// Per CPU over a window: (busy %, softirq %, steal %). Busy includes the steal: time
+/// the hypervisor ran something else on the vCPU.
+fn cpu_usage(a: &[[u64; 8]], b: &[[u64; 8]]) -> Vec<(f64, f64, f64)> {
     a.iter()
         .zip(b)
         .map(|(x, y)| {
             let d: Vec<f64> = (0..8).map(|i| y[i].saturating_sub(x[i]) as f64).collect();
             let total: f64 = d.iter().sum::<f64>().max(1.0);
             let idle = d[3] + d[4];
-            (100.0 * (total - idle) / total, 100.0 * d[6] / total)
+            (
+                100.0 * (total - idle) / total,
+                100.0 * d[6] / total,
+                100.0 * d[7] / total,
+            )
         })
         .collect()
 }
@@ -1375,6 +1380,9 @@ struct Latency {
     got: u64,
     /// Probes without a kernel timestamp (user-space receive time used instead).
     no_kernel_ts: u64,
+    /// The most time the hypervisor took from either CPU while the probes ran (steal,
+    /// % of that CPU's time): a VM's vCPU preempted stalls every router alike.
+    steal_pct: f64,
 }
 
 impl Latency {
@@ -1384,6 +1392,7 @@ impl Latency {
             sent: 0,
             got: 0,
             no_kernel_ts: 0,
+            steal_pct: 0.0,
         }
     }
     fn loss_pct(&self) -> f64 {
@@ -1400,7 +1409,7 @@ impl Latency {
             return format!("no probe arrived ({} sent)", self.sent);
         }
         format!(
-            "p50 {:.0} p90 {:.0} p99 {:.0} p99.9 {:.0} max {:.0} µs; {}/{} probes ({:.1}% lost)",
+            "p50 {:.0} p90 {:.0} p99 {:.0} p99.9 {:.0} max {:.0} µs; {}/{} probes ({:.1}% lost); {:.1}% stolen",
             self.us(0.5),
             self.us(0.9),
             self.us(0.99),
@@ -1408,7 +1417,8 @@ impl Latency {
             self.hist.max() as f64 / 1e3,
             self.got,
             self.sent,
-            self.loss_pct()
+            self.loss_pct(),
+            self.steal_pct
         )
     }
 }
@@ -1418,6 +1428,8 @@ impl Latency {
 /// end by themselves after `max` (plus a short drain) even if nobody stops them.
 struct Probe {
     stop: Arc<AtomicBool>,
+    /// The CPUs' times when it started (for the steal over its window).
+    cpu_at_start: Vec<[u64; 8]>,
     tx: Option<JoinHandle<anyhow::Result<anyhow::Result<u64>>>>,
     rx: Option<JoinHandle<anyhow::Result<anyhow::Result<Latency>>>>,
 }
@@ -1488,6 +1500,7 @@ impl Probe {
         });
         let mut probe = Probe {
             stop: stop.clone(),
+            cpu_at_start: cpu_times(),
             tx: None,
             rx: Some(rx),
         };
@@ -1534,6 +1547,10 @@ impl Probe {
         let lat = join_probe(self.rx.take());
         let mut lat = lat?;
         lat.sent = sent?;
+        lat.steal_pct = cpu_usage(&self.cpu_at_start, &cpu_times())
+            .iter()
+            .map(|u| u.2)
+            .fold(0.0, f64::max);
         Ok(lat)
     }
 }
@@ -1546,8 +1563,8 @@ struct RunResult {
     pps: f64,
     /// What trafgen sent per second of its run (the offered load).
     offered: Option<f64>,
-    /// (busy %, softirq %) of CPU0 and CPU1 over the measured window.
-    cpu: Vec<(f64, f64)>,
+    /// (busy %, softirq %, steal %) of CPU0 and CPU1 over the measured window.
+    cpu: Vec<(f64, f64, f64)>,
     /// CPU other processes used during the window (% of one CPU).
     foreign: f64,
     /// Packets per second dropped on the way (see [`Lab::drops`]).
@@ -1790,7 +1807,7 @@ fn run_mode(
             },
         )?;
         eprintln!(
-            "  {name:<13} {} run {}: {:.3} Mpps delivered (trafgen offered {}, {:.3} Mpps dropped on the way), CPU0 {:.0}% CPU1 {:.0}% busy, others {:.0}% of a CPU",
+            "  {name:<13} {} run {}: {:.3} Mpps delivered (trafgen offered {}, {:.3} Mpps dropped on the way), CPU0 {:.0}% CPU1 {:.0}% busy ({:.0}% {:.0}% stolen), others {:.0}% of a CPU",
             mode.name(),
             i + 1,
             r.pps / 1e6,
@@ -1799,6 +1816,8 @@ fn run_mode(
             r.drop_pps / 1e6,
             r.cpu.first().map_or(0.0, |c| c.0),
             r.cpu.get(1).map_or(0.0, |c| c.0),
+            r.cpu.first().map_or(0.0, |c| c.2),
+            r.cpu.get(1).map_or(0.0, |c| c.2),
             r.foreign,
         );
         out.runs.push(r);
@@ -1983,12 +2002,13 @@ fn run_latency(
                         lat,
                     };
                     eprintln!(
-                        "  {:<13} {} latency at {} (offered {}, delivered {:.3} Mpps{}): {}",
+                        "  {:<13} {} latency at {} (offered {}, delivered {:.3} Mpps, {:.0} packets/s dropped on the way{}): {}",
                         case.name(),
                         mode.name(),
                         load.label(),
                         r.offered.map_or("?".into(), |o| format!("{:.3}", o / 1e6)),
                         r.pps / 1e6,
+                        r.drop_pps,
                         if point.saturated() { ", saturated" } else { "" },
                         point.lat.summary()
                     );
@@ -2007,7 +2027,13 @@ fn run_latency(
             }
         }
         if case.is_kxp() {
-            let _ = router.finish();
+            if let Some(t) = router.finish() {
+                eprintln!(
+                    "  {:<13} {} latency phase, kxp {t}",
+                    case.name(),
+                    mode.name()
+                );
+            }
         } else {
             drop(router);
         }
@@ -2087,7 +2113,7 @@ fn cpu_cell(c: &CaseResult, m: Mode) -> String {
     r.cpu
         .iter()
         .take(2)
-        .map(|(b, si)| format!("{b:.0}/{si:.0}"))
+        .map(|(b, si, st)| format!("{b:.0}/{si:.0}/{st:.0}"))
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -2107,11 +2133,16 @@ fn foreign_cell(c: &CaseResult) -> String {
 fn lat_cell(l: Option<&Latency>) -> String {
     match l {
         Some(l) if !l.hist.is_empty() => format!(
-            "{:.0}/{:.0}/{:.0} ({:.0}%)",
+            "{:.0}/{:.0}/{:.0} ({:.0}%){}",
             l.us(0.5),
             l.us(0.99),
             l.us(0.999),
-            l.loss_pct()
+            l.loss_pct(),
+            if l.steal_pct >= 1.0 {
+                format!(" st{:.0}%", l.steal_pct)
+            } else {
+                String::new()
+            }
         ),
         Some(l) => format!("none of {}", l.sent),
         None => "-".into(),
@@ -2141,17 +2172,17 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
         }
     );
     println!(
-        "load average before {} / after {}; offered = trafgen's own count, dropped = lost before the backend (Mpps); CPU busy/softirq % over the last est. run; others = most CPU (% of one) other processes used in any run",
+        "load average before {} / after {}; offered = trafgen's own count, dropped = lost before the backend (Mpps); CPU busy/softirq/steal % over the last est. run (busy includes steal: time the hypervisor gave the vCPU to another guest); others = most CPU (% of one) other processes used in any run",
         load.0, load.1
     );
     println!();
     println!(
-        "{:<13} | {:<24} | {:<24} | {:<21} | {:<17} | others",
+        "{:<13} | {:<24} | {:<24} | {:<21} | {:<21} | others",
         "router",
         "est. flows (1,024) Mpps",
         "new conn/packet Mpps",
         "offered/dropped e; n",
-        "CPU0 CPU1 busy/si%",
+        "CPU0 CPU1 busy/si/st%",
     );
     println!("{}", "-".repeat(120));
     for c in results {
@@ -2166,7 +2197,7 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
             "-".into()
         };
         println!(
-            "{:<13} | {:<24} | {:<24} | {:<21} | {:<17} | {}",
+            "{:<13} | {:<24} | {:<24} | {:<21} | {:<21} | {}",
             c.case.name(),
             est,
             new,
@@ -2216,7 +2247,7 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
     if plan.latency {
         println!();
         println!(
-            "one-way latency generator -> backend through the VIP, µs p50/p99/p99.9 (probe loss), {} probes/s; loads offered (Mpps) as shares of the slowest router's rate per mode (* = the router forwarded less than offered):",
+            "one-way latency generator -> backend through the VIP, µs p50/p99/p99.9 (probe loss) and stN% when the hypervisor stole N% (the most of either CPU) while the probes ran, {} probes/s; loads offered (Mpps) as shares of the slowest router's rate per mode (* = the router forwarded less than offered):",
             plan.probe_rate
         );
         println!("{:<13} | {:<24}", "router", "no load");
@@ -2328,6 +2359,7 @@ fn lat_out(l: &Latency) -> kxp_bench::results::Latency {
                 .map(|&x| (x, q(x)))
                 .collect()
         },
+        steal_pct: l.steal_pct,
     }
 }
 
@@ -2399,7 +2431,8 @@ fn results_of(
                                 pps: x.pps,
                                 offered_pps: x.offered,
                                 drop_pps: x.drop_pps,
-                                cpu: x.cpu.clone(),
+                                cpu: x.cpu.iter().map(|c| (c.0, c.1)).collect(),
+                                steal_pct: x.cpu.iter().map(|c| c.2).collect(),
                                 foreign_pct: x.foreign,
                             })
                             .collect(),
