@@ -673,6 +673,20 @@ impl ConnTable {
         self.retired.len()
     }
 
+    /// Makes room for the totals of `endpoints` endpoints in all, so that the flows that
+    /// go (evicted, expired, deleted) add their endpoint's without growing the map: a
+    /// map that grows rehashes all it holds at once, on the packet path.
+    pub fn reserve_retired(&mut self, endpoints: usize) {
+        if let Some(more) = endpoints.checked_sub(self.retired.len()) {
+            self.retired.reserve(more);
+        }
+    }
+
+    /// How many endpoints' totals the map holds without growing.
+    pub fn retired_capacity(&self) -> usize {
+        self.retired.capacity()
+    }
+
     /// Forgets the totals of flows gone to endpoints `keep` rejects (endpoints no longer
     /// in any Service).
     pub fn prune_retired(&mut self, keep: impl Fn(&SocketAddr, Protocol) -> bool) {

@@ -100,6 +100,9 @@ pub struct NapiGuard {
     rest: Vec<usize>,
     /// The interfaces already reported as threaded with no kthread in sight.
     unseen: HashSet<String>,
+    /// The kthreads moved so far (a second move of one is put back there by someone
+    /// else: logged at most once a minute).
+    moved: HashSet<libc::pid_t>,
 }
 
 impl NapiGuard {
@@ -109,6 +112,7 @@ impl NapiGuard {
             workers,
             rest,
             unseen: HashSet::new(),
+            moved: HashSet::new(),
         }
     }
 
@@ -117,6 +121,7 @@ impl NapiGuard {
     pub fn check(&mut self, ifnames: &[String]) -> Vec<NapiThread> {
         let threads = threads_of(ifnames);
         self.report_unseen(ifnames, &threads);
+        self.moved.retain(|p| threads.iter().any(|t| t.pid == *p));
         let mut moved = Vec::new();
         for t in threads {
             let current = match crate::sys::affinity(t.pid) {
@@ -138,6 +143,19 @@ impl NapiGuard {
                 continue;
             };
             match crate::sys::set_affinity(t.pid, &to) {
+                Ok(()) if !self.moved.insert(t.pid) => {
+                    crate::warn_limited!(
+                        format!("napi-again-{}", t.name),
+                        "NAPI thread {} (pid {}) of {} was put back on the workers' CPUs {:?} (allowed on {:?}): moved to CPUs {:?} again; whatever pins it there (a tuning script, irqbalance) fights kxp",
+                        t.name,
+                        t.pid,
+                        t.ifname,
+                        self.workers,
+                        current,
+                        to
+                    );
+                    moved.push(t);
+                }
                 Ok(()) => {
                     tracing::info!(
                         "NAPI thread {} (pid {}) of {} could run on the workers' CPUs {:?} (allowed on {:?}): moved to CPUs {:?}, where a busy-polling worker does not starve it",

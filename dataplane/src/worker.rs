@@ -425,6 +425,13 @@ impl<'id> Worker<'id> {
                         .table
                         .prune_retired(|ep, p| live.contains(&(*ep, p)));
                 }
+                // Room for the totals of every endpoint now in a Service, made here and
+                // not when a flow to a new endpoint goes: growing a map of tens of
+                // thousands of endpoints rehashes it, milliseconds on the packet path.
+                let endpoints: usize = snap.ports().map(|sp| sp.endpoints.len()).sum();
+                self.engine
+                    .table
+                    .reserve_retired(endpoints.min(RETIRED_MAX));
             }
             let now = crate::sys::monotonic_ns();
             self.now = now;

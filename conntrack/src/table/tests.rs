@@ -710,3 +710,33 @@ fn warming_a_full_table_changes_nothing() {
     assert!(t.get(&flow(Protocol::Udp, 1001).0, 2 * S).is_some());
     check(&t);
 }
+
+/// With room reserved for the endpoints' totals, flows to thousands of endpoints going
+/// one by one (evicted by new ones, as in a full table) never grow the map: no rehash on
+/// the packet path.
+#[test]
+fn reserved_endpoint_totals_do_not_grow_as_flows_go() {
+    let endpoints = 5_000usize;
+    let mut t = table(256);
+    t.reserve_retired(endpoints);
+    let capacity = t.retired_capacity();
+    assert!(capacity >= endpoints, "{capacity}");
+    for i in 0..2 * endpoints {
+        let ep = format!(
+            "198.18.{}.{}:80",
+            128 + (i % endpoints) / 250,
+            (i % endpoints) % 250
+        );
+        let c = format!("{CLIENT}:{}", 1024 + i);
+        let o = tuple(Protocol::Udp, &c, VIP);
+        let r = tuple(Protocol::Udp, &ep, &c);
+        t.insert(o, r, 0, 0, i as u64).unwrap();
+    }
+    assert_eq!(t.stats().evictions as usize, 2 * endpoints - 256);
+    assert_eq!(t.retired_len(), endpoints);
+    assert_eq!(t.retired_capacity(), capacity);
+    // Reserving less than it holds changes nothing.
+    t.reserve_retired(10);
+    assert_eq!(t.retired_capacity(), capacity);
+    check(&t);
+}
