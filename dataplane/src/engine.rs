@@ -296,7 +296,24 @@ impl Engine {
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
-        let v = self.process_inner(snap, pkt, now, in_interface, masq, out);
+        let parsed = rewrite::parse(pkt);
+        self.process_parsed(snap, pkt, parsed, now, in_interface, masq, out)
+    }
+
+    /// [`Engine::process`] of a packet whose parse (`rewrite::parse` of these very bytes)
+    /// is at hand: the worker parsed it already to warm the cache for its batch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn process_parsed(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &mut [u8],
+        parsed: Result<Parsed, ParseError>,
+        now: u64,
+        in_interface: Option<&str>,
+        masq: &dyn MasqueradeSource,
+        out: &mut [u8],
+    ) -> Verdict {
+        let v = self.process_inner(snap, pkt, parsed, now, in_interface, masq, out);
         match v {
             Verdict::Forward { new_flow, .. } => {
                 self.counters.forwarded += 1;
@@ -310,16 +327,18 @@ impl Engine {
         v
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn process_inner(
         &mut self,
         snap: &Snapshot,
         pkt: &mut [u8],
+        parsed: Result<Parsed, ParseError>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
-        let parsed = match rewrite::parse(pkt) {
+        let parsed = match parsed {
             Ok(p) => p,
             Err(e) => return Verdict::Drop(DropCause::Malformed(e.reason())),
         };

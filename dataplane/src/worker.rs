@@ -401,6 +401,8 @@ impl<'id> Worker<'id> {
         let mut fds = self.io.fds();
         let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut keys: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
+        // The batch's packets as warming parsed them (one per frame, in order).
+        let mut parsed: Vec<Option<rewrite::FlowPacket>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
         let mut idle: u32 = 0;
         let mut last_work = crate::sys::monotonic_ns();
@@ -482,7 +484,7 @@ impl<'id> Worker<'id> {
                     continue;
                 }
                 f.port = self.io.port_of(h.ifindex).unwrap_or(usize::MAX);
-                self.handle(f, h.ifindex, &snap, now, workers, &mut answer, true);
+                self.handle(f, h.ifindex, &snap, now, workers, &mut answer, true, None);
             }
             if self.busy_poll {
                 self.io.busy_poll_kick();
@@ -492,11 +494,13 @@ impl<'id> Worker<'id> {
                 let n = self.io.recv(port, &mut batch);
                 work += n;
                 let ifindex = self.io.ifindex(port);
+                parsed.clear();
                 if n > 1 && self.engine.table.len() >= WARM_FROM {
-                    self.warm(&mut batch, &mut keys);
+                    self.warm(&mut batch, &mut keys, &mut parsed);
                 }
-                for f in batch.drain(..) {
-                    self.handle(f, ifindex, &snap, now, workers, &mut answer, false);
+                for (i, f) in batch.drain(..).enumerate() {
+                    let pre = parsed.get(i).copied().flatten();
+                    self.handle(f, ifindex, &snap, now, workers, &mut answer, false, pre);
                 }
             }
             // Every flow a packet of this batch created or changed is in the state file
@@ -733,13 +737,26 @@ impl<'id> Worker<'id> {
     /// more flows than the cache holds, the batch's misses overlap instead of each
     /// packet waiting for its own. Packets that are not flows (fragments, ICMP errors,
     /// other protocols) are left out.
-    fn warm(&mut self, batch: &mut [Frame<'id>], keys: &mut Vec<Tuple>) {
+    /// Warms the cache for the flows of `batch` ([`conntrack::ConnTable::warm`]) and
+    /// keeps each packet's parse in `parsed` (one per frame, `None` for what is not a
+    /// flow's packet), which `handle` then uses instead of parsing again.
+    fn warm(
+        &mut self,
+        batch: &mut [Frame<'id>],
+        keys: &mut Vec<Tuple>,
+        parsed: &mut Vec<Option<rewrite::FlowPacket>>,
+    ) {
         keys.clear();
         for f in batch.iter_mut() {
             let frame = self.io.bytes(f);
-            if let Some(Ok(Parsed::Flow(fl))) = frame.get(ETH_HLEN..).map(rewrite::parse) {
+            let fl = match frame.get(ETH_HLEN..).map(rewrite::parse) {
+                Some(Ok(Parsed::Flow(fl))) => Some(fl),
+                _ => None,
+            };
+            if let Some(fl) = &fl {
                 keys.push(fl.tuple());
             }
+            parsed.push(fl);
         }
         self.engine.table.warm(keys);
     }
@@ -754,6 +771,7 @@ impl<'id> Worker<'id> {
         workers: usize,
         answer: &mut [u8],
         handed: bool,
+        pre: Option<rewrite::FlowPacket>,
     ) {
         let in_port = f.port;
         let len = self.io.bytes(&mut f).len();
@@ -773,7 +791,10 @@ impl<'id> Worker<'id> {
         // goes through the engine like any packet and teaches the others.
         let mut first_fragment = None;
         if rewrite::may_be_fragment(&frame[ETH_HLEN..]) {
-            match rewrite::parse(&frame[ETH_HLEN..]) {
+            match pre.map_or_else(
+                || rewrite::parse(&frame[ETH_HLEN..]),
+                |fl| Ok(Parsed::Flow(fl)),
+            ) {
                 Ok(Parsed::Fragment(fp)) => {
                     self.later_fragment(f, &fp, now);
                     return;
@@ -815,8 +836,20 @@ impl<'id> Worker<'id> {
         let frame = self.io.bytes(&mut f);
         let verdict = {
             let (_, l3) = frame.split_at_mut(ETH_HLEN);
-            self.engine
-                .process(snap, l3, now, in_name, &FibSource(&self.fib), answer)
+            let fib = FibSource(&self.fib);
+            match pre {
+                // Parsed by the batch's warming, from these bytes, unchanged since.
+                Some(fl) => self.engine.process_parsed(
+                    snap,
+                    l3,
+                    Ok(Parsed::Flow(fl)),
+                    now,
+                    in_name,
+                    &fib,
+                    answer,
+                ),
+                None => self.engine.process(snap, l3, now, in_name, &fib, answer),
+            }
         };
         match verdict {
             Verdict::Forward { dst, from, .. } => {
