@@ -143,29 +143,19 @@ impl NapiGuard {
                 continue;
             };
             match crate::sys::set_affinity(t.pid, &to) {
-                Ok(()) if !self.moved.insert(t.pid) => {
-                    crate::warn_limited!(
-                        format!("napi-again-{}", t.name),
-                        "NAPI thread {} (pid {}) of {} was put back on the workers' CPUs {:?} (allowed on {:?}): moved to CPUs {:?} again; whatever pins it there (a tuning script, irqbalance) fights kxp",
-                        t.name,
-                        t.pid,
-                        t.ifname,
-                        self.workers,
-                        current,
-                        to
-                    );
-                    moved.push(t);
-                }
                 Ok(()) => {
-                    tracing::info!(
-                        "NAPI thread {} (pid {}) of {} could run on the workers' CPUs {:?} (allowed on {:?}): moved to CPUs {:?}, where a busy-polling worker does not starve it",
-                        t.name,
-                        t.pid,
-                        t.ifname,
-                        self.workers,
-                        current,
-                        to
+                    let what = format!(
+                        "NAPI thread {} (pid {}) of {} could run on the workers' CPUs {:?} (allowed on {:?}): moved to CPUs {:?}",
+                        t.name, t.pid, t.ifname, self.workers, current, to
                     );
+                    if self.moved.insert(t.pid) {
+                        tracing::info!("{what}, where a busy-polling worker does not starve it");
+                    } else {
+                        crate::warn_limited!(
+                            format!("napi-again-{}", t.name),
+                            "{what} again: it was put back there, and whatever pins it (a tuning script, irqbalance) fights kxp"
+                        );
+                    }
                     moved.push(t);
                 }
                 Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
@@ -187,13 +177,17 @@ impl NapiGuard {
     /// move them.
     fn report_unseen(&mut self, ifnames: &[String], threads: &[NapiThread]) {
         for ifname in ifnames {
+            // Its kthreads in sight: nothing to report, no sysfs read.
+            if threads.iter().any(|t| &t.ifname == ifname) {
+                continue;
+            }
             let threaded = fs::read_to_string(format!("/sys/class/net/{ifname}/threaded"))
                 .is_ok_and(|s| matches!(s.trim(), "1" | "2" | "enabled" | "busy-poll"));
             if !threaded {
                 self.unseen.remove(ifname);
                 continue;
             }
-            if threads.iter().any(|t| &t.ifname == ifname) || !self.unseen.insert(ifname.clone()) {
+            if !self.unseen.insert(ifname.clone()) {
                 continue;
             }
             tracing::warn!(

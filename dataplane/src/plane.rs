@@ -159,20 +159,27 @@ impl WorkerParts {
     }
 }
 
+/// The CPUs kxp may use that the workers (pinned to `cpus`) leave free.
+fn other_cpus(cpus: &[usize]) -> std::io::Result<Vec<usize>> {
+    Ok(crate::sys::allowed_cpus()?
+        .into_iter()
+        .filter(|c| !cpus.contains(c))
+        .collect())
+}
+
 /// Moves every thread of the process but the workers (`worker_tids`) off the workers'
 /// pinned CPUs, the calling thread too, so that threads started later (inheriting its
 /// affinity) keep off them: a control-plane thread woken on a worker's CPU would take
 /// the CPU from its poll loop for a time slice, a standing queue of milliseconds in its
 /// rings. Nothing is moved when the workers take every CPU the process may use.
 fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
-    let allowed = match crate::sys::allowed_cpus() {
-        Ok(a) => a,
+    let rest = match other_cpus(cpus) {
+        Ok(r) => r,
         Err(e) => {
             tracing::warn!("cannot read the CPUs kxp may use: {e}");
             return;
         }
     };
-    let rest: Vec<usize> = allowed.into_iter().filter(|c| !cpus.contains(c)).collect();
     if rest.is_empty() {
         tracing::info!(
             "the workers take every CPU kxp may use ({cpus:?}): its other threads share them"
@@ -770,12 +777,7 @@ impl Dataplane {
         // With pinned workers, the attached interfaces' threaded NAPI kthreads are kept
         // off their CPUs (crate::napi), checked once a second.
         let mut napi = cfg.cpus.as_ref().map(|cpus| {
-            let rest = crate::sys::allowed_cpus()
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|c| !cpus.contains(c))
-                .collect();
-            crate::napi::NapiGuard::new(cpus.clone(), rest)
+            crate::napi::NapiGuard::new(cpus.clone(), other_cpus(cpus).unwrap_or_default())
         });
         let h = std::thread::Builder::new()
             .name("kxp-links".into())

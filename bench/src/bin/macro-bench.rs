@@ -1341,20 +1341,12 @@ impl Lab {
         )?;
         std::thread::sleep(Duration::from_millis(100));
         let mut pinned = 0;
-        for e in std::fs::read_dir("/proc")?.flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            let comm = comm.trim();
-            if comm.starts_with(&format!("napi/{rg}-")) || comm.starts_with(&format!("napi/{rb}-"))
-            {
-                let o = Command::new("taskset")
-                    .args(["-pc", &ROUTER_CPU.to_string(), &pid.to_string()])
-                    .output()?;
-                if o.status.success() {
-                    pinned += 1;
-                }
+        for t in dataplane::napi::threads_of(&[rg.clone(), rb.clone()]) {
+            let o = Command::new("taskset")
+                .args(["-pc", &ROUTER_CPU.to_string(), &t.pid.to_string()])
+                .output()?;
+            if o.status.success() {
+                pinned += 1;
             }
         }
         if pinned == 0 {
