@@ -738,5 +738,12 @@ fn reserved_endpoint_totals_do_not_grow_as_flows_go() {
     // Reserving less than it holds changes nothing.
     t.reserve_retired(10);
     assert_eq!(t.retired_capacity(), capacity);
+    // Growing keeps every total and nothing else (the map is built anew, its room
+    // written with placeholders first).
+    let before = t.endpoint_counts(0);
+    t.reserve_retired(4 * capacity);
+    assert!(t.retired_capacity() >= 4 * capacity);
+    assert_eq!(t.retired_len(), endpoints);
+    assert_eq!(t.endpoint_counts(0), before);
     check(&t);
 }
