@@ -41,6 +41,36 @@ impl ConnTable {
         removed
     }
 
+    /// The clock hand at a pace rather than a fixed step: over any `period` ns of calls it
+    /// visits every slot in use once (at most `max` per call, the rest owed to the next
+    /// calls), whatever the rate of calls. A poll loop calls it every round: a fixed step
+    /// per round would sweep a large table hundreds of times a second while the loop spins
+    /// idle, and once per few hundred milliseconds under a flood of new flows that all
+    /// outlive it, streaming the slab through the cache for nothing. Expiry does not need
+    /// more: an expired flow is already absent to lookups and to the SNAT port choice.
+    /// Returns how many flows were removed.
+    pub fn expire_paced(&mut self, now: u64, period: u64, max: usize) -> usize {
+        let period = period.max(1);
+        let elapsed = if self.paced_at == 0 {
+            0
+        } else {
+            now.saturating_sub(self.paced_at).min(period)
+        };
+        self.paced_at = now;
+        let slots = self.slots.len() as u64;
+        // Owed at most one sweep: a table that went unswept for long catches up once.
+        self.paced_credit = self
+            .paced_credit
+            .saturating_add(slots.saturating_mul(elapsed))
+            .min(slots.saturating_mul(period));
+        let budget = (self.paced_credit / period).min(max as u64);
+        if budget == 0 {
+            return 0;
+        }
+        self.paced_credit -= budget * period;
+        self.expire(now, budget as usize)
+    }
+
     /// Frees one slot in a full table, or returns false. The oldest unassured flow goes
     /// first, expired or not (early drop): under a flood of new flows it is always there,
     /// and finding it is O(1). Only when every flow is assured does it look for expired

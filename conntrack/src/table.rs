@@ -144,6 +144,10 @@ pub struct ConnTable {
     pub(crate) unassured_tail: u32,
     /// Next slot [`ConnTable::expire`] looks at.
     pub(crate) hand: usize,
+    /// When [`ConnTable::expire_paced`] last ran (0: never), and the slot visits it owes
+    /// (in slot-nanoseconds: slots × ns, divided by the period when spent).
+    pub(crate) paced_at: u64,
+    pub(crate) paced_credit: u64,
     pub(crate) config: Timeouts,
     pub(crate) timeouts: TimeoutsNs,
     pub(crate) snat: SnatPorts,
@@ -241,6 +245,8 @@ impl ConnTable {
             unassured_head: NIL,
             unassured_tail: NIL,
             hand: 0,
+            paced_at: 0,
+            paced_credit: 0,
             config: timeouts,
             timeouts: TimeoutsNs::new(&timeouts),
             snat,

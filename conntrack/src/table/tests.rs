@@ -382,6 +382,57 @@ fn expiry_examines_at_most_the_budget() {
 }
 
 #[test]
+fn the_paced_hand_sweeps_every_slot_once_per_period_whatever_the_call_rate() {
+    const MS: u64 = 1_000_000;
+    let fill = |t: &mut ConnTable| {
+        for p in 0..1000 {
+            let (o, r) = flow(Protocol::Udp, 10000 + p);
+            t.insert(o, r, 0, 0, 0).unwrap();
+        }
+    };
+    // Every flow expired at 30 s. Calls every 10 µs for half the period remove half.
+    let mut t = table(1000);
+    fill(&mut t);
+    let start = 30 * S;
+    let mut removed = 0;
+    let mut now = start;
+    while now < start + 500 * MS {
+        removed += t.expire_paced(now, 1000 * MS, 64);
+        now += 10_000;
+    }
+    assert!((495..=505).contains(&removed), "{removed}");
+    // The rest of the period, in calls every 50 ms, removes the rest.
+    while now <= start + 1000 * MS {
+        removed += t.expire_paced(now, 1000 * MS, 1000);
+        now += 50 * MS;
+    }
+    assert_eq!(removed, 1000);
+    assert!(t.is_empty());
+    check(&t);
+
+    // A call after a long pause owes at most one sweep, spent `max` slots per call.
+    let mut t = table(1000);
+    fill(&mut t);
+    assert_eq!(
+        t.expire_paced(start, 1000 * MS, 64),
+        0,
+        "the first call sets the pace"
+    );
+    assert_eq!(t.expire_paced(start + 3600 * S, 1000 * MS, 64), 64);
+    let mut calls = 1;
+    while !t.is_empty() {
+        assert!(t.expire_paced(start + 3600 * S, 1000 * MS, 64) > 0);
+        calls += 1;
+    }
+    assert_eq!(calls, 1000usize.div_ceil(64));
+    assert_eq!(
+        t.expire_paced(start + 3600 * S, 1000 * MS, 64),
+        0,
+        "nothing owed now"
+    );
+}
+
+#[test]
 fn snat_ports_avoid_used_ones_come_back_and_run_out() {
     let mut t = table(64);
     let snat: IpAddr = SNAT_IP.parse().unwrap();
