@@ -369,11 +369,12 @@ mod tests {
         }
     }
 
-    /// A file written before `--rounds` existed (the README's reference run) still
+    /// A file written before `--rounds` existed (the README's reference run of 2026-12-01) still
     /// reads, as one round.
     #[test]
     fn a_file_of_before_rounds_reads_as_one_round() {
-        let r: Results = serde_json::from_str(include_str!("../results/reference.json")).unwrap();
+        let r: Results =
+            serde_json::from_str(include_str!("../results/reference-20261201.json")).unwrap();
         assert_eq!((r.runs, r.rounds), (3, 1));
         assert!(r.cases.iter().any(|c| c.name == "kxp-10k"));
         // Nor the steal, which reads as none.
