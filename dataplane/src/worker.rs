@@ -101,9 +101,10 @@ pub struct EndpointTotals {
 /// longer in any Service.
 const RETIRED_MAX: usize = 65_536;
 
-/// The expiry clock hand goes over a worker's whole table once a second (at most 256
-/// slots per poll round), however fast the loop turns.
+/// The expiry clock hand goes over a worker's whole table once a second, however fast
+/// the loop turns, and at most `EXPIRE_MAX_PER_ROUND` slots in one poll round.
 const EXPIRE_SWEEP_NS: u64 = 1_000_000_000;
+const EXPIRE_MAX_PER_ROUND: usize = 256;
 
 /// Which flows a [`Command::Flows`] is about (evaluated by each worker on its own table).
 pub type FlowFilter = Arc<dyn Fn(&conntrack::Entry) -> bool + Send + Sync>;
@@ -511,7 +512,9 @@ impl<'id> Worker<'id> {
             // before the packet leaves (the transmit kick below).
             self.write_journal();
             self.io.flush();
-            self.engine.table.expire_paced(now, EXPIRE_SWEEP_NS, 256);
+            self.engine
+                .table
+                .expire_paced(now, EXPIRE_SWEEP_NS, EXPIRE_MAX_PER_ROUND);
             if iterations.is_multiple_of(64) {
                 self.engine.node.affinity.sweep(now, 64);
             }
