@@ -35,6 +35,16 @@ const WARM_FROM: usize = 32_768;
 const ETH_HLEN: usize = 14;
 /// Busy time over which the loop's drain rate is measured.
 const DRAIN_WINDOW_NS: u64 = 2_000_000;
+/// How long a pause of the worker's CPU the fill rings hold what arrives in, below
+/// saturation (see [`crate::xsk::WorkerIo::hold_for`]): kernel threads were measured
+/// taking a poll-mode worker's CPU for up to 12 ms (`perf sched`, README).
+const PAUSE_HOLD_NS: u64 = 16_000_000;
+/// The share of a window's time in busy rounds from which the worker counts as near
+/// the bottleneck (see [`keeps_up`]).
+const SATURATED_BUSY: f64 = 0.75;
+/// The most packets a busy round takes on average, over a drain window, for the worker
+/// to count as keeping up with its traffic (see [`keeps_up`]).
+const HOLD_MAX_BATCH: u64 = 8;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 
@@ -414,7 +424,8 @@ impl<'id> Worker<'id> {
         // The rate the loop drains packets at, measured over its busy rounds (the time
         // from one busy round's start to the next's, and the packets it took).
         let (mut prev_start, mut prev_work) = (last_work, 0usize);
-        let (mut busy_ns, mut busy_packets) = (0u64, 0u64);
+        let (mut busy_ns, mut busy_packets, mut busy_rounds) = (0u64, 0u64, 0u64);
+        let mut window_start = last_work;
         let mut iterations: u64 = 0;
         let mut busy: u64 = 0;
         let workers = self.shared.stats.len();
@@ -445,9 +456,18 @@ impl<'id> Worker<'id> {
             if prev_work > 0 {
                 busy_ns += now.saturating_sub(prev_start);
                 busy_packets += prev_work as u64;
+                busy_rounds += 1;
                 if busy_ns >= DRAIN_WINDOW_NS {
-                    self.drain_measured(busy_ns, busy_packets);
-                    (busy_ns, busy_packets) = (0, 0);
+                    self.drain_measured(
+                        busy_ns,
+                        busy_packets,
+                        busy_rounds,
+                        now.saturating_sub(window_start),
+                    );
+                    self.io
+                        .hold_for(now.saturating_sub(window_start), PAUSE_HOLD_NS);
+                    (busy_ns, busy_packets, busy_rounds) = (0, 0, 0);
+                    window_start = now;
                 }
             }
             prev_start = now;
@@ -547,9 +567,14 @@ impl<'id> Worker<'id> {
         self.publish(iterations, busy, 0);
     }
 
-    /// A window of busy rounds took `ns` for `packets`: the fill rings are bounded to
-    /// what the loop drains within the queue budget at that pace.
-    fn drain_measured(&mut self, ns: u64, packets: u64) {
+    /// A window of `rounds` busy rounds took `ns` for `packets`, in `wall_ns`. While
+    /// the worker keeps up with its traffic ([`keeps_up`]), the fill rings are bounded
+    /// only by the UMEM's share: a pause of the worker's CPU builds a queue that drains
+    /// once it is back, and the rings hold it (`hold_for`). Otherwise the worker is, or
+    /// is near, the bottleneck, and the fill rings are bounded to what the loop drains
+    /// within the queue budget at its pace: the interface drops the rest instead of
+    /// queueing it.
+    fn drain_measured(&mut self, ns: u64, packets: u64, rounds: u64, wall_ns: u64) {
         let per = ns as f64 / packets.max(1) as f64;
         self.drain_ns_per_packet = if self.drain_ns_per_packet == 0.0 {
             per
@@ -557,8 +582,12 @@ impl<'id> Worker<'id> {
             0.75 * self.drain_ns_per_packet + 0.25 * per
         };
         if self.queue_budget_ns > 0 {
-            let frames = self.queue_budget_ns as f64 / self.drain_ns_per_packet;
-            self.io.set_fill_limit(frames as usize);
+            let frames = if keeps_up(ns, packets, rounds, wall_ns) {
+                usize::MAX
+            } else {
+                (self.queue_budget_ns as f64 / self.drain_ns_per_packet) as usize
+            };
+            self.io.set_fill_limit(frames);
         }
     }
 
@@ -1185,4 +1214,32 @@ fn owner_of_tuple(snap: &Snapshot, t: &Tuple, workers: usize) -> usize {
         (t.dst, t.dport)
     };
     conntrack::flow_owner(ip, port, workers)
+}
+
+/// Whether a drain window (`rounds` busy rounds that took `ns` for `packets`, in
+/// `wall_ns`) shows a worker that keeps up with its traffic: small batches (it catches
+/// up with what arrived every round) and time to spare. A worker that is the
+/// bottleneck finds a full batch waiting most rounds, or is busy nearly all the time.
+fn keeps_up(ns: u64, packets: u64, rounds: u64, wall_ns: u64) -> bool {
+    packets <= rounds * HOLD_MAX_BATCH && (ns as f64) < SATURATED_BUSY * wall_ns.max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keeps_up;
+
+    #[test]
+    fn a_worker_keeps_up_with_small_batches_and_time_to_spare() {
+        const MS: u64 = 1_000_000;
+        // 0.1 Mpps in twos, 2 ms busy in 8 ms: a pause's queue would drain.
+        assert!(keeps_up(2 * MS, 800, 400, 8 * MS));
+        // Saturated: full batches, busy throughout.
+        assert!(!keeps_up(2 * MS, 2_000, 32, 2 * MS));
+        // Full batches with idle time between them (a bursty load at the edge).
+        assert!(!keeps_up(2 * MS, 2_000, 50, 5 * MS));
+        // Small batches but no time to spare: near the bottleneck.
+        assert!(!keeps_up(2 * MS, 800, 400, 2 * MS + MS / 4));
+        // A first window after seconds of idling (its wall time counts them).
+        assert!(keeps_up(2 * MS, 400, 400, 5_000 * MS));
+    }
 }

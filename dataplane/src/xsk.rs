@@ -166,6 +166,10 @@ struct Port {
     /// asks for (decaying): an idle port keeps [`BATCH`] frames, a busy one more.
     received: usize,
     demand: usize,
+    /// Descriptors received since the last [`WorkerIo::hold_for`], and the fill depth
+    /// that call set from them: what the port receives while the worker is away.
+    window_received: usize,
+    hold: usize,
     /// TX ring size (all free = nothing left for the kernel to send).
     tx_size: u32,
     /// sendto() calls made to have the kernel transmit (copy mode).
@@ -476,6 +480,8 @@ impl<'id> WorkerIo<'id> {
             in_fill: 0,
             received: 0,
             demand: 0,
+            window_received: 0,
+            hold: 0,
             tx_size: self.ring_size as u32,
             tx_kicks: 0,
         });
@@ -538,6 +544,19 @@ impl<'id> WorkerIo<'id> {
         self.fill_limit = frames.max(2 * BATCH);
     }
 
+    /// Keeps each port's fill ring, until the next call, at least at what the port
+    /// receives in `hold_ns` at the rate it received since the last call (`wall_ns`
+    /// ago): the worker's CPU is taken from it for milliseconds at a time (kernel
+    /// threads, a vCPU preempted), and what arrives meanwhile waits in frames it was
+    /// given instead of being dropped for want of one. Within the fill limit, so that at
+    /// saturation the queue budget is what holds.
+    pub fn hold_for(&mut self, wall_ns: u64, hold_ns: u64) {
+        for p in &mut self.ports {
+            let n = std::mem::take(&mut p.window_received) as u128;
+            p.hold = (n * u128::from(hold_ns) / u128::from(wall_ns.max(1))) as usize;
+        }
+    }
+
     /// See [`WorkerIo::set_fill_limit`].
     pub fn fill_limit(&self) -> usize {
         self.fill_limit
@@ -594,6 +613,7 @@ impl<'id> WorkerIo<'id> {
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
         p.received += n;
+        p.window_received += n;
         let mut packets = 0;
         for i in 0..n {
             let d = self.scratch[i];
@@ -855,7 +875,7 @@ impl<'id> WorkerIo<'id> {
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            (BATCH + p.demand).min(cap).min(self.fill_limit)
+            (BATCH + p.demand).max(p.hold).min(cap).min(self.fill_limit)
         };
         let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
@@ -974,6 +994,49 @@ mod tests {
         // to it as the port receives).
         assert_eq!(given[1], (2 * BATCH, 200), "{given:?}");
         assert!(given[2].1 > 1000, "unbounded, the port's share: {given:?}");
+    }
+
+    /// A port keeps, until the next window, what it received in the hold time at the
+    /// last window's rate, within its share and the fill limit; an idle port goes back
+    /// to a batch.
+    #[test]
+    fn a_receiving_port_holds_a_pause_worth_of_frames() {
+        assert!(
+            crate::sys::is_root(),
+            "needs root: it opens AF_XDP sockets in a netns"
+        );
+        let (topo, ns) = two_links("kxqh");
+        let (held, limited, idle) = topo
+            .run_in(&ns, || {
+                let sockets =
+                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
+                sockets.with(|mut io| {
+                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+                    io.add_port("pod", ifindex).unwrap();
+                    let port = io.port_of(ifindex).unwrap();
+                    let depth = |io: &mut WorkerIo<'_>, received: usize, limit: usize| {
+                        io.set_fill_limit(limit);
+                        // 1 ms at `received` a ms, held for 0.8 ms of it.
+                        io.ports[port].window_received = received;
+                        io.hold_for(1_000_000, 800_000);
+                        for _ in 0..4 {
+                            io.flush();
+                        }
+                        (io.ports[port].hold, io.ports[port].in_fill)
+                    };
+                    let held = depth(&mut io, 1_000, usize::MAX);
+                    // Taken back as the port receives (here: by hand).
+                    io.ports[port].in_fill = 0;
+                    let limited = depth(&mut io, 1_000, 300);
+                    io.ports[port].in_fill = 0;
+                    let idle = depth(&mut io, 0, usize::MAX);
+                    (held, limited, idle)
+                })
+            })
+            .unwrap();
+        assert_eq!(held, (800, 800));
+        assert_eq!(limited, (800, 300), "the fill limit holds");
+        assert_eq!(idle, (0, BATCH), "an idle port keeps a batch");
     }
 
     /// In copy mode one sendto() sends a whole batch (the TX budget is the ring, not the
