@@ -2258,10 +2258,13 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
             let loads: Vec<Load> = plan.lat_loads.clone();
             println!();
             let mut head = format!("{:<13}", format!("{} load", m.name()));
-            for l in &loads {
+            // A load given more than once has a column per time it ran.
+            let nth = |k: usize| loads[..k].iter().filter(|x| **x == loads[k]).count();
+            for (k, l) in loads.iter().enumerate() {
                 let tgt = points
                     .iter()
-                    .find(|p| p.load == *l)
+                    .filter(|p| p.load == *l)
+                    .nth(nth(k))
                     .and_then(|p| p.target)
                     .map_or(String::new(), |t| format!(" ({:.3})", t / 1e6));
                 head += &format!(" | {:<30}", format!("{}{tgt}", l.label()));
@@ -2269,11 +2272,12 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
             println!("{head}");
             for c in results {
                 let mut row = format!("{:<13}", c.case.name());
-                for l in &loads {
+                for (k, l) in loads.iter().enumerate() {
                     let cell = c
                         .loaded
                         .iter()
-                        .find(|p| p.mode == m && p.load == *l)
+                        .filter(|p| p.mode == m && p.load == *l)
+                        .nth(nth(k))
                         .map_or("-".into(), |p| {
                             format!(
                                 "{}{} @{:.3}",
