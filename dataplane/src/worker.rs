@@ -458,14 +458,9 @@ impl<'id> Worker<'id> {
                 busy_packets += prev_work as u64;
                 busy_rounds += 1;
                 if busy_ns >= DRAIN_WINDOW_NS {
-                    self.drain_measured(
-                        busy_ns,
-                        busy_packets,
-                        busy_rounds,
-                        now.saturating_sub(window_start),
-                    );
-                    self.io
-                        .hold_for(now.saturating_sub(window_start), PAUSE_HOLD_NS);
+                    let wall = now.saturating_sub(window_start);
+                    self.drain_measured(busy_ns, busy_packets, busy_rounds, wall);
+                    self.io.hold_for(wall, PAUSE_HOLD_NS);
                     (busy_ns, busy_packets, busy_rounds) = (0, 0, 0);
                     window_start = now;
                 }

@@ -955,40 +955,50 @@ mod tests {
         (topo, ns)
     }
 
-    /// The fill limit bounds what a busy port is given (the kernel can then hold no more
-    /// received packets than that), and raising it lets the port take more again.
-    #[test]
-    fn a_fill_limit_bounds_what_a_busy_port_is_given() {
+    /// Runs `f` on a worker's sockets in a [`two_links`] namespace, `pod` added as a
+    /// port (its index passed), the fill limit set to `fill_limit` before it is.
+    fn with_pod<T: Send>(
+        prefix: &str,
+        fill_limit: usize,
+        f: impl for<'id> FnOnce(&mut WorkerIo<'id>, usize) -> T + Send,
+    ) -> T {
         assert!(
             crate::sys::is_root(),
             "needs root: it opens AF_XDP sockets in a netns"
         );
-        let (topo, ns) = two_links("kxqf");
-        let given = topo
-            .run_in(&ns, || {
-                let sockets =
-                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
-                sockets.with(|mut io| {
-                    io.set_fill_limit(200);
-                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-                    io.add_port("pod", ifindex).unwrap();
-                    let port = io.port_of(ifindex).unwrap();
-                    // veths have no AF_XDP zero-copy: asked for first, copy mode it is.
-                    assert!(!io.zero_copy(0) && !io.zero_copy(port));
-                    let mut given = Vec::new();
-                    for limit in [200, 10, usize::MAX] {
-                        io.set_fill_limit(limit);
-                        // A port that received a lot asks for up to its share.
-                        io.ports[port].demand = 100_000;
-                        for _ in 0..4 {
-                            io.flush();
-                        }
-                        given.push((io.fill_limit(), io.ports[port].in_fill));
-                    }
-                    given
-                })
+        let (topo, ns) = two_links(prefix);
+        topo.run_in(&ns, || {
+            let sockets = Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
+            sockets.with(|mut io| {
+                io.set_fill_limit(fill_limit);
+                let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+                io.add_port("pod", ifindex).unwrap();
+                let port = io.port_of(ifindex).unwrap();
+                f(&mut io, port)
             })
-            .unwrap();
+        })
+        .unwrap()
+    }
+
+    /// The fill limit bounds what a busy port is given (the kernel can then hold no more
+    /// received packets than that), and raising it lets the port take more again.
+    #[test]
+    fn a_fill_limit_bounds_what_a_busy_port_is_given() {
+        let given = with_pod("kxqf", 200, |io, port| {
+            // veths have no AF_XDP zero-copy: asked for first, copy mode it is.
+            assert!(!io.zero_copy(0) && !io.zero_copy(port));
+            let mut given = Vec::new();
+            for limit in [200, 10, usize::MAX] {
+                io.set_fill_limit(limit);
+                // A port that received a lot asks for up to its share.
+                io.ports[port].demand = 100_000;
+                for _ in 0..4 {
+                    io.flush();
+                }
+                given.push((io.fill_limit(), io.ports[port].in_fill));
+            }
+            given
+        });
         assert_eq!(given[0], (200, 200), "{given:?}");
         // At least two batches; lowering the limit takes no frame back (the ring drains
         // to it as the port receives).
@@ -1001,39 +1011,25 @@ mod tests {
     /// to a batch.
     #[test]
     fn a_receiving_port_holds_a_pause_worth_of_frames() {
-        assert!(
-            crate::sys::is_root(),
-            "needs root: it opens AF_XDP sockets in a netns"
-        );
-        let (topo, ns) = two_links("kxqh");
-        let (held, limited, idle) = topo
-            .run_in(&ns, || {
-                let sockets =
-                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
-                sockets.with(|mut io| {
-                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-                    io.add_port("pod", ifindex).unwrap();
-                    let port = io.port_of(ifindex).unwrap();
-                    let depth = |io: &mut WorkerIo<'_>, received: usize, limit: usize| {
-                        io.set_fill_limit(limit);
-                        // 1 ms at `received` a ms, held for 0.8 ms of it.
-                        io.ports[port].window_received = received;
-                        io.hold_for(1_000_000, 800_000);
-                        for _ in 0..4 {
-                            io.flush();
-                        }
-                        (io.ports[port].hold, io.ports[port].in_fill)
-                    };
-                    let held = depth(&mut io, 1_000, usize::MAX);
-                    // Taken back as the port receives (here: by hand).
-                    io.ports[port].in_fill = 0;
-                    let limited = depth(&mut io, 1_000, 300);
-                    io.ports[port].in_fill = 0;
-                    let idle = depth(&mut io, 0, usize::MAX);
-                    (held, limited, idle)
-                })
-            })
-            .unwrap();
+        let (held, limited, idle) = with_pod("kxqh", usize::MAX, |io, port| {
+            let depth = |io: &mut WorkerIo<'_>, received: usize, limit: usize| {
+                io.set_fill_limit(limit);
+                // 1 ms at `received` a ms, held for 0.8 ms of it.
+                io.ports[port].window_received = received;
+                io.hold_for(1_000_000, 800_000);
+                for _ in 0..4 {
+                    io.flush();
+                }
+                (io.ports[port].hold, io.ports[port].in_fill)
+            };
+            let held = depth(io, 1_000, usize::MAX);
+            // Taken back as the port receives (here: by hand).
+            io.ports[port].in_fill = 0;
+            let limited = depth(io, 1_000, 300);
+            io.ports[port].in_fill = 0;
+            let idle = depth(io, 0, usize::MAX);
+            (held, limited, idle)
+        });
         assert_eq!(held, (800, 800));
         assert_eq!(limited, (800, 300), "the fill limit holds");
         assert_eq!(idle, (0, BATCH), "an idle port keeps a batch");
@@ -1043,11 +1039,6 @@ mod tests {
     /// kernel's default 32 per call), and every frame leaves.
     #[test]
     fn one_kick_sends_a_whole_batch() {
-        assert!(
-            crate::sys::is_root(),
-            "needs root: it opens AF_XDP sockets in a netns"
-        );
-        let (topo, ns) = two_links("kxqk");
         // This thread's network namespace's counters (sysfs shows the mounter's).
         let tx_packets = || -> u64 {
             let dev = std::fs::read_to_string("/proc/thread-self/net/dev").unwrap();
@@ -1059,31 +1050,22 @@ mod tests {
             // transmit: bytes packets …
             line.split_whitespace().nth(9).unwrap().parse().unwrap()
         };
-        let (kicks, sent, budget) = topo
-            .run_in(&ns, || {
-                let sockets =
-                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
-                sockets.with(|mut io| {
-                    let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-                    io.add_port("pod", ifindex).unwrap();
-                    let port = io.port_of(ifindex).unwrap();
-                    let before = tx_packets();
-                    let mut frame = [0u8; 60];
-                    frame[..6].copy_from_slice(&[0xff; 6]);
-                    frame[12..14].copy_from_slice(&[0x88, 0xb5]);
-                    // `send` flushes by itself when a batch is queued.
-                    for _ in 0..BATCH {
-                        let f = io.frame_from(&frame).unwrap();
-                        assert!(io.send(port, f));
-                    }
-                    (
-                        io.ports[port].tx_kicks,
-                        tx_packets() - before,
-                        io.tx_budget(port),
-                    )
-                })
-            })
-            .unwrap();
+        let (kicks, sent, budget) = with_pod("kxqk", usize::MAX, |io, port| {
+            let before = tx_packets();
+            let mut frame = [0u8; 60];
+            frame[..6].copy_from_slice(&[0xff; 6]);
+            frame[12..14].copy_from_slice(&[0x88, 0xb5]);
+            // `send` flushes by itself when a batch is queued.
+            for _ in 0..BATCH {
+                let f = io.frame_from(&frame).unwrap();
+                assert!(io.send(port, f));
+            }
+            (
+                io.ports[port].tx_kicks,
+                tx_packets() - before,
+                io.tx_budget(port),
+            )
+        });
         assert_eq!(sent, BATCH as u64);
         // Linux 6.17 and later take the budget; before, the kernel's 32 per call stay.
         let want = if budget == KERNEL_TX_BUDGET { 2 } else { 1 };
