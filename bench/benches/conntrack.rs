@@ -9,45 +9,14 @@ use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use conntrack::{ConnTable, SnatPorts, Timeouts};
+use conntrack::ConnTable;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kxp_bench::XorShift;
-use nat::tuple::{Protocol, Tuple};
+use kxp_bench::flows::{SYN_ONLY, flow, holding};
+use nat::tuple::Tuple;
 
 const ACK: u8 = 0x10;
-const SYN: u8 = 0x02;
-
-/// Flow `i`: client 198.18.x.y:port -> VIP 198.19.0.1:80, DNAT to one of 16 endpoints.
-fn flow(i: u32) -> (Tuple, Tuple) {
-    let client = SocketAddr::new(
-        IpAddr::V4(Ipv4Addr::from(0xC612_0000u32 + (i >> 14))),
-        1024 + (i & 0x3fff) as u16,
-    );
-    let vip: SocketAddr = "198.19.0.1:80".parse().unwrap();
-    let ep = SocketAddr::new(
-        IpAddr::V4(Ipv4Addr::new(198, 19, 1, (i % 16) as u8 + 1)),
-        8080,
-    );
-    (
-        Tuple::new(client, vip, Protocol::Tcp),
-        Tuple::new(ep, client, Protocol::Tcp),
-    )
-}
-
-/// A table for `capacity` flows holding flows `0..n` (unanswered: SYN only).
-fn holding(capacity: usize, n: u32) -> ConnTable {
-    let mut t = ConnTable::new(
-        capacity,
-        Timeouts::default(),
-        SnatPorts::new(32768..=65535).unwrap(),
-    )
-    .unwrap();
-    for i in 0..n {
-        let (o, r) = flow(i);
-        t.insert(o, r, 0, SYN, 1).unwrap();
-    }
-    t
-}
+const SYN: u8 = SYN_ONLY;
 
 fn filled(n: u32) -> ConnTable {
     holding(n as usize + 1024, n)
@@ -108,11 +77,13 @@ fn conntrack(c: &mut Criterion) {
             // A batch of 64 new connections into a full table of kxp's default size per
             // worker (262,144 unanswered flows: each new one evicts the oldest), as in
             // the macro benchmark's new-connection mode: lookup (a miss), then insert.
-            for warmed in [false, true] {
-                let name = if warmed {
-                    "new_flows_batch_64_full_262144_warmed"
-                } else {
-                    "new_flows_batch_64_full_262144"
+            // Warmed: the batch's keys (`warm`), and with `_replies` the reply tuples too
+            // (`warm_tuples`, as a worker does once the new flows' endpoints are chosen).
+            for (warmed, replies) in [(false, false), (true, false), (true, true)] {
+                let name = match (warmed, replies) {
+                    (true, true) => "new_flows_batch_64_full_262144_warmed_replies",
+                    (true, false) => "new_flows_batch_64_full_262144_warmed",
+                    _ => "new_flows_batch_64_full_262144",
                 };
                 let cap = 262_144u32;
                 let mut full = holding(cap as usize, cap);
@@ -126,6 +97,10 @@ fn conntrack(c: &mut Criterion) {
                         if warmed {
                             let keys: [Tuple; 64] = std::array::from_fn(|j| batch[j].0);
                             full.warm(&keys);
+                        }
+                        if replies {
+                            let keys: [Tuple; 64] = std::array::from_fn(|j| batch[j].1);
+                            full.warm_tuples(&keys);
                         }
                         let mut made = 0u32;
                         for (o, r) in &batch {

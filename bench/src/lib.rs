@@ -86,6 +86,54 @@ pub fn node_settings() -> NodeSettings {
     }
 }
 
+/// Synthetic flows and connection tables for the conntrack benchmarks (criterion's
+/// `benches/conntrack.rs` and the interleaved `examples/new-flows-ab.rs`).
+pub mod flows {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+    use conntrack::{ConnTable, SnatPorts, Timeouts};
+    use nat::tuple::{Protocol, Tuple};
+
+    /// TCP flags of a SYN.
+    pub const SYN_ONLY: u8 = 0x02;
+
+    /// Flow `i`: client 198.18.x.y:port -> VIP 198.19.0.1:80, DNAT to one of 16 endpoints
+    /// (original and reply tuples).
+    pub fn flow(i: u32) -> (Tuple, Tuple) {
+        let client = SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::from(0xC612_0000u32 + (i >> 14))),
+            1024 + (i & 0x3fff) as u16,
+        );
+        let vip = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(198, 19, 0, 1)), 80);
+        let ep = SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::new(198, 19, 1, (i % 16) as u8 + 1)),
+            8080,
+        );
+        (
+            Tuple::new(client, vip, Protocol::Tcp),
+            Tuple::new(ep, client, Protocol::Tcp),
+        )
+    }
+
+    /// A table for `capacity` flows holding flows `0..n` (unanswered: SYN only).
+    ///
+    /// # Panics
+    /// If `n` exceeds `capacity` (a benchmark's set-up error).
+    pub fn holding(capacity: usize, n: u32) -> ConnTable {
+        let mut t = ConnTable::new(
+            capacity,
+            Timeouts::default(),
+            SnatPorts::new(32768..=65535).expect("a valid port range"),
+        )
+        .expect("a valid capacity");
+        for i in 0..n {
+            let (o, r) = flow(i);
+            t.insert(o, r, 0, SYN_ONLY, 1).expect("room for the flow");
+        }
+        t
+    }
+}
+
 /// A small deterministic PRNG for benchmark inputs.
 #[derive(Debug, Clone)]
 pub struct XorShift(pub u64);

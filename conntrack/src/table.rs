@@ -378,7 +378,10 @@ impl ConnTable {
     /// ([`ConnTable::insert`]): as many of those, from the oldest on, have the buckets of
     /// their two tuples read as well (the removal's misses). Changes nothing; at most the
     /// first [`ConnTable::WARM_BATCH`] keys are read.
-    pub fn warm(&self, keys: &[Tuple]) {
+    ///
+    /// Returns which keys had no candidate (bit `i` for `keys[i]`): most likely new
+    /// flows, whose reply tuples the caller may know ahead ([`ConnTable::warm_tuples`]).
+    pub fn warm(&self, keys: &[Tuple]) -> u64 {
         let mut hashes = [0u64; Self::WARM_BATCH];
         let n = keys.len().min(Self::WARM_BATCH);
         let mut seen = 0u64;
@@ -386,17 +389,18 @@ impl ConnTable {
             *h = self.hash(k);
             seen = seen.wrapping_add(u64::from(self.index.touch(*h)));
         }
-        let mut new = 0;
-        for &h in &hashes[..n] {
+        let mut fresh = 0u64;
+        for (i, &h) in hashes[..n].iter().enumerate() {
             match self.index.candidate(h).map(unpack) {
                 Some((slot, dir)) => {
                     if let Some(e) = self.slots.get(slot) {
                         seen = seen.wrapping_add(u64::from(e.tuple(dir).sport));
                     }
                 }
-                None => new += 1,
+                None => fresh |= 1 << i,
             }
         }
+        let new = fresh.count_ones();
         if self.len >= self.capacity {
             let mut victim = self.unassured_head;
             for _ in 0..new {
@@ -410,6 +414,20 @@ impl ConnTable {
             }
         }
         // The reads are what is wanted, not the sum: keep the compiler from dropping them.
+        std::hint::black_box(seen);
+        fresh
+    }
+
+    /// Brings into the cache the index buckets `tuples` would be found at: for the reply
+    /// tuples of a batch's new flows, known once their endpoints are chosen and before
+    /// they are inserted (an insert looks both tuples up, and in a large table the reply's
+    /// bucket is a miss). The reads of the whole batch are independent of one another, so
+    /// their misses overlap. Changes nothing; at most [`ConnTable::WARM_BATCH`] tuples.
+    pub fn warm_tuples(&self, tuples: &[Tuple]) {
+        let mut seen = 0u64;
+        for t in tuples.iter().take(Self::WARM_BATCH) {
+            seen = seen.wrapping_add(u64::from(self.index.touch(self.hash(t))));
+        }
         std::hint::black_box(seen);
     }
 

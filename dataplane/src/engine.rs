@@ -297,23 +297,26 @@ impl Engine {
         out: &mut [u8],
     ) -> Verdict {
         let parsed = rewrite::parse(pkt);
-        self.process_parsed(snap, pkt, parsed, now, in_interface, masq, out)
+        self.process_parsed(snap, pkt, parsed, None, now, in_interface, masq, out)
     }
 
     /// [`Engine::process`] of a packet whose parse (`rewrite::parse` of these very bytes)
-    /// is at hand: the worker parsed it already to warm the cache for its batch.
+    /// is at hand: the worker parsed it already to warm the cache for its batch. `random`
+    /// is the draw [`Engine::prepare_new`] made for it, if any: the endpoint choice uses
+    /// it should the packet open a connection (else it draws then).
     #[allow(clippy::too_many_arguments)]
     pub fn process_parsed(
         &mut self,
         snap: &Snapshot,
         pkt: &mut [u8],
         parsed: Result<Parsed, ParseError>,
+        random: Option<u64>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
-        let v = self.process_inner(snap, pkt, parsed, now, in_interface, masq, out);
+        let v = self.process_inner(snap, pkt, parsed, random, now, in_interface, masq, out);
         match v {
             Verdict::Forward { new_flow, .. } => {
                 self.counters.forwarded += 1;
@@ -333,6 +336,7 @@ impl Engine {
         snap: &Snapshot,
         pkt: &mut [u8],
         parsed: Result<Parsed, ParseError>,
+        random: Option<u64>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
@@ -357,7 +361,7 @@ impl Engine {
                     let to = hit.rewrite_to();
                     return forward(pkt, &f, &to, false);
                 }
-                self.new_flow(snap, pkt, &f, now, in_interface, masq, out)
+                self.new_flow(snap, pkt, &f, random, now, in_interface, masq, out)
             }
         }
     }
@@ -368,6 +372,7 @@ impl Engine {
         snap: &Snapshot,
         pkt: &mut [u8],
         f: &rewrite::FlowPacket,
+        random: Option<u64>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
@@ -422,7 +427,7 @@ impl Engine {
                 } else {
                     &sp.cluster_table
                 };
-                let random = self.next_random();
+                let random = random.unwrap_or_else(|| self.next_random());
                 let load = &self.node.load;
                 let active = |ep: SocketAddr| load.get(ep);
                 let input = PickInput {
@@ -507,6 +512,75 @@ impl Engine {
             Err(_) => return Verdict::Drop(DropCause::NotNew),
         }
         forward(pkt, f, &reply.reversed(), true)
+    }
+
+    /// For a packet of a received batch that likely opens a connection (the worker's
+    /// warming found no candidate flow for it): draws now the random number its endpoint
+    /// choice will use, so that the choice, and with it the new flow's reply tuple, are
+    /// known before the batch's packets are handled. Returns the draw, for
+    /// [`Engine::process_parsed`], and the reply tuple, whose index bucket the worker
+    /// brings into the cache with the batch's others ([`ConnTable::warm_tuples`]): in a
+    /// large table the insert's lookup of the reply tuple is otherwise a cache miss per
+    /// new connection.
+    ///
+    /// Only a prediction: the packet's handling decides again, and a packet that turns
+    /// out not to be new leaves its draw unused. `None` (nothing drawn) where the choice
+    /// depends on more than the packet and the draw: ClientIP affinity, the round-robin
+    /// and least-connection schedulers. The reply tuple is `None` for a masqueraded flow
+    /// (its SNAT port is allocated at insertion).
+    pub fn prepare_new(
+        &mut self,
+        snap: &Snapshot,
+        f: &rewrite::FlowPacket,
+        in_interface: Option<&str>,
+    ) -> Option<(u64, Option<Tuple>)> {
+        let t = f.tuple();
+        let Decision::Forward(fwd) = decide(
+            snap,
+            &NewPacket {
+                src: t.src,
+                dst: t.dst,
+                dport: t.dport,
+                proto: t.proto,
+                in_interface,
+            },
+        ) else {
+            return None;
+        };
+        let sp = fwd.port;
+        if sp.affinity != Affinity::None || sp.scheduler.uses_cursor() || sp.scheduler.uses_load() {
+            return None;
+        }
+        let random = self.next_random();
+        let table = if fwd.policy == Policy::Local {
+            &sp.local_table
+        } else {
+            &sp.cluster_table
+        };
+        let none = |_: SocketAddr| 0;
+        let input = PickInput {
+            src: t.src_addr(),
+            dst: t.dst_addr(),
+            proto: t.proto.number(),
+            random,
+            active: &none,
+        };
+        let reply = pick(
+            sp.scheduler,
+            &sp.endpoints,
+            fwd.candidates,
+            Some(table),
+            &input,
+            &mut RrCursor::default(),
+        )
+        .map(|i| &sp.endpoints[i as usize])
+        .filter(|ep| {
+            let from_host =
+                in_interface.is_some() && in_interface == self.host_interface.as_deref();
+            !from_host && !fwd.masquerade_for(t.src, ep)
+        })
+        .map(|ep| Tuple::new(ep.addr, t.src_addr(), t.proto));
+        Some((random, reply))
     }
 
     /// An ICMP error about a translated flow: translate the quote and the outer header

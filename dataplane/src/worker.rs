@@ -116,6 +116,15 @@ const RETIRED_MAX: usize = 65_536;
 const EXPIRE_SWEEP_NS: u64 = 1_000_000_000;
 const EXPIRE_MAX_PER_ROUND: usize = 256;
 
+/// A received packet as its batch's warming left it ([`Worker::warm`]): its parse, from
+/// its bytes unchanged since, and for a likely new connection the draw its endpoint
+/// choice is to use ([`Engine::prepare_new`]).
+#[derive(Debug, Clone, Copy)]
+struct Warmed {
+    flow: rewrite::FlowPacket,
+    random: Option<u64>,
+}
+
 /// Which flows a [`Command::Flows`] is about (evaluated by each worker on its own table).
 pub type FlowFilter = Arc<dyn Fn(&conntrack::Entry) -> bool + Send + Sync>;
 
@@ -416,8 +425,9 @@ impl<'id> Worker<'id> {
         let mut fds = self.io.fds();
         let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut keys: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
+        let mut replies: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
         // The batch's packets as warming parsed them (one per frame, in order).
-        let mut parsed: Vec<Option<rewrite::FlowPacket>> = Vec::with_capacity(crate::xsk::BATCH);
+        let mut parsed: Vec<Option<Warmed>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut answer = vec![0u8; 2048];
         let mut idle: u32 = 0;
         let mut last_work = crate::sys::monotonic_ns();
@@ -516,7 +526,14 @@ impl<'id> Worker<'id> {
                 let ifindex = self.io.ifindex(port);
                 parsed.clear();
                 if n > 1 && self.engine.table.len() >= WARM_FROM {
-                    self.warm(&mut batch, &mut keys, &mut parsed);
+                    self.warm(
+                        &mut batch,
+                        port,
+                        &snap,
+                        &mut keys,
+                        &mut replies,
+                        &mut parsed,
+                    );
                 }
                 for (i, f) in batch.drain(..).enumerate() {
                     let pre = parsed.get(i).copied().flatten();
@@ -763,19 +780,27 @@ impl<'id> Worker<'id> {
         self.io.recycle(f);
     }
 
-    /// Has the connection table bring the flows of a received batch into the cache
-    /// before its packets are handled one by one ([`conntrack::ConnTable::warm`]): with
-    /// more flows than the cache holds, the batch's misses overlap instead of each
-    /// packet waiting for its own. Packets that are not flows (fragments, ICMP errors,
-    /// other protocols) are left out.
-    /// Warms the cache for the flows of `batch` ([`conntrack::ConnTable::warm`]) and
-    /// keeps each packet's parse in `parsed` (one per frame, `None` for what is not a
-    /// flow's packet), which `handle` then uses instead of parsing again.
+    /// Has the connection table bring the flows of a received batch (from `port`) into
+    /// the cache before its packets are handled one by one
+    /// ([`conntrack::ConnTable::warm`]): with more flows than the cache holds, the
+    /// batch's misses overlap instead of each packet waiting for its own. Packets that
+    /// are not flows (fragments, ICMP errors, other protocols) are left out.
+    ///
+    /// The packets that found no candidate flow, likely new connections, have their
+    /// endpoint choice's draw made now ([`Engine::prepare_new`]), and the index buckets
+    /// of the reply tuples that choice gives are warmed too
+    /// ([`conntrack::ConnTable::warm_tuples`]).
+    ///
+    /// Keeps each packet's parse and draw in `parsed` (one per frame, `None` for what is
+    /// not a flow's packet), which `handle` then uses instead of parsing again.
     fn warm(
         &mut self,
         batch: &mut [Frame<'id>],
+        port: usize,
+        snap: &Snapshot,
         keys: &mut Vec<Tuple>,
-        parsed: &mut Vec<Option<rewrite::FlowPacket>>,
+        replies: &mut Vec<Tuple>,
+        parsed: &mut Vec<Option<Warmed>>,
     ) {
         keys.clear();
         for f in batch.iter_mut() {
@@ -787,9 +812,28 @@ impl<'id> Worker<'id> {
             if let Some(fl) = &fl {
                 keys.push(fl.tuple());
             }
-            parsed.push(fl);
+            parsed.push(fl.map(|flow| Warmed { flow, random: None }));
         }
-        self.engine.table.warm(keys);
+        let mut fresh = self.engine.table.warm(keys);
+        if fresh == 0 {
+            return;
+        }
+        replies.clear();
+        let in_name = self.port_names.get(port).map(String::as_str);
+        // Bit k of `fresh` is the k-th flow packet's (keys were pushed in batch order).
+        for w in parsed.iter_mut().flatten() {
+            if fresh & 1 == 1
+                && let Some((random, reply)) = self.engine.prepare_new(snap, &w.flow, in_name)
+            {
+                w.random = Some(random);
+                replies.extend(reply);
+            }
+            fresh >>= 1;
+            if fresh == 0 {
+                break;
+            }
+        }
+        self.engine.table.warm_tuples(replies);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -802,7 +846,7 @@ impl<'id> Worker<'id> {
         workers: usize,
         answer: &mut [u8],
         handed: bool,
-        pre: Option<rewrite::FlowPacket>,
+        pre: Option<Warmed>,
     ) {
         let in_port = f.port;
         let len = self.io.bytes(&mut f).len();
@@ -824,7 +868,7 @@ impl<'id> Worker<'id> {
         if rewrite::may_be_fragment(&frame[ETH_HLEN..]) {
             match pre.map_or_else(
                 || rewrite::parse(&frame[ETH_HLEN..]),
-                |fl| Ok(Parsed::Flow(fl)),
+                |w| Ok(Parsed::Flow(w.flow)),
             ) {
                 Ok(Parsed::Fragment(fp)) => {
                     self.later_fragment(f, &fp, now);
@@ -870,10 +914,11 @@ impl<'id> Worker<'id> {
             let fib = FibSource(&self.fib);
             match pre {
                 // Parsed by the batch's warming, from these bytes, unchanged since.
-                Some(fl) => self.engine.process_parsed(
+                Some(w) => self.engine.process_parsed(
                     snap,
                     l3,
-                    Ok(Parsed::Flow(fl)),
+                    Ok(Parsed::Flow(w.flow)),
+                    w.random,
                     now,
                     in_name,
                     &fib,

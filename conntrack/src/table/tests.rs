@@ -762,6 +762,45 @@ fn warming_a_full_table_changes_nothing() {
     check(&t);
 }
 
+/// Warming tells which keys of a batch have no candidate in their home bucket (most
+/// likely new flows), and warming the reply tuples of such flows changes nothing.
+#[test]
+fn warming_flags_the_keys_with_no_candidate() {
+    let mut t = table(512);
+    for cport in 40000..40032 {
+        establish(&mut t, cport, S);
+    }
+    let stats = *t.stats();
+    // Tracked and untracked keys alternate: bit 2i is a tracked flow, 2i+1 an untracked one.
+    let keys: Vec<Tuple> = (0..32)
+        .flat_map(|i| {
+            [
+                flow(Protocol::Tcp, 40000 + i).0,
+                flow(Protocol::Tcp, 50000 + i).0,
+            ]
+        })
+        .collect();
+    let fresh = t.warm(&keys);
+    let tracked = (0..32).filter(|i| fresh >> (2 * i) & 1 == 1).count();
+    let untracked = (0..32).filter(|i| fresh >> (2 * i + 1) & 1 == 1).count();
+    // A 16-bit tag of an untracked key may match one in its bucket (the hasher's seed is
+    // random): allow one such.
+    assert!(untracked >= 31, "{untracked} of 32 untracked keys flagged");
+    assert_eq!(
+        tracked, 0,
+        "a tracked flow is in its home bucket in a sparse table"
+    );
+    // Keys past what warming reads are not flagged.
+    let many: Vec<Tuple> = (0..100).map(|i| flow(Protocol::Tcp, 50000 + i).0).collect();
+    assert!(t.warm(&many).count_ones() <= 64);
+    assert_eq!(t.warm(&[]), 0);
+    let replies: Vec<Tuple> = (0..100).map(|i| flow(Protocol::Tcp, 50000 + i).1).collect();
+    t.warm_tuples(&replies);
+    t.warm_tuples(&[]);
+    assert_eq!((*t.stats(), t.len()), (stats, 32));
+    check(&t);
+}
+
 /// With room reserved for the endpoints' totals, flows to thousands of endpoints going
 /// one by one (evicted by new ones, as in a full table) never grow the map: no rehash on
 /// the packet path.

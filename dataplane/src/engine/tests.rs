@@ -581,7 +581,7 @@ fn a_pre_parsed_packet_is_translated_as_a_parsed_one() {
         let mut p2 = p1.clone();
         let v1 = a.process(&snap, &mut p1, SEC, None, &MASQ, &mut out);
         let parsed = parse(&p2);
-        let v2 = b.process_parsed(&snap, &mut p2, parsed, SEC, None, &MASQ, &mut out);
+        let v2 = b.process_parsed(&snap, &mut p2, parsed, None, SEC, None, &MASQ, &mut out);
         assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
         assert_eq!(p1, p2);
     }
@@ -590,4 +590,97 @@ fn a_pre_parsed_packet_is_translated_as_a_parsed_one() {
         (a.counters.forwarded, a.counters.dropped()),
         (b.counters.forwarded, b.counters.dropped())
     );
+}
+
+/// A likely new connection prepared ahead (its draw made and its reply tuple predicted,
+/// as the worker's batch warming does) goes to the endpoint the prediction named, and
+/// exactly where an engine drawing at connection time sends it: same bytes, same flows.
+/// A prepared packet of a tracked flow follows its flow; what depends on more than the
+/// draw (ClientIP affinity) is not prepared; a masqueraded flow has no predicted reply.
+#[test]
+fn a_prepared_connection_goes_where_the_preparation_said() {
+    let snap = snapshot(&["198.18.128.11", "198.18.128.12", "198.18.128.13"], "");
+    let (mut a, mut b) = (engine(), engine());
+    let mut out = vec![0u8; 1500];
+    let mut endpoints = std::collections::HashSet::new();
+    let mut flows = Vec::new();
+    for port in 40000..40064u16 {
+        let orig = Tuple::new(
+            sa(&format!("198.18.128.50:{port}")),
+            sa("198.19.0.10:80"),
+            Protocol::Tcp,
+        );
+        let mut p1 = build_tcp(&orig, 1000, None, SYN, b"x");
+        let mut p2 = p1.clone();
+        let Ok(Parsed::Flow(fl)) = parse(&p2) else {
+            panic!("a TCP SYN parses as a flow")
+        };
+        let (random, reply) = b.prepare_new(&snap, &fl, None).expect("random scheduler");
+        let reply = reply.expect("not masqueraded");
+        let v1 = a.process(&snap, &mut p1, SEC, None, &MASQ, &mut out);
+        let v2 = b.process_parsed(
+            &snap,
+            &mut p2,
+            Ok(Parsed::Flow(fl)),
+            Some(random),
+            SEC,
+            None,
+            &MASQ,
+            &mut out,
+        );
+        assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
+        assert_eq!(p1, p2);
+        assert_eq!(tuple_of(&p2).dst_addr(), reply.src_addr());
+        let (dir, e) = b
+            .table
+            .get(&reply, SEC)
+            .expect("the predicted reply is tracked");
+        assert_eq!((dir, *e.orig()), (Direction::Reply, orig));
+        endpoints.insert(reply.src);
+        flows.push((orig, reply));
+    }
+    assert_eq!(endpoints.len(), 3, "the draws still spread the connections");
+    assert_eq!(b.counters.new_flows, 64);
+    for (orig, reply) in flows {
+        // The SYN again (a retransmission), prepared as if new, follows the flow.
+        let mut again = build_tcp(&orig, 1000, None, SYN, b"x");
+        let Ok(Parsed::Flow(fl)) = parse(&again) else {
+            panic!()
+        };
+        let (random, _) = b.prepare_new(&snap, &fl, None).unwrap();
+        b.process_parsed(
+            &snap,
+            &mut again,
+            Ok(Parsed::Flow(fl)),
+            Some(random),
+            SEC,
+            None,
+            &MASQ,
+            &mut out,
+        );
+        assert_eq!(tuple_of(&again).dst_addr(), reply.src_addr());
+    }
+    assert_eq!(b.counters.new_flows, 64);
+
+    // From outside the cluster CIDR: masqueraded, so no reply tuple before its SNAT port.
+    let outside = Tuple::new(sa("198.18.0.50:40000"), sa("198.19.0.10:80"), Protocol::Tcp);
+    let Ok(Parsed::Flow(fl)) = parse(&build_tcp(&outside, 1, None, SYN, b"")) else {
+        panic!()
+    };
+    assert!(matches!(b.prepare_new(&snap, &fl, None), Some((_, None))));
+
+    // ClientIP affinity: the choice depends on the client's history, not prepared.
+    let sticky = snapshot(
+        &["198.18.128.11", "198.18.128.12"],
+        "  sessionAffinity: ClientIP\n",
+    );
+    let client = Tuple::new(
+        sa("198.18.128.50:40000"),
+        sa("198.19.0.10:80"),
+        Protocol::Tcp,
+    );
+    let Ok(Parsed::Flow(fl)) = parse(&build_tcp(&client, 1, None, SYN, b"")) else {
+        panic!()
+    };
+    assert_eq!(b.prepare_new(&sticky, &fl, None), None);
 }
