@@ -45,6 +45,9 @@ const SATURATED_BUSY: f64 = 0.75;
 /// The most packets a busy round takes on average, over a drain window, for the worker
 /// to count as keeping up with its traffic (see [`keeps_up`]).
 const HOLD_MAX_BATCH: u64 = 8;
+/// The share of a window's time in busy rounds below which the worker keeps up with its
+/// traffic whatever the size of its batches (see [`keeps_up`]).
+const SPARE_BUSY: f64 = 0.5;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 
@@ -1258,10 +1261,18 @@ fn owner_of_tuple(snap: &Snapshot, t: &Tuple, workers: usize) -> usize {
 
 /// Whether a drain window (`rounds` busy rounds that took `ns` for `packets`, in
 /// `wall_ns`) shows a worker that keeps up with its traffic: small batches (it catches
-/// up with what arrived every round) and time to spare. A worker that is the
-/// bottleneck finds a full batch waiting most rounds, or is busy nearly all the time.
+/// up with what arrived every round) and time to spare, or idle more than half the
+/// time whatever its batches. A worker that is the bottleneck finds a full batch
+/// waiting most rounds, or is busy nearly all the time.
+///
+/// Full batches with long idle gaps between them are a bursty source, not a
+/// bottleneck: a threaded NAPI kthread delivers what it received in its own time slice,
+/// hundreds of packets at once, and a fill ring bounded to the queue budget (a few
+/// hundred frames at most) drops the rest of each burst though the worker drains it in
+/// a fraction of the time to the next.
 fn keeps_up(ns: u64, packets: u64, rounds: u64, wall_ns: u64) -> bool {
-    packets <= rounds * HOLD_MAX_BATCH && (ns as f64) < SATURATED_BUSY * wall_ns.max(1) as f64
+    let busy = ns as f64 / wall_ns.max(1) as f64;
+    busy < SPARE_BUSY || (packets <= rounds * HOLD_MAX_BATCH && busy < SATURATED_BUSY)
 }
 
 #[cfg(test)]
@@ -1275,8 +1286,12 @@ mod tests {
         assert!(keeps_up(2 * MS, 800, 400, 8 * MS));
         // Saturated: full batches, busy throughout.
         assert!(!keeps_up(2 * MS, 2_000, 32, 2 * MS));
-        // Full batches with idle time between them (a bursty load at the edge).
-        assert!(!keeps_up(2 * MS, 2_000, 50, 5 * MS));
+        // Full batches with idle time between them, busy more than half the time: near
+        // the bottleneck.
+        assert!(!keeps_up(2 * MS, 2_000, 50, 3 * MS));
+        // Full batches with more idle time than busy: a bursty source (a NAPI kthread
+        // delivering its time slice's packets at once), kept up with.
+        assert!(keeps_up(2 * MS, 2_000, 50, 5 * MS));
         // Small batches but no time to spare: near the bottleneck.
         assert!(!keeps_up(2 * MS, 800, 400, 2 * MS + MS / 4));
         // A first window after seconds of idling (its wall time counts them).
