@@ -37,7 +37,7 @@ mod tests_netns;
 #[cfg(test)]
 mod tests_unit;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -113,12 +113,49 @@ pub enum FibError {
 }
 
 /// One worker's handle on the mirrored tables. Cheap to clone (each clone has its own
-/// resolution rate limiter); `Send` but not `Sync`: give one to each worker.
+/// resolution rate limiter and route cache); `Send` but not `Sync`: give one to each
+/// worker.
 pub struct FibView {
     table: Arc<ArcSwap<FibTable>>,
     requests: crossbeam::channel::Sender<mirror::ResolveRequest>,
     wake: Arc<tokio::sync::Notify>,
     throttle: Throttle,
+    cache: RefCell<RouteCache>,
+}
+
+/// The answers [`FibView::route`] gave for the tables `of`, by destination
+/// (direct-mapped): a worker sends most packets to a few destinations (the endpoints of
+/// busy flows, their clients), and a lookup walks the prefix levels of three tables and
+/// the neighbour table. Emptied when other tables are published (a route, address, link
+/// or neighbour changed, or the attached interfaces), which `of`, held, tells: the
+/// pointer of a table still held cannot be reused by a newer one. [`Route::Pending`] is
+/// never kept (it asks for a resolution, and the next lookup must look again).
+struct RouteCache {
+    of: Option<Arc<FibTable>>,
+    slots: Box<[Option<(IpAddr, Route)>]>,
+}
+
+/// Destinations a worker's route cache holds (a power of two).
+const ROUTE_CACHE_SLOTS: usize = 256;
+
+impl RouteCache {
+    fn new() -> Self {
+        RouteCache {
+            of: None,
+            slots: vec![None; ROUTE_CACHE_SLOTS].into(),
+        }
+    }
+
+    fn slot(dst: IpAddr) -> usize {
+        let folded = match dst {
+            IpAddr::V4(a) => u64::from(a.to_bits()),
+            IpAddr::V6(a) => {
+                let b = a.to_bits();
+                (b as u64) ^ ((b >> 64) as u64)
+            }
+        };
+        (folded.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % ROUTE_CACHE_SLOTS
+    }
 }
 
 /// A snapshot of the tables pinned for one batch of packets: load once per batch with
@@ -139,6 +176,7 @@ impl FibView {
             requests,
             wake,
             throttle: Throttle::new(),
+            cache: RefCell::new(RouteCache::new()),
         }
     }
 
@@ -150,9 +188,27 @@ impl FibView {
         }
     }
 
-    /// Where to send a packet for `dst`: see [`FibSnapshot::route`].
+    /// Where to send a packet for `dst`: see [`FibSnapshot::route`]. The answer for the
+    /// current tables is remembered (see `RouteCache`), so a worker's next packet to the
+    /// same destination costs one atomic load and one comparison.
     pub fn route(&self, dst: IpAddr) -> Route {
-        self.load().route(dst)
+        let table = self.table.load();
+        let mut cache = self.cache.borrow_mut();
+        if !cache.of.as_ref().is_some_and(|of| Arc::ptr_eq(of, &table)) {
+            cache.of = Some(Arc::clone(&table));
+            cache.slots.fill(None);
+        }
+        let slot = RouteCache::slot(dst);
+        if let Some((d, route)) = cache.slots[slot]
+            && d == dst
+        {
+            return route;
+        }
+        let route = FibSnapshot { table, view: self }.route(dst);
+        if route != Route::Pending {
+            cache.slots[slot] = Some((dst, route));
+        }
+        route
     }
 
     /// The source address masquerade uses towards `dst`: see [`FibSnapshot::source_for`].

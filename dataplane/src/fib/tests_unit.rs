@@ -499,3 +499,82 @@ fn throttle_allows_one_request_per_interval() {
     std::thread::sleep(super::RESOLVE_INTERVAL);
     assert!(th.allow(ETH0, ip("198.18.0.7")));
 }
+
+/// A view remembers its answers for the tables it looked them up in, and answers anew
+/// once other tables are published, also when their generation did not move (the
+/// attached interfaces are swapped in without one); it never remembers a pending
+/// next hop, which asks for a resolution each time (rate-limited).
+#[test]
+fn a_view_remembers_routes_until_other_tables_are_published() {
+    use std::sync::Arc;
+
+    use arc_swap::ArcSwap;
+
+    use super::FibView;
+
+    let mut t = base();
+    t.apply(&unicast("198.19.0.0/16", Some("198.18.0.7"), ETH0, 0), 0);
+    let tables = Arc::new(ArcSwap::from_pointee(t.clone()));
+    let (tx, rx) = crossbeam::channel::unbounded();
+    let view = FibView::new(tables.clone(), tx, Arc::new(tokio::sync::Notify::new()));
+    let vip = ip("198.19.0.1");
+    assert_eq!(view.route(vip), Route::Pending);
+    assert_eq!(rx.try_iter().count(), 1, "a resolution was asked for");
+    assert_eq!(
+        view.route(vip),
+        Route::Pending,
+        "pending is looked up again"
+    );
+
+    // Many destinations, more than the cache holds, twice: the same answers as the table.
+    let dsts: Vec<IpAddr> = (0..1_000u32)
+        .map(|i| IpAddr::V4(std::net::Ipv4Addr::from(0xC614_0000 + i * 7)))
+        .collect();
+    for _ in 0..2 {
+        for &d in &dsts {
+            let Resolved::Route(want) = t.resolve(d) else {
+                panic!("{d} is routed via the gateway")
+            };
+            assert_eq!(view.route(d), want, "{d}");
+        }
+    }
+
+    // The neighbour is learnt: new tables, a new answer.
+    t.apply(
+        &M::NewNeighbour(neigh(
+            ETH0,
+            "198.18.0.7",
+            NeighbourState::Reachable,
+            Some([7; 6]),
+        )),
+        0,
+    );
+    tables.store(Arc::new(t.clone()));
+    let Resolved::Route(learnt) = fwd([7; 6]) else {
+        unreachable!()
+    };
+    assert_eq!(view.route(vip), learnt);
+    assert_eq!(view.route(vip), learnt);
+    // Its MAC changes.
+    t.apply(
+        &M::NewNeighbour(neigh(
+            ETH0,
+            "198.18.0.7",
+            NeighbourState::Reachable,
+            Some([8; 6]),
+        )),
+        0,
+    );
+    tables.store(Arc::new(t.clone()));
+    let Resolved::Route(moved) = fwd([8; 6]) else {
+        unreachable!()
+    };
+    assert_eq!(view.route(vip), moved);
+    // The interface is no longer attached: same generation, other tables.
+    let generation = t.generation();
+    let mut detached = t.clone();
+    detached.attached = Arc::from(Vec::<u32>::new());
+    assert_eq!(detached.generation(), generation);
+    tables.store(Arc::new(detached));
+    assert_eq!(view.route(vip), Route::NotAttached { ifindex: ETH0 });
+}
