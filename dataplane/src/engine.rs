@@ -196,11 +196,7 @@ impl NodeState {
         if !sp.scheduler.uses_hash_table() {
             return Prediction::AtConnection;
         }
-        let table = if fwd.policy == Policy::Local {
-            &sp.local_table
-        } else {
-            &sp.cluster_table
-        };
+        let table = fwd.hash_table();
         let none = |_: SocketAddr| 0;
         let input = PickInput {
             src,
@@ -379,17 +375,7 @@ impl Engine {
         out: &mut [u8],
     ) -> Verdict {
         let t = f.tuple();
-        let decision = decide(
-            snap,
-            &NewPacket {
-                src: t.src,
-                dst: t.dst,
-                dport: t.dport,
-                proto: t.proto,
-                in_interface,
-            },
-        );
-        let fwd = match decision {
+        let fwd = match decide_tuple(snap, &t, in_interface) {
             Decision::Pass => return Verdict::Pass,
             Decision::Drop { reason, .. } => return Verdict::Drop(DropCause::Policy(reason)),
             Decision::Reject { .. } => {
@@ -422,11 +408,7 @@ impl Engine {
         let chosen = match chosen {
             Some(i) => i,
             None => {
-                let table = if local {
-                    &sp.local_table
-                } else {
-                    &sp.cluster_table
-                };
+                let table = fwd.hash_table();
                 let random = random.unwrap_or_else(|| self.next_random());
                 let load = &self.node.load;
                 let active = |ep: SocketAddr| load.get(ep);
@@ -535,16 +517,7 @@ impl Engine {
         in_interface: Option<&str>,
     ) -> Option<(u64, Option<Tuple>)> {
         let t = f.tuple();
-        let Decision::Forward(fwd) = decide(
-            snap,
-            &NewPacket {
-                src: t.src,
-                dst: t.dst,
-                dport: t.dport,
-                proto: t.proto,
-                in_interface,
-            },
-        ) else {
+        let Decision::Forward(fwd) = decide_tuple(snap, &t, in_interface) else {
             return None;
         };
         let sp = fwd.port;
@@ -552,11 +525,7 @@ impl Engine {
             return None;
         }
         let random = self.next_random();
-        let table = if fwd.policy == Policy::Local {
-            &sp.local_table
-        } else {
-            &sp.cluster_table
-        };
+        let table = fwd.hash_table();
         let none = |_: SocketAddr| 0;
         let input = PickInput {
             src: t.src_addr(),
@@ -628,6 +597,20 @@ impl Engine {
             from: None,
         }
     }
+}
+
+/// kube-proxy's decision for a new connection with tuple `t` arriving on `in_interface`.
+fn decide_tuple<'s>(snap: &'s Snapshot, t: &Tuple, in_interface: Option<&str>) -> Decision<'s> {
+    decide(
+        snap,
+        &NewPacket {
+            src: t.src,
+            dst: t.dst,
+            dport: t.dport,
+            proto: t.proto,
+            in_interface,
+        },
+    )
 }
 
 fn forward(pkt: &mut [u8], f: &rewrite::FlowPacket, to: &Tuple, new_flow: bool) -> Verdict {

@@ -67,7 +67,17 @@ pub struct Forward<'s> {
     pub why: &'static str,
 }
 
-impl Forward<'_> {
+impl<'s> Forward<'s> {
+    /// The consistent-hash table of the candidates (for the hashing schedulers): the
+    /// local endpoints' under the Local policy, else the cluster's.
+    pub fn hash_table(&self) -> &'s [u16] {
+        if self.policy == Policy::Local {
+            &self.port.local_table
+        } else {
+            &self.port.cluster_table
+        }
+    }
+
     /// Whether a connection from `src` to `endpoint` is masqueraded: the marks above plus
     /// the endpoint chain's hairpin rule (`ip saddr <endpoint> jump mark-for-masquerade`).
     pub fn masquerade_for(&self, src: IpAddr, endpoint: &Endpoint) -> bool {
