@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use conntrack::{AffinityTable, ConnTable, Direction, EndpointLoad, InsertError, Update};
 use dashmap::DashMap;
-use nat::decide::{Decision, DropReason, NewPacket, Policy, decide};
-use nat::model::Affinity;
+use nat::decide::{Decision, DropReason, Forward, NewPacket, Policy, decide};
+use nat::model::{Affinity, Endpoint};
 use nat::rewrite::{self, ParseError, Parsed};
 use nat::select::{PickInput, RrCursor, pick};
 use nat::snapshot::Snapshot;
@@ -196,24 +196,8 @@ impl NodeState {
         if !sp.scheduler.uses_hash_table() {
             return Prediction::AtConnection;
         }
-        let table = fwd.hash_table();
-        let none = |_: SocketAddr| 0;
-        let input = PickInput {
-            src,
-            dst,
-            proto: proto.number(),
-            random: 0,
-            active: &none,
-        };
-        match pick(
-            sp.scheduler,
-            &sp.endpoints,
-            fwd.candidates,
-            Some(table),
-            &input,
-            &mut RrCursor::default(),
-        ) {
-            Some(i) => Prediction::Hash(sp.endpoints[i as usize].addr),
+        match pick_stateless(&fwd, src, dst, proto, 0) {
+            Some(ep) => Prediction::Hash(ep.addr),
             None => Prediction::NotForwarded,
         }
     }
@@ -525,30 +509,13 @@ impl Engine {
             return None;
         }
         let random = self.next_random();
-        let table = fwd.hash_table();
-        let none = |_: SocketAddr| 0;
-        let input = PickInput {
-            src: t.src_addr(),
-            dst: t.dst_addr(),
-            proto: t.proto.number(),
-            random,
-            active: &none,
-        };
-        let reply = pick(
-            sp.scheduler,
-            &sp.endpoints,
-            fwd.candidates,
-            Some(table),
-            &input,
-            &mut RrCursor::default(),
-        )
-        .map(|i| &sp.endpoints[i as usize])
-        .filter(|ep| {
-            let from_host =
-                in_interface.is_some() && in_interface == self.host_interface.as_deref();
-            !from_host && !fwd.masquerade_for(t.src, ep)
-        })
-        .map(|ep| Tuple::new(ep.addr, t.src_addr(), t.proto));
+        let reply = pick_stateless(&fwd, t.src_addr(), t.dst_addr(), t.proto, random)
+            .filter(|ep| {
+                let from_host =
+                    in_interface.is_some() && in_interface == self.host_interface.as_deref();
+                !from_host && !fwd.masquerade_for(t.src, ep)
+            })
+            .map(|ep| Tuple::new(ep.addr, t.src_addr(), t.proto));
         Some((random, reply))
     }
 
@@ -597,6 +564,36 @@ impl Engine {
             from: None,
         }
     }
+}
+
+/// The scheduler's choice among `fwd`'s candidates for a connection `src` → `dst`, as
+/// far as it depends only on the connection and `random`: no endpoint counted busy, a
+/// fresh round-robin position.
+fn pick_stateless<'s>(
+    fwd: &Forward<'s>,
+    src: SocketAddr,
+    dst: SocketAddr,
+    proto: Protocol,
+    random: u64,
+) -> Option<&'s Endpoint> {
+    let sp = fwd.port;
+    let none = |_: SocketAddr| 0;
+    let input = PickInput {
+        src,
+        dst,
+        proto: proto.number(),
+        random,
+        active: &none,
+    };
+    pick(
+        sp.scheduler,
+        &sp.endpoints,
+        fwd.candidates,
+        Some(fwd.hash_table()),
+        &input,
+        &mut RrCursor::default(),
+    )
+    .map(|i| &sp.endpoints[i as usize])
 }
 
 /// kube-proxy's decision for a new connection with tuple `t` arriving on `in_interface`.
