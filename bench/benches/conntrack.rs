@@ -12,12 +12,10 @@ use std::time::Duration;
 use conntrack::ConnTable;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kxp_bench::XorShift;
-use kxp_bench::flows::{SYN_ONLY, flow, holding};
+use kxp_bench::flows::{SYN, flow, holding};
 use nat::tuple::Tuple;
 
 const ACK: u8 = 0x10;
-const SYN: u8 = SYN_ONLY;
-
 fn filled(n: u32) -> ConnTable {
     holding(n as usize + 1024, n)
 }

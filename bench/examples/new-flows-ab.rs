@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kxp_bench::flows::{SYN_ONLY, flow, holding};
+use kxp_bench::flows::{SYN, flow, holding};
 use nat::tuple::Tuple;
 
 fn main() {
@@ -39,8 +39,8 @@ fn main() {
         }
         let mut made = 0u32;
         for (o, r) in &batch {
-            if t.on_packet(o, SYN_ONLY, 3).is_none() {
-                made += u32::from(t.insert(*o, *r, 0, SYN_ONLY, 3).is_ok());
+            if t.on_packet(o, SYN, 3).is_none() {
+                made += u32::from(t.insert(*o, *r, 0, SYN, 3).is_ok());
             }
         }
         black_box(made);

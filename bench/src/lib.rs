@@ -95,7 +95,7 @@ pub mod flows {
     use nat::tuple::{Protocol, Tuple};
 
     /// TCP flags of a SYN.
-    pub const SYN_ONLY: u8 = 0x02;
+    pub const SYN: u8 = 0x02;
 
     /// Flow `i`: client 198.18.x.y:port -> VIP 198.19.0.1:80, DNAT to one of 16 endpoints
     /// (original and reply tuples).
@@ -128,7 +128,7 @@ pub mod flows {
         .expect("a valid capacity");
         for i in 0..n {
             let (o, r) = flow(i);
-            t.insert(o, r, 0, SYN_ONLY, 1).expect("room for the flow");
+            t.insert(o, r, 0, SYN, 1).expect("room for the flow");
         }
         t
     }

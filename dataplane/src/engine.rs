@@ -438,7 +438,7 @@ impl Engine {
             );
         }
 
-        let from_host = in_interface.is_some() && in_interface == self.host_interface.as_deref();
+        let from_host = self.is_host_interface(in_interface);
         let reply_dst = if from_host || fwd.masquerade_for(t.src, ep) {
             // The node's own connection keeps the address the node chose for it (its own);
             // only its port comes from the SNAT range.
@@ -510,13 +510,15 @@ impl Engine {
         }
         let random = self.next_random();
         let reply = pick_stateless(&fwd, t.src_addr(), t.dst_addr(), t.proto, random)
-            .filter(|ep| {
-                let from_host =
-                    in_interface.is_some() && in_interface == self.host_interface.as_deref();
-                !from_host && !fwd.masquerade_for(t.src, ep)
-            })
+            .filter(|ep| !self.is_host_interface(in_interface) && !fwd.masquerade_for(t.src, ep))
             .map(|ep| Tuple::new(ep.addr, t.src_addr(), t.proto));
         Some((random, reply))
+    }
+
+    /// Whether a packet that arrived on `in_interface` is one of the node's own
+    /// connections (it came through kxp's service device).
+    fn is_host_interface(&self, in_interface: Option<&str>) -> bool {
+        in_interface.is_some() && in_interface == self.host_interface.as_deref()
     }
 
     /// An ICMP error about a translated flow: translate the quote and the outer header

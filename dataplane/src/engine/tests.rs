@@ -563,6 +563,11 @@ fn every_reply_names_its_owner() {
     }
 }
 
+/// A TCP connection from `client` to the `http` port of `web`'s ClusterIP.
+fn to_web(client: &str) -> Tuple {
+    Tuple::new(sa(client), sa("198.19.0.10:80"), Protocol::Tcp)
+}
+
 /// A packet handed over with its parse (as the worker's batch warming parsed it) is
 /// translated exactly as one the engine parses itself: same verdict, same bytes, same
 /// flow found by the next packet.
@@ -572,11 +577,7 @@ fn a_pre_parsed_packet_is_translated_as_a_parsed_one() {
     let (mut a, mut b) = (engine(), engine());
     let mut out = vec![0u8; 1500];
     for (port, flags) in [(40000, SYN), (40000, ACK), (40001, SYN)] {
-        let orig = Tuple::new(
-            sa(&format!("198.18.128.50:{port}")),
-            sa("198.19.0.10:80"),
-            Protocol::Tcp,
-        );
+        let orig = to_web(&format!("198.18.128.50:{port}"));
         let mut p1 = build_tcp(&orig, 1000, None, flags, b"x");
         let mut p2 = p1.clone();
         let v1 = a.process(&snap, &mut p1, SEC, None, &MASQ, &mut out);
@@ -592,6 +593,32 @@ fn a_pre_parsed_packet_is_translated_as_a_parsed_one() {
     );
 }
 
+/// `pkt` prepared as the worker's batch warming prepares a likely new connection
+/// ([`Engine::prepare_new`]), then processed with the draw made: the verdict and the
+/// predicted reply tuple.
+fn prepared(
+    e: &mut Engine,
+    snap: &Snapshot,
+    pkt: &mut [u8],
+    out: &mut [u8],
+) -> (Verdict, Option<Tuple>) {
+    let Ok(Parsed::Flow(fl)) = parse(pkt) else {
+        panic!("a TCP segment parses as a flow")
+    };
+    let (random, reply) = e.prepare_new(snap, &fl, None).expect("random scheduler");
+    let v = e.process_parsed(
+        snap,
+        pkt,
+        Ok(Parsed::Flow(fl)),
+        Some(random),
+        SEC,
+        None,
+        &MASQ,
+        out,
+    );
+    (v, reply)
+}
+
 /// A likely new connection prepared ahead (its draw made and its reply tuple predicted,
 /// as the worker's batch warming does) goes to the endpoint the prediction named, and
 /// exactly where an engine drawing at connection time sends it: same bytes, same flows.
@@ -605,29 +632,12 @@ fn a_prepared_connection_goes_where_the_preparation_said() {
     let mut endpoints = std::collections::HashSet::new();
     let mut flows = Vec::new();
     for port in 40000..40064u16 {
-        let orig = Tuple::new(
-            sa(&format!("198.18.128.50:{port}")),
-            sa("198.19.0.10:80"),
-            Protocol::Tcp,
-        );
+        let orig = to_web(&format!("198.18.128.50:{port}"));
         let mut p1 = build_tcp(&orig, 1000, None, SYN, b"x");
         let mut p2 = p1.clone();
-        let Ok(Parsed::Flow(fl)) = parse(&p2) else {
-            panic!("a TCP SYN parses as a flow")
-        };
-        let (random, reply) = b.prepare_new(&snap, &fl, None).expect("random scheduler");
-        let reply = reply.expect("not masqueraded");
         let v1 = a.process(&snap, &mut p1, SEC, None, &MASQ, &mut out);
-        let v2 = b.process_parsed(
-            &snap,
-            &mut p2,
-            Ok(Parsed::Flow(fl)),
-            Some(random),
-            SEC,
-            None,
-            &MASQ,
-            &mut out,
-        );
+        let (v2, reply) = prepared(&mut b, &snap, &mut p2, &mut out);
+        let reply = reply.expect("not masqueraded");
         assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
         assert_eq!(p1, p2);
         assert_eq!(tuple_of(&p2).dst_addr(), reply.src_addr());
@@ -644,26 +654,13 @@ fn a_prepared_connection_goes_where_the_preparation_said() {
     for (orig, reply) in flows {
         // The SYN again (a retransmission), prepared as if new, follows the flow.
         let mut again = build_tcp(&orig, 1000, None, SYN, b"x");
-        let Ok(Parsed::Flow(fl)) = parse(&again) else {
-            panic!()
-        };
-        let (random, _) = b.prepare_new(&snap, &fl, None).unwrap();
-        b.process_parsed(
-            &snap,
-            &mut again,
-            Ok(Parsed::Flow(fl)),
-            Some(random),
-            SEC,
-            None,
-            &MASQ,
-            &mut out,
-        );
+        prepared(&mut b, &snap, &mut again, &mut out);
         assert_eq!(tuple_of(&again).dst_addr(), reply.src_addr());
     }
     assert_eq!(b.counters.new_flows, 64);
 
     // From outside the cluster CIDR: masqueraded, so no reply tuple before its SNAT port.
-    let outside = Tuple::new(sa("198.18.0.50:40000"), sa("198.19.0.10:80"), Protocol::Tcp);
+    let outside = to_web("198.18.0.50:40000");
     let Ok(Parsed::Flow(fl)) = parse(&build_tcp(&outside, 1, None, SYN, b"")) else {
         panic!()
     };
@@ -674,11 +671,7 @@ fn a_prepared_connection_goes_where_the_preparation_said() {
         &["198.18.128.11", "198.18.128.12"],
         "  sessionAffinity: ClientIP\n",
     );
-    let client = Tuple::new(
-        sa("198.18.128.50:40000"),
-        sa("198.19.0.10:80"),
-        Protocol::Tcp,
-    );
+    let client = to_web("198.18.128.50:40000");
     let Ok(Parsed::Flow(fl)) = parse(&build_tcp(&client, 1, None, SYN, b"")) else {
         panic!()
     };

@@ -539,33 +539,21 @@ fn a_view_remembers_routes_until_other_tables_are_published() {
         }
     }
 
+    // The gateway's MAC as the kernel announces it, published.
+    let learn = |t: &mut FibTable, mac: [u8; 6]| {
+        let m = neigh(ETH0, "198.18.0.7", NeighbourState::Reachable, Some(mac));
+        t.apply(&M::NewNeighbour(m), 0);
+        tables.store(Arc::new(t.clone()));
+    };
     // The neighbour is learnt: new tables, a new answer.
-    t.apply(
-        &M::NewNeighbour(neigh(
-            ETH0,
-            "198.18.0.7",
-            NeighbourState::Reachable,
-            Some([7; 6]),
-        )),
-        0,
-    );
-    tables.store(Arc::new(t.clone()));
+    learn(&mut t, [7; 6]);
     let Resolved::Route(learnt) = fwd([7; 6]) else {
         unreachable!()
     };
     assert_eq!(view.route(vip), learnt);
     assert_eq!(view.route(vip), learnt);
     // Its MAC changes.
-    t.apply(
-        &M::NewNeighbour(neigh(
-            ETH0,
-            "198.18.0.7",
-            NeighbourState::Reachable,
-            Some([8; 6]),
-        )),
-        0,
-    );
-    tables.store(Arc::new(t.clone()));
+    learn(&mut t, [8; 6]);
     let Resolved::Route(moved) = fwd([8; 6]) else {
         unreachable!()
     };
