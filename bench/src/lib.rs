@@ -134,6 +134,78 @@ pub mod flows {
     }
 }
 
+/// How long a cache line written on one CPU takes to reach another: two threads pinned
+/// to `cpus` pass a counter back and forth `round_trips` times (at least 100); the
+/// result is the median one-way time (ns) of chunks of 100 round trips. On this VM it is the measure of where the hypervisor put the two
+/// vCPUs at the moment, which it changes now and then: near each other (a shared
+/// cache, ~30-60 ns) or far (~100-200 ns), and in copy-mode AF_XDP every received frame
+/// crosses from the receiving interface's CPU to the worker's. `None` if a thread
+/// cannot be pinned or a pass takes over a second (the other CPU was not given time).
+pub fn line_transfer_ns(cpus: (usize, usize), round_trips: u32) -> Option<f64> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+    // The counter on a line of its own.
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    let line = Arc::new(Line(AtomicU64::new(0)));
+    let limit = Duration::from_secs(1);
+    // Waits until the counter reads `want`; false after `limit` without.
+    let wait = move |line: &Line, want: u64| {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        // No `spin_loop()` hint: a PAUSE takes up to ~140 cycles, more than the
+        // transfer being measured.
+        while line.0.load(Ordering::Acquire) != want {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(4096) && start.elapsed() > limit {
+                return false;
+            }
+        }
+        true
+    };
+    let other = {
+        let line = Arc::clone(&line);
+        std::thread::spawn(move || {
+            if dataplane::sys::pin_to_cpu(cpus.1).is_err() {
+                line.0.store(u64::MAX, Ordering::Release);
+                return;
+            }
+            for i in 0..u64::from(round_trips) {
+                if !wait(&line, 2 * i + 1) {
+                    return;
+                }
+                line.0.store(2 * i + 2, Ordering::Release);
+            }
+        })
+    };
+    let here = std::thread::spawn(move || {
+        dataplane::sys::pin_to_cpu(cpus.0).ok()?;
+        // Timed in chunks of 100 round trips, and the median chunk taken: a vCPU
+        // preempted for a while (milliseconds) spoils a chunk, not the result.
+        let mut chunks = Vec::with_capacity(round_trips as usize / 100 + 1);
+        let mut start = Instant::now();
+        for i in 0..u64::from(round_trips) {
+            if line.0.load(Ordering::Acquire) == u64::MAX {
+                return None;
+            }
+            line.0.store(2 * i + 1, Ordering::Release);
+            if !wait(&line, 2 * i + 2) {
+                return None;
+            }
+            if (i + 1).is_multiple_of(100) {
+                chunks.push(start.elapsed().as_nanos() as f64 / 200.0);
+                start = Instant::now();
+            }
+        }
+        chunks.sort_by(f64::total_cmp);
+        chunks.get(chunks.len() / 2).copied()
+    });
+    let ns = here.join().ok().flatten();
+    let _ = other.join();
+    ns
+}
+
 /// A small deterministic PRNG for benchmark inputs.
 #[derive(Debug, Clone)]
 pub struct XorShift(pub u64);
@@ -181,4 +253,20 @@ pub fn locate_kxp(given: Option<&std::path::PathBuf>) -> anyhow::Result<std::pat
         anyhow::bail!("cannot build kxp; give --kxp PATH (a release build of `kxp`)");
     }
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_line_transfer_between_two_cpus_is_timed() {
+        if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+            // One CPU: the two threads cannot be on two; nothing to time.
+            assert_eq!(super::line_transfer_ns((0, 1), 1_000), None);
+            return;
+        }
+        let ns = super::line_transfer_ns((0, 1), 1_000).expect("both threads pinned");
+        // A transfer is tens to hundreds of ns; a test machine busy with other tests may
+        // preempt the threads, so only the order of magnitude is checked.
+        assert!(ns > 1.0 && ns < 10_000_000.0, "{ns} ns");
+    }
 }

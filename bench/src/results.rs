@@ -82,6 +82,11 @@ pub struct Run {
     pub steal_pct: Vec<f64>,
     /// CPU other processes used (% of one).
     pub foreign_pct: f64,
+    /// How long a cache line took from CPU0 to CPU1 just before and just after the run
+    /// (ns; `null` if not measured, empty in files of before): under 40, the two vCPUs
+    /// were the two threads of one core.
+    #[serde(default)]
+    pub line_ns: Vec<Option<f64>>,
 }
 
 /// A latency distribution (one-way, µs).
@@ -280,6 +285,7 @@ mod tests {
                     cpu: vec![(100.0, 50.0), (100.0, 30.0)],
                     steal_pct: vec![1.0, 3.0],
                     foreign_pct: 1.0,
+                    line_ns: vec![Some(15.0), Some(90.0)],
                 }],
                 kxp_totals: None,
                 kernel_conntrack: None,

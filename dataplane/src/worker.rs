@@ -526,6 +526,9 @@ impl<'id> Worker<'id> {
                 batch.clear();
                 let n = self.io.recv(port, &mut batch);
                 work += n;
+                if n > 1 {
+                    self.prefetch_frames(&mut batch);
+                }
                 let ifindex = self.io.ifindex(port);
                 parsed.clear();
                 if n > 1 && self.engine.table.len() >= WARM_FROM {
@@ -781,6 +784,24 @@ impl<'id> Worker<'id> {
             self.local.no_route += 1;
         }
         self.io.recycle(f);
+    }
+
+    /// Prefetches the headers of every frame of a received batch before any is parsed.
+    /// In copy mode the kernel wrote each frame into the UMEM on the CPU that received
+    /// it, so a frame's first line is a miss on the worker's CPU, and parsing the packets
+    /// one by one waits for each miss in turn (the first load of `parse` took 80% of its
+    /// time in the new-connection profile). Asked for together, the misses overlap.
+    fn prefetch_frames(&self, batch: &mut [Frame<'id>]) {
+        for f in batch.iter_mut() {
+            let b = self.io.bytes(f);
+            // The Ethernet and IP headers, and past the first line the ports of an IPv4
+            // header with options or of IPv6 (the data starts line-aligned).
+            for at in [0, 64] {
+                if let Some(byte) = b.get(at) {
+                    crate::sys::prefetch(byte);
+                }
+            }
+        }
     }
 
     /// Has the connection table bring the flows of a received batch (from `port`) into

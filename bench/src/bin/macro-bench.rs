@@ -1561,6 +1561,22 @@ struct RunResult {
     foreign: f64,
     /// Packets per second dropped on the way (see [`Lab::drops`]).
     drop_pps: f64,
+    /// How long a cache line took to go from CPU0 to CPU1 just before and just after
+    /// the run (ns, [`kxp_bench::line_transfer_ns`]): where the hypervisor had put the
+    /// two vCPUs.
+    line_ns: [Option<f64>; 2],
+}
+
+/// Round trips of [`kxp_bench::line_transfer_ns`] before and after each run (a few ms).
+const LINE_ROUND_TRIPS: u32 = 20_000;
+
+/// Below this, a line moves between CPU0 and CPU1 within one core's caches: the two
+/// vCPUs were on the two threads of one physical core (~15 ns here), sharing its
+/// execution units; above, on two cores (65-200 ns).
+const SAME_CORE_NS: f64 = 40.0;
+
+fn line_ns() -> Option<f64> {
+    kxp_bench::line_transfer_ns((GEN_CPU, ROUTER_CPU), LINE_ROUND_TRIPS)
 }
 
 #[derive(Debug, Default)]
@@ -1723,6 +1739,7 @@ fn run_once(
 ) -> anyhow::Result<(RunResult, Option<Latency>)> {
     let Probed { probe, rate } = probed;
     wait_quiet(lab, plan, ours)?;
+    let line_before = line_ns();
     // Many established flows: the first pass through them is new connections; the
     // window starts once every flow exists (at 0.25 Mpps, a conservative pace).
     let flows = lab.scale.lock().unwrap_or_else(|e| e.into_inner()).1;
@@ -1762,6 +1779,7 @@ fn run_once(
     let offered = trafgen_rate(&tg.log_text());
     // Let the queues drain before the next run.
     lab.stop.sleep(Duration::from_millis(300))?;
+    let line_after = line_ns();
     let pps = c1.saturating_sub(c0) as f64 / (t1 - t0).as_secs_f64();
     Ok((
         RunResult {
@@ -1770,6 +1788,7 @@ fn run_once(
             cpu: cpu_usage(&cpu0, &cpu1),
             foreign,
             drop_pps: d1.saturating_sub(d0) as f64 / (t1 - t0).as_secs_f64(),
+            line_ns: [line_before, line_after],
         },
         lat,
     ))
@@ -1799,7 +1818,7 @@ fn run_mode(
             },
         )?;
         eprintln!(
-            "  {name:<13} {} run {}: {:.3} Mpps delivered (trafgen offered {}, {:.3} Mpps dropped on the way), CPU0 {:.0}% CPU1 {:.0}% busy ({:.0}% {:.0}% stolen), others {:.0}% of a CPU",
+            "  {name:<13} {} run {}: {:.3} Mpps delivered (trafgen offered {}, {:.3} Mpps dropped on the way), CPU0 {:.0}% CPU1 {:.0}% busy ({:.0}% {:.0}% stolen), others {:.0}% of a CPU, a line CPU0 -> CPU1 in {} ns before/after",
             mode.name(),
             i + 1,
             r.pps / 1e6,
@@ -1811,6 +1830,9 @@ fn run_mode(
             r.cpu.first().map_or(0.0, |c| c.2),
             r.cpu.get(1).map_or(0.0, |c| c.2),
             r.foreign,
+            r.line_ns
+                .map(|x| x.map_or("?".into(), |ns| format!("{ns:.0}")))
+                .join("/"),
         );
         out.runs.push(r);
     }
@@ -2065,6 +2087,74 @@ fn mode_of(c: &CaseResult, m: Mode) -> Option<&ModeResult> {
     c.modes.iter().find(|(mm, _)| *mm == m).map(|(_, r)| r)
 }
 
+/// Where the hypervisor had the two vCPUs during a run, from the line transfers measured
+/// before and after it: the two threads of one core (sharing its execution units), two
+/// cores, or moved during the run (or not measured).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    OneCore,
+    TwoCores,
+    Moved,
+}
+
+fn placement(r: &RunResult) -> Placement {
+    match r.line_ns {
+        [Some(a), Some(b)] if a < SAME_CORE_NS && b < SAME_CORE_NS => Placement::OneCore,
+        [Some(a), Some(b)] if a >= SAME_CORE_NS && b >= SAME_CORE_NS => Placement::TwoCores,
+        _ => Placement::Moved,
+    }
+}
+
+/// Each case's median rate per mode over the runs of each vCPU placement: on this VM
+/// the placement changes now and then, and moves the rates of every router by a third,
+/// so two binaries are best compared on the runs of one placement.
+fn print_placement(results: &[CaseResult], modes: &[Mode]) {
+    let runs = results
+        .iter()
+        .flat_map(|c| c.modes.iter().flat_map(|(_, r)| r.runs.iter()));
+    let one_core = runs
+        .clone()
+        .filter(|r| placement(r) == Placement::OneCore)
+        .count();
+    if runs.count() == 0 {
+        return;
+    }
+    println!();
+    println!(
+        "vCPU placement: {one_core} run(s) had CPU0 and CPU1 on the two threads of one core (a line moved between them in under {SAME_CORE_NS:.0} ns before and after the run), the others on two cores or moved during the run; median Mpps (runs) per placement:"
+    );
+    let mut head = format!("{:<13}", "router");
+    for m in modes {
+        head += &format!(
+            " | {:<40}",
+            format!("{}: one core / two cores / moved", m.name())
+        );
+    }
+    println!("{head}");
+    for c in results {
+        let mut row = format!("{:<13}", c.case.name());
+        for &m in modes {
+            let cells: Vec<String> = [Placement::OneCore, Placement::TwoCores, Placement::Moved]
+                .iter()
+                .map(|&p| {
+                    let v: Vec<f64> = mode_of(c, m)
+                        .map(|r| {
+                            r.runs
+                                .iter()
+                                .filter(|x| placement(x) == p)
+                                .map(|x| x.pps / 1e6)
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    median(&v).map_or("-".into(), |med| format!("{med:.3} ({})", v.len()))
+                })
+                .collect();
+            row += &format!(" | {:<40}", cells.join(" / "));
+        }
+        println!("{row}");
+    }
+}
+
 fn med_pps(c: &CaseResult, m: Mode) -> Option<f64> {
     mode_of(c, m).and_then(|r| median(&r.runs.iter().map(|x| x.pps).collect::<Vec<_>>()))
 }
@@ -2236,6 +2326,7 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
             }
         }
     }
+    print_placement(results, modes);
     if plan.latency {
         println!();
         println!(
@@ -2430,6 +2521,7 @@ fn results_of(
                                 cpu: x.cpu.iter().map(|c| (c.0, c.1)).collect(),
                                 steal_pct: x.cpu.iter().map(|c| c.2).collect(),
                                 foreign_pct: x.foreign,
+                                line_ns: x.line_ns.to_vec(),
                             })
                             .collect(),
                         kxp_totals: mr.kxp_totals.clone(),
