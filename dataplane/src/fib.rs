@@ -41,6 +41,7 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::{ArcSwap, Guard};
@@ -112,11 +113,49 @@ pub enum FibError {
     Stopped { reason: String },
 }
 
+/// The tables as last published, and how many times they were: a view checks the count
+/// (one load of a line written only when tables are published) before it trusts its
+/// route cache, instead of pinning the tables themselves for every packet.
+pub(crate) struct Published {
+    tables: ArcSwap<FibTable>,
+    count: AtomicU64,
+}
+
+impl Published {
+    pub(crate) fn new(tables: FibTable) -> Published {
+        Published {
+            tables: ArcSwap::from_pointee(tables),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn load(&self) -> Guard<Arc<FibTable>> {
+        self.tables.load()
+    }
+
+    /// Publishes `tables`: stored first, then counted, so that a view which sees the new
+    /// count loads these tables (or newer).
+    pub(crate) fn store(&self, tables: Arc<FibTable>) {
+        self.tables.store(tables);
+        self.count.fetch_add(1, Ordering::Release);
+    }
+
+    /// Publishes `f` of the current tables (see [`ArcSwap::rcu`]).
+    pub(crate) fn rcu(&self, f: impl FnMut(&Arc<FibTable>) -> FibTable) {
+        self.tables.rcu(f);
+        self.count.fetch_add(1, Ordering::Release);
+    }
+
+    fn count(&self) -> u64 {
+        self.count.load(Ordering::Acquire)
+    }
+}
+
 /// One worker's handle on the mirrored tables. Cheap to clone (each clone has its own
 /// resolution rate limiter and route cache); `Send` but not `Sync`: give one to each
 /// worker.
 pub struct FibView {
-    table: Arc<ArcSwap<FibTable>>,
+    table: Arc<Published>,
     requests: crossbeam::channel::Sender<mirror::ResolveRequest>,
     wake: Arc<tokio::sync::Notify>,
     throttle: Throttle,
@@ -127,10 +166,11 @@ pub struct FibView {
 /// (direct-mapped): a worker sends most packets to a few destinations (the endpoints of
 /// busy flows, their clients), and a lookup walks the prefix levels of three tables and
 /// the neighbour table. Emptied when other tables are published (a route, address, link
-/// or neighbour changed, or the attached interfaces), which `of`, held, tells: the
-/// pointer of a table still held cannot be reused by a newer one. [`Route::Pending`] is
-/// never kept (it asks for a resolution, and the next lookup must look again).
+/// or neighbour changed, or the attached interfaces), which the publication count tells
+/// (`of` is the tables of publication `count`). [`Route::Pending`] is never kept (it
+/// asks for a resolution, and the next lookup must look again).
 struct RouteCache {
+    count: u64,
     of: Option<Arc<FibTable>>,
     slots: Box<[Option<(IpAddr, Route)>]>,
 }
@@ -141,6 +181,7 @@ const ROUTE_CACHE_SLOTS: usize = 256;
 impl RouteCache {
     fn new() -> Self {
         RouteCache {
+            count: 0,
             of: None,
             slots: vec![None; ROUTE_CACHE_SLOTS].into(),
         }
@@ -167,7 +208,7 @@ pub struct FibSnapshot<'a> {
 
 impl FibView {
     fn new(
-        table: Arc<ArcSwap<FibTable>>,
+        table: Arc<Published>,
         requests: crossbeam::channel::Sender<mirror::ResolveRequest>,
         wake: Arc<tokio::sync::Notify>,
     ) -> Self {
@@ -190,25 +231,41 @@ impl FibView {
 
     /// Where to send a packet for `dst`: see [`FibSnapshot::route`]. The answer for the
     /// current tables is remembered (see `RouteCache`), so a worker's next packet to the
-    /// same destination costs one atomic load and one comparison.
+    /// same destination costs one load of the publication count and one comparison.
     pub fn route(&self, dst: IpAddr) -> Route {
-        let table = self.table.load();
+        let count = self.table.count();
         let mut cache = self.cache.borrow_mut();
-        if !cache.of.as_ref().is_some_and(|of| Arc::ptr_eq(of, &table)) {
-            cache.of = Some(Arc::clone(&table));
-            cache.slots.fill(None);
-        }
+        let cache = &mut *cache;
+        let of = match &cache.of {
+            Some(of) if cache.count == count => of,
+            _ => {
+                cache.count = count;
+                cache.slots.fill(None);
+                cache.of.insert(self.table.tables.load_full())
+            }
+        };
         let slot = RouteCache::slot(dst);
         if let Some((d, route)) = cache.slots[slot]
             && d == dst
         {
             return route;
         }
-        let route = FibSnapshot { table, view: self }.route(dst);
+        let route = self.resolve(of, dst);
         if route != Route::Pending {
             cache.slots[slot] = Some((dst, route));
         }
         route
+    }
+
+    /// `dst`'s route in `table` (see [`FibSnapshot::route`]).
+    fn resolve(&self, table: &FibTable, dst: IpAddr) -> Route {
+        match table.resolve(dst) {
+            table::Resolved::Route(route) => route,
+            table::Resolved::Unresolved { ifindex, next_hop } => {
+                self.request_resolution(ifindex, next_hop);
+                Route::Pending
+            }
+        }
     }
 
     /// The source address masquerade uses towards `dst`: see [`FibSnapshot::source_for`].
@@ -295,13 +352,7 @@ impl FibSnapshot<'_> {
     /// interface. No allocation and no syscall, except that [`Route::Pending`] queues a
     /// resolution request (non-blocking, at most once per 100 ms per next hop and view).
     pub fn route(&self, dst: IpAddr) -> Route {
-        match self.table.resolve(dst) {
-            table::Resolved::Route(route) => route,
-            table::Resolved::Unresolved { ifindex, next_hop } => {
-                self.view.request_resolution(ifindex, next_hop);
-                Route::Pending
-            }
-        }
+        self.view.resolve(&self.table, dst)
     }
 
     /// The preferred source of the route towards `dst`, else an address of the egress

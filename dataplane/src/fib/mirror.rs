@@ -9,7 +9,6 @@ use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
 use futures::channel::mpsc::UnboundedReceiver;
 use futures::{FutureExt, StreamExt};
 use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
@@ -23,7 +22,7 @@ use rtnetlink::{Handle, MulticastGroup};
 use tokio::sync::{Notify, oneshot};
 
 use super::table::FibTable;
-use super::{FibError, FibView, RESOLVE_INTERVAL};
+use super::{FibError, FibView, Published, RESOLVE_INTERVAL};
 
 /// A worker's request to resolve the neighbour `ip` on `ifindex`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,7 +58,7 @@ type Events = UnboundedReceiver<(NetlinkMessage<RouteNetlinkMessage>, SocketAddr
 /// of the thread that calls [`FibMirror::start`]) and publishes them to [`FibView`]s.
 /// Stopping it (or dropping it) ends and joins its thread; views keep the last tables.
 pub struct FibMirror {
-    table: Arc<ArcSwap<FibTable>>,
+    table: Arc<Published>,
     attached: Arc<Mutex<Arc<[u32]>>>,
     published: crossbeam::channel::Receiver<()>,
     requests: crossbeam::channel::Sender<ResolveRequest>,
@@ -106,7 +105,7 @@ impl FibMirror {
     /// [`FibError::Thread`] if the thread or its runtime cannot start, [`FibError::Netlink`]
     /// if the netlink socket cannot be opened, sized or subscribed.
     pub fn start(attached: &[u32]) -> Result<FibMirror, FibError> {
-        let table = Arc::new(ArcSwap::from_pointee(FibTable::new_with_attached(attached)));
+        let table = Arc::new(Published::new(FibTable::new_with_attached(attached)));
         let attached = Arc::new(Mutex::new(Arc::<[u32]>::from(attached)));
         let (published_tx, published) = crossbeam::channel::bounded(1);
         let (requests, requests_rx) = crossbeam::channel::bounded(REQUEST_QUEUE);
@@ -241,7 +240,7 @@ impl fmt::Debug for FibMirror {
 }
 
 struct Context {
-    table: Arc<ArcSwap<FibTable>>,
+    table: Arc<Published>,
     /// The interfaces kxp transmits on, as of now (see [`FibMirror::set_attached`]).
     attached: Arc<Mutex<Arc<[u32]>>>,
     /// Told (without blocking) after every publication.

@@ -285,6 +285,21 @@ fn local_unreachable_and_not_attached() {
     );
 }
 
+/// The attached interfaces are swapped in without a netlink event: a view that has a
+/// route cached sees the change at its next lookup.
+#[test]
+fn attached_interfaces_change_a_cached_route_at_once() {
+    let t = Topo::new("att");
+    let (m, view) = t.start();
+    let n7 = ip("198.18.0.7");
+    assert_eq!(view.route(n7), t.fwd(N7_MAC));
+    assert_eq!(view.route(n7), t.fwd(N7_MAC), "from the cache");
+    m.set_attached(&[]);
+    assert_eq!(view.route(n7), Route::NotAttached { ifindex: t.a0 });
+    m.set_attached(&[t.a0]);
+    assert_eq!(view.route(n7), t.fwd(N7_MAC));
+}
+
 #[test]
 fn source_for_uses_prefsrc_or_the_egress_address() {
     let t = Topo::new("src");

@@ -508,13 +508,11 @@ fn throttle_allows_one_request_per_interval() {
 fn a_view_remembers_routes_until_other_tables_are_published() {
     use std::sync::Arc;
 
-    use arc_swap::ArcSwap;
-
-    use super::FibView;
+    use super::{FibView, Published};
 
     let mut t = base();
     t.apply(&unicast("198.19.0.0/16", Some("198.18.0.7"), ETH0, 0), 0);
-    let tables = Arc::new(ArcSwap::from_pointee(t.clone()));
+    let tables = Arc::new(Published::new(t.clone()));
     let (tx, rx) = crossbeam::channel::unbounded();
     let view = FibView::new(tables.clone(), tx, Arc::new(tokio::sync::Notify::new()));
     let vip = ip("198.19.0.1");
