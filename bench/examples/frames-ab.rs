@@ -97,15 +97,5 @@ fn main() {
         },
         transfer()
     );
-    for (v, name) in times.iter_mut().zip(names) {
-        v.sort_unstable();
-        let q = |f: usize| v[(v.len() - 1) * f / 4];
-        println!(
-            "  {name:17} median {:6} ns per batch ({:.0} ns per packet), quartiles {}-{}",
-            q(2),
-            q(2) as f64 / BATCH as f64,
-            q(1),
-            q(3)
-        );
-    }
+    kxp_bench::print_turns(&mut times, &names, "packet");
 }

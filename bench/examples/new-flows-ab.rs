@@ -47,15 +47,5 @@ fn main() {
         times[way].push(start.elapsed().as_nanos() as u64);
     }
     println!("{batches} batches of 64 new flows into a full table of {cap}, taking turns:");
-    for (v, name) in times.iter_mut().zip(names) {
-        v.sort_unstable();
-        let q = |f: usize| v[(v.len() - 1) * f / 4];
-        println!(
-            "  {name:24} median {:6} ns per batch ({:.0} ns per flow), quartiles {}-{}",
-            q(2),
-            q(2) as f64 / 64.0,
-            q(1),
-            q(3)
-        );
-    }
+    kxp_bench::print_turns(&mut times, &names, "flow");
 }

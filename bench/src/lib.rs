@@ -206,6 +206,27 @@ pub fn line_transfer_ns(cpus: (usize, usize), round_trips: u32) -> Option<f64> {
     ns
 }
 
+/// Prints, for each way of an example that takes turns batch by batch (`times[i]`: the
+/// batch times of `names[i]`, in ns), the median and quartiles, and the median per item
+/// of a batch of 64 (`per`: what an item is).
+pub fn print_turns(times: &mut [Vec<u64>], names: &[&str], per: &str) {
+    let width = names.iter().map(|n| n.len()).max().unwrap_or(0);
+    for (v, name) in times.iter_mut().zip(names) {
+        if v.is_empty() {
+            continue;
+        }
+        v.sort_unstable();
+        let q = |f: usize| v[(v.len() - 1) * f / 4];
+        println!(
+            "  {name:width$} median {:6} ns per batch ({:.0} ns per {per}), quartiles {}-{}",
+            q(2),
+            q(2) as f64 / 64.0,
+            q(1),
+            q(3)
+        );
+    }
+}
+
 /// A small deterministic PRNG for benchmark inputs.
 #[derive(Debug, Clone)]
 pub struct XorShift(pub u64);
