@@ -2074,13 +2074,20 @@ fn reference_rates(results: &[CaseResult], modes: &[Mode]) -> Vec<(Mode, f64)> {
 // ---------------------------------------------------------------------------------------
 // Report.
 
+/// The median: of an even count, the mean of the two middle values (until 2026-12-03 the
+/// upper of them, which favoured whichever case had the bigger lead in a few runs).
 fn median(v: &[f64]) -> Option<f64> {
     if v.is_empty() {
         return None;
     }
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
-    Some(s[s.len() / 2])
+    let mid = s.len() / 2;
+    Some(if s.len().is_multiple_of(2) {
+        (s[mid - 1] + s[mid]) / 2.0
+    } else {
+        s[mid]
+    })
 }
 
 fn mode_of(c: &CaseResult, m: Mode) -> Option<&ModeResult> {
@@ -3001,5 +3008,18 @@ fn main() -> std::process::ExitCode {
             eprintln!("macro-bench: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0]), Some(3.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0]), Some(3.0));
+        assert_eq!(median(&[0.4, 0.9, 0.5, 0.6]), Some(0.55));
     }
 }
