@@ -206,7 +206,7 @@ impl LocalDetector {
                 let mut implemented = false;
                 for net in nets.iter().filter(|n| Family::of_net(n) == family) {
                     implemented = true;
-                    if net.contains(&src) {
+                    if net_contains(net, src) {
                         return Some(true);
                     }
                 }
@@ -217,6 +217,28 @@ impl LocalDetector {
                 Some(in_interface.is_some_and(|i| i.starts_with(p.as_str())))
             }
         }
+    }
+}
+
+/// Whether `ip` is inside `net`: `IpNet::contains` as a mask comparison, without the
+/// network and broadcast addresses it computes for every call (a new connection asks for
+/// each CIDR of the local-traffic detector).
+#[inline]
+pub(crate) fn net_contains(net: &IpNet, ip: IpAddr) -> bool {
+    match (net, ip) {
+        (IpNet::V4(n), IpAddr::V4(a)) => {
+            let mask = u32::MAX
+                .checked_shl(32 - u32::from(n.prefix_len()))
+                .unwrap_or(0);
+            (a.to_bits() ^ n.addr().to_bits()) & mask == 0
+        }
+        (IpNet::V6(n), IpAddr::V6(a)) => {
+            let mask = u128::MAX
+                .checked_shl(128 - u32::from(n.prefix_len()))
+                .unwrap_or(0);
+            (a.to_bits() ^ n.addr().to_bits()) & mask == 0
+        }
+        _ => false,
     }
 }
 
@@ -278,3 +300,59 @@ impl NodeContext {
 
 /// Shared handle to an immutable Service port.
 pub type ServicePortRef = Arc<ServicePort>;
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use ipnet::IpNet;
+
+    use super::net_contains;
+
+    #[test]
+    fn a_mask_comparison_says_what_ipnet_contains_says() {
+        let nets: Vec<IpNet> = [
+            "0.0.0.0/0",
+            "10.0.0.0/8",
+            "10.244.3.0/24",
+            "10.244.3.7/32",
+            "10.244.3.7/24",
+            "198.18.0.0/15",
+            "::/0",
+            "fd00::/8",
+            "2001:db8:1::/48",
+            "2001:db8::7/128",
+            "2001:db8::7/64",
+        ]
+        .iter()
+        .map(|n| n.parse().expect("a CIDR"))
+        .collect();
+        let ips: Vec<IpAddr> = [
+            "0.0.0.0",
+            "10.0.0.1",
+            "10.244.3.7",
+            "10.244.3.8",
+            "10.244.4.1",
+            "11.0.0.0",
+            "198.18.255.255",
+            "198.20.0.0",
+            "255.255.255.255",
+            "::",
+            "::ffff:10.0.0.1",
+            "fd12::1",
+            "2001:db8:1:ffff::1",
+            "2001:db8::7",
+            "2001:db8::8",
+            "2001:db8:0:1::7",
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        ]
+        .iter()
+        .map(|a| a.parse().expect("an address"))
+        .collect();
+        for net in &nets {
+            for ip in &ips {
+                assert_eq!(net_contains(net, *ip), net.contains(ip), "{net} {ip}");
+            }
+        }
+    }
+}
