@@ -2567,14 +2567,14 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         "{log}"
     );
     // Each interface says which AF_XDP mode it got (copy, on veths: no zero-copy there)
-    // and how many frames one sendto() transmits: the 2,048-entry TX ring where the
+    // and how many frames one sendto() transmits: the 4,096-entry TX ring where the
     // kernel takes the budget (Linux 6.17), else the kernel's 32.
     let attached: Vec<&str> = log.lines().filter(|l| l.contains(" attached")).collect();
     assert!(!attached.is_empty(), "{log}");
     for l in attached {
         assert!(l.contains("mode=\"copy\""), "{l}");
         assert!(
-            l.contains("tx_per_sendto=2048") || l.contains("tx_per_sendto=32"),
+            l.contains("tx_per_sendto=4096") || l.contains("tx_per_sendto=32"),
             "{l}"
         );
     }
