@@ -136,9 +136,10 @@ pub mod flows {
 
 /// How long a cache line written on one CPU takes to reach another: two threads pinned
 /// to `cpus` pass a counter back and forth `round_trips` times (at least 100); the
-/// result is the median one-way time (ns) of chunks of 100 round trips. On this VM it is the measure of where the hypervisor put the two
-/// vCPUs at the moment, which it changes now and then: near each other (a shared
-/// cache, ~30-60 ns) or far (~100-200 ns), and in copy-mode AF_XDP every received frame
+/// result is the median one-way time (ns) of chunks of 100 round trips. On a VM it tells
+/// where the hypervisor has the two vCPUs at the moment, which it changes now and then:
+/// the two threads of one core (a shared cache, ~15 ns on the 2-core VM of this
+/// project) or two cores (55-130 ns there); in copy-mode AF_XDP every received frame
 /// crosses from the receiving interface's CPU to the worker's. `None` if a thread
 /// cannot be pinned or a pass takes over a second (the other CPU was not given time).
 pub fn line_transfer_ns(cpus: (usize, usize), round_trips: u32) -> Option<f64> {

@@ -1572,7 +1572,7 @@ const LINE_ROUND_TRIPS: u32 = 20_000;
 
 /// Below this, a line moves between CPU0 and CPU1 within one core's caches: the two
 /// vCPUs were on the two threads of one physical core (~15 ns here), sharing its
-/// execution units; above, on two cores (65-200 ns).
+/// execution units; above, on two cores (55-130 ns here).
 const SAME_CORE_NS: f64 = 40.0;
 
 fn line_ns() -> Option<f64> {
@@ -1739,7 +1739,9 @@ fn run_once(
 ) -> anyhow::Result<(RunResult, Option<Latency>)> {
     let Probed { probe, rate } = probed;
     wait_quiet(lab, plan, ours)?;
-    let line_before = line_ns();
+    // The placement is kept for the rate runs (the latency phases report none).
+    let placed = !probe;
+    let line_before = if placed { line_ns() } else { None };
     // Many established flows: the first pass through them is new connections; the
     // window starts once every flow exists (at 0.25 Mpps, a conservative pace).
     let flows = lab.scale.lock().unwrap_or_else(|e| e.into_inner()).1;
@@ -1779,7 +1781,7 @@ fn run_once(
     let offered = trafgen_rate(&tg.log_text());
     // Let the queues drain before the next run.
     lab.stop.sleep(Duration::from_millis(300))?;
-    let line_after = line_ns();
+    let line_after = if placed { line_ns() } else { None };
     let pps = c1.saturating_sub(c0) as f64 / (t1 - t0).as_secs_f64();
     Ok((
         RunResult {
@@ -2112,9 +2114,9 @@ fn placement(r: &RunResult) -> Placement {
     }
 }
 
-/// Each case's median rate per mode over the runs of each vCPU placement: on this VM
-/// the placement changes now and then, and moves the rates of every router by a third,
-/// so two binaries are best compared on the runs of one placement.
+/// Each case's median rate per mode over the runs of each vCPU placement: on a VM the
+/// placement changes now and then, and two binaries compared on runs of different
+/// placements may differ by it.
 fn print_placement(results: &[CaseResult], modes: &[Mode]) {
     let runs = results
         .iter()
