@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use conntrack::ConnTable;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use dataplane::sys::prefetch;
 use kxp_bench::XorShift;
 use kxp_bench::flows::{SYN, flow, holding};
 use nat::tuple::Tuple;
@@ -61,7 +62,7 @@ fn conntrack(c: &mut Criterion) {
                     k = (k + 64) & 65_535;
                     let batch = &keys[k..k + 64];
                     if warmed {
-                        t.warm(batch);
+                        t.warm(batch, prefetch);
                     }
                     let mut found = 0u32;
                     for key in batch {
@@ -94,11 +95,11 @@ fn conntrack(c: &mut Criterion) {
                         next = next.wrapping_add(64);
                         if warmed {
                             let keys: [Tuple; 64] = std::array::from_fn(|j| batch[j].0);
-                            full.warm(&keys);
+                            full.warm(&keys, prefetch);
                         }
                         if replies {
                             let keys: [Tuple; 64] = std::array::from_fn(|j| batch[j].1);
-                            full.warm_tuples(&keys);
+                            full.warm_tuples(&keys, prefetch);
                         }
                         let mut made = 0u32;
                         for (o, r) in &batch {

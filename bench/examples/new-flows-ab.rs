@@ -1,9 +1,10 @@
 //! Batches of 64 new connections into a full table of kxp's default size per worker
 //! (262,144 unanswered flows: each new one evicts the oldest), as the macro benchmark's
 //! new-connection mode does, three ways taking turns batch by batch: the keys looked up
-//! and inserted as they come, with the batch's keys warmed first (`ConnTable::warm`), and
-//! with the reply tuples warmed as well (`ConnTable::warm_tuples`, as a worker does once
-//! its new flows' endpoints are chosen). Taking turns puts this VM's drift on all three
+//! and inserted as they come, with the batch's keys warmed first (`ConnTable::warm`, its
+//! lines prefetched with `dataplane::sys::prefetch` as a worker does), and with the reply
+//! tuples warmed as well (`ConnTable::warm_tuples`, as a worker does once its new flows'
+//! endpoints are chosen). Taking turns puts this VM's drift on all three
 //! alike, which criterion's one-after-the-other runs do not.
 //!
 //! `cargo run --release -p kxp-bench --example new-flows-ab [BATCHES]`
@@ -11,6 +12,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use dataplane::sys::prefetch;
 use kxp_bench::flows::{SYN, flow, holding};
 use nat::tuple::Tuple;
 
@@ -32,10 +34,10 @@ fn main() {
         let replies: [Tuple; 64] = std::array::from_fn(|j| batch[j].1);
         let start = Instant::now();
         if way >= 1 {
-            black_box(t.warm(&keys));
+            black_box(t.warm(&keys, prefetch));
         }
         if way == 2 {
-            t.warm_tuples(&replies);
+            t.warm_tuples(&replies, prefetch);
         }
         let mut made = 0u32;
         for (o, r) in &batch {

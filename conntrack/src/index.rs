@@ -93,11 +93,11 @@ impl FlowIndex {
         None
     }
 
-    /// Reads `hash`'s home bucket, to have its line in the cache for a lookup soon (see
-    /// [`crate::ConnTable::warm`]); its first tag, for the caller to keep the read alive.
+    /// Where `hash`'s home bucket is (its one line), for a prefetch (see
+    /// [`crate::ConnTable::warm`]).
     #[inline]
-    pub(crate) fn touch(&self, hash: u64) -> u16 {
-        self.buckets[hash as usize & self.mask()].tags[0]
+    pub(crate) fn home(&self, hash: u64) -> *const u8 {
+        (&raw const self.buckets[hash as usize & self.mask()]).cast()
     }
 
     /// The first value in `hash`'s home bucket whose tag matches: a candidate, its key not

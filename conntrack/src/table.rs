@@ -14,7 +14,7 @@
 //! peers, and a fixed hash would let them aim for one bucket chain.
 
 use std::hash::BuildHasher;
-use std::mem::size_of;
+use std::mem::{align_of, size_of};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -172,8 +172,8 @@ pub struct Counts {
 }
 
 // Two 40-byte tuples, 32 bytes of state and 16 of counters: two cache lines, kept so
-// (bytes per entry is benchmarked).
-const _: () = assert!(size_of::<Entry>() <= 128);
+// (bytes per entry is benchmarked), and aligned to them (`Entry` is `align(64)`).
+const _: () = assert!(size_of::<Entry>() == 128 && align_of::<Entry>() == 64);
 
 const fn pack(slot: usize, dir: Direction) -> u32 {
     ((slot as u32) << 1) | dir as u32
@@ -367,34 +367,42 @@ impl ConnTable {
         hash_tuple(&self.hasher, t)
     }
 
-    /// Brings the index buckets and the entries the flows of `keys` would be found at
-    /// into the cache, for a batch of packets about to be looked up one by one. In a
-    /// table much larger than the cache (a million flows: 100+ MiB) each lookup misses
-    /// twice, the index bucket and then the entry, and one packet's lookup waits for
-    /// its misses; here the reads of the whole batch are independent of one another, so
-    /// the processor has many misses in flight at once. First every key's bucket, then
-    /// the entry of each bucket's first candidate. In a full table, a key with no
-    /// candidate is most likely a new flow, which will evict the oldest unassured flow
-    /// ([`ConnTable::insert`]): as many of those, from the oldest on, have the buckets of
-    /// their two tuples read as well (the removal's misses). Changes nothing; at most the
-    /// first [`ConnTable::WARM_BATCH`] keys are read.
+    /// Has the index buckets and the entries the flows of `keys` would be found at
+    /// brought into the cache, for a batch of packets about to be looked up one by one.
+    /// In a table much larger than the cache (a million flows: 100+ MiB) each lookup
+    /// misses twice, the index bucket and then the entry, and one packet's lookup waits
+    /// for its misses; here the whole batch's lines are asked for together. `prefetch` is
+    /// handed the address of each line: the dataplane's prefetch instruction (conntrack
+    /// does no I/O and has no `unsafe`), which, unlike a read, does not hold the
+    /// processor up until the line arrives, so the misses overlap with one another and
+    /// with the work that follows.
+    ///
+    /// First every key's home bucket; then, reading those buckets (the first read waits
+    /// for its line, the others are on their way), the two lines of each bucket's first
+    /// candidate entry. In a full table, a key with no candidate is most likely a new
+    /// flow, which will evict the oldest unassured flow ([`ConnTable::insert`]): as many
+    /// of those, from the oldest on, have the buckets of their two tuples asked for as
+    /// well (the removal's misses; their entries are read, the unassured list being a
+    /// chain). Changes nothing; at most the first [`ConnTable::WARM_BATCH`] keys are
+    /// looked at.
     ///
     /// Returns which keys had no candidate (bit `i` for `keys[i]`): most likely new
     /// flows, whose reply tuples the caller may know ahead ([`ConnTable::warm_tuples`]).
-    pub fn warm(&self, keys: &[Tuple]) -> u64 {
+    pub fn warm(&self, keys: &[Tuple], prefetch: impl Fn(*const u8)) -> u64 {
         let mut hashes = [0u64; Self::WARM_BATCH];
         let n = keys.len().min(Self::WARM_BATCH);
-        let mut seen = 0u64;
         for (h, k) in hashes.iter_mut().zip(&keys[..n]) {
             *h = self.hash(k);
-            seen = seen.wrapping_add(u64::from(self.index.touch(*h)));
+            prefetch(self.index.home(*h));
         }
         let mut fresh = 0u64;
         for (i, &h) in hashes[..n].iter().enumerate() {
             match self.index.candidate(h).map(unpack) {
-                Some((slot, dir)) => {
+                Some((slot, _)) => {
                     if let Some(e) = self.slots.get(slot) {
-                        seen = seen.wrapping_add(u64::from(e.tuple(dir).sport));
+                        let line: *const u8 = (&raw const *e).cast();
+                        prefetch(line);
+                        prefetch(line.wrapping_add(64));
                     }
                 }
                 None => fresh |= 1 << i,
@@ -408,27 +416,23 @@ impl ConnTable {
                     break;
                 };
                 for t in [&e.orig, &e.reply] {
-                    seen = seen.wrapping_add(u64::from(self.index.touch(self.hash(t))));
+                    prefetch(self.index.home(self.hash(t)));
                 }
                 victim = e.next;
             }
         }
-        // The reads are what is wanted, not the sum: keep the compiler from dropping them.
-        std::hint::black_box(seen);
         fresh
     }
 
-    /// Brings into the cache the index buckets `tuples` would be found at: for the reply
-    /// tuples of a batch's new flows, known once their endpoints are chosen and before
-    /// they are inserted (an insert looks both tuples up, and in a large table the reply's
-    /// bucket is a miss). The reads of the whole batch are independent of one another, so
-    /// their misses overlap. Changes nothing; at most [`ConnTable::WARM_BATCH`] tuples.
-    pub fn warm_tuples(&self, tuples: &[Tuple]) {
-        let mut seen = 0u64;
+    /// Has the index buckets `tuples` would be found at brought into the cache
+    /// (`prefetch`, as for [`ConnTable::warm`]): for the reply tuples of a batch's new
+    /// flows, known once their endpoints are chosen and before they are inserted (an
+    /// insert looks both tuples up, and in a large table the reply's bucket is a miss).
+    /// Changes nothing; at most [`ConnTable::WARM_BATCH`] tuples.
+    pub fn warm_tuples(&self, tuples: &[Tuple], prefetch: impl Fn(*const u8)) {
         for t in tuples.iter().take(Self::WARM_BATCH) {
-            seen = seen.wrapping_add(u64::from(self.index.touch(self.hash(t))));
+            prefetch(self.index.home(self.hash(t)));
         }
-        std::hint::black_box(seen);
     }
 
     /// The most keys [`ConnTable::warm`] reads for.

@@ -67,21 +67,22 @@ pub fn kick_rx(fd: RawFd) {
     }
 }
 
-/// Asks the processor to bring the cache line holding `byte` into its caches, without
-/// waiting for it: a hint, which neither reads `byte` as the program sees it nor faults.
+/// Asks the processor to bring the cache line holding `line` into its caches, without
+/// waiting for it: a hint, which neither reads memory as the program sees it nor faults,
+/// whatever the address (so a raw pointer, as [`conntrack::ConnTable::warm`] hands out).
 #[inline]
-pub fn prefetch(byte: &u8) {
+pub fn prefetch(line: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `_mm_prefetch` is `unsafe` only for its `#[target_feature(enable = "sse")]`,
     // which every x86_64 processor has (SSE is part of the architecture's baseline). A
     // prefetch is a hint: it does not access memory architecturally and never faults,
-    // whatever the address; here it is a live reference's anyway.
+    // whatever the address, dangling or null included.
     unsafe {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>((byte as *const u8).cast());
+        _mm_prefetch::<_MM_HINT_T0>(line.cast());
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = byte;
+    let _ = line;
 }
 
 /// Pins the calling thread to one CPU.

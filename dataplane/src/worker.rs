@@ -838,7 +838,7 @@ impl<'id> Worker<'id> {
             }
             parsed.push(fl.map(|flow| Warmed { flow, random: None }));
         }
-        let mut fresh = self.engine.table.warm(keys);
+        let mut fresh = self.engine.table.warm(keys, crate::sys::prefetch);
         if fresh == 0 {
             return;
         }
@@ -857,7 +857,7 @@ impl<'id> Worker<'id> {
                 break;
             }
         }
-        self.engine.table.warm_tuples(replies);
+        self.engine.table.warm_tuples(replies, crate::sys::prefetch);
     }
 
     #[allow(clippy::too_many_arguments)]

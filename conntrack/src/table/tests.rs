@@ -723,9 +723,9 @@ fn warming_a_batch_changes_nothing() {
         keys.push(o);
         keys.push(r);
     }
-    t.warm(&keys);
-    t.warm(&keys[..ConnTable::WARM_BATCH - 1]);
-    t.warm(&[]);
+    t.warm(&keys, |_| {});
+    t.warm(&keys[..ConnTable::WARM_BATCH - 1], |_| {});
+    t.warm(&[], |_| {});
     assert_eq!(*t.stats(), stats);
     assert_eq!(t.len(), 200);
     for (cport, packets, expires) in before {
@@ -749,7 +749,7 @@ fn warming_a_full_table_changes_nothing() {
     let stats = *t.stats();
     let head = t.unassured_head;
     let fresh: Vec<Tuple> = (2000..2100).map(|p| flow(Protocol::Udp, p).0).collect();
-    t.warm(&fresh);
+    t.warm(&fresh, |_| {});
     assert_eq!((*t.stats(), t.unassured_head, t.len()), (stats, head, 16));
     check(&t);
     let (o, r) = flow(Protocol::Udp, 2000);
@@ -760,6 +760,73 @@ fn warming_a_full_table_changes_nothing() {
     );
     assert!(t.get(&flow(Protocol::Udp, 1001).0, 2 * S).is_some());
     check(&t);
+}
+
+/// The addresses warming hands out, and whether each lies in the table's memory.
+fn warmed_lines(t: &ConnTable, keys: &[Tuple], replies: &[Tuple]) -> (u64, Vec<usize>) {
+    let lines = std::cell::RefCell::new(Vec::new());
+    let fresh = t.warm(keys, |p| lines.borrow_mut().push(p as usize));
+    t.warm_tuples(replies, |p| lines.borrow_mut().push(p as usize));
+    let lines = lines.into_inner();
+    for &p in &lines {
+        assert!(
+            t.regions()
+                .iter()
+                .any(|&(at, len)| (at..at + len).contains(&p)),
+            "{p:#x} is outside the table's memory {:x?}",
+            t.regions()
+        );
+    }
+    (fresh, lines)
+}
+
+/// Warming asks for the lines the batch's lookups will read: a bucket per key, both
+/// lines of each tracked flow's entry (an entry is two lines, line-aligned), a bucket per
+/// reply tuple; in a full table, the two buckets of each flow the new ones would evict.
+#[test]
+fn warming_asks_for_the_lines_lookups_read() {
+    assert_eq!(ConnTable::ENTRY_SIZE, 128);
+    let mut t = table(512);
+    for cport in 40000..40032 {
+        establish(&mut t, cport, S);
+    }
+    let keys: Vec<Tuple> = (0..32)
+        .flat_map(|i| {
+            [
+                flow(Protocol::Tcp, 40000 + i).0,
+                flow(Protocol::Tcp, 50000 + i).0,
+            ]
+        })
+        .collect();
+    let replies: Vec<Tuple> = (0..10).map(|i| flow(Protocol::Tcp, 50000 + i).1).collect();
+    let (fresh, lines) = warmed_lines(&t, &keys, &replies);
+    let new = fresh.count_ones() as usize;
+    assert!(new >= 31, "{new}");
+    // A bucket per key and per reply, two lines per candidate (an untracked key's tag
+    // may match one in its bucket: then it is a candidate too).
+    assert_eq!(lines.len(), 64 + 2 * (64 - new) + 10);
+    for cport in 40000..40032 {
+        let at = std::ptr::from_ref(t.get(&flow(Protocol::Tcp, cport).0, S).unwrap().1) as usize;
+        assert_eq!(at % 64, 0, "entries are line-aligned");
+        assert!(lines.contains(&at) && lines.contains(&(at + 64)), "{cport}");
+    }
+
+    // Full of unassured flows: each new key's victim has its two buckets asked for, as
+    // many victims as new keys (here more new keys than flows: each flow once).
+    let mut t = table(16);
+    for cport in 1000..1016 {
+        let (o, r) = flow(Protocol::Udp, cport);
+        t.insert(o, r, 0, 0, S).unwrap();
+    }
+    let keys: Vec<Tuple> = (2000..2100).map(|p| flow(Protocol::Udp, p).0).collect();
+    let (fresh, lines) = warmed_lines(&t, &keys, &[]);
+    let new = fresh.count_ones() as usize;
+    assert_eq!(lines.len(), 64 + 2 * (64 - new) + 2 * new.min(16));
+    let (fresh, lines) = warmed_lines(&t, &keys[..3], &[]);
+    assert_eq!(
+        lines.len(),
+        3 + 2 * (3 - fresh.count_ones() as usize) + 2 * fresh.count_ones() as usize
+    );
 }
 
 /// Warming tells which keys of a batch have no candidate in their home bucket (most
@@ -780,7 +847,7 @@ fn warming_flags_the_keys_with_no_candidate() {
             ]
         })
         .collect();
-    let fresh = t.warm(&keys);
+    let fresh = t.warm(&keys, |_| {});
     let tracked = (0..32).filter(|i| fresh >> (2 * i) & 1 == 1).count();
     let untracked = (0..32).filter(|i| fresh >> (2 * i + 1) & 1 == 1).count();
     // A 16-bit tag of an untracked key may match one in its bucket (the hasher's seed is
@@ -792,11 +859,11 @@ fn warming_flags_the_keys_with_no_candidate() {
     );
     // Keys past what warming reads are not flagged.
     let many: Vec<Tuple> = (0..100).map(|i| flow(Protocol::Tcp, 50000 + i).0).collect();
-    assert!(t.warm(&many).count_ones() <= 64);
-    assert_eq!(t.warm(&[]), 0);
+    assert!(t.warm(&many, |_| {}).count_ones() <= 64);
+    assert_eq!(t.warm(&[], |_| {}), 0);
     let replies: Vec<Tuple> = (0..100).map(|i| flow(Protocol::Tcp, 50000 + i).1).collect();
-    t.warm_tuples(&replies);
-    t.warm_tuples(&[]);
+    t.warm_tuples(&replies, |_| {});
+    t.warm_tuples(&[], |_| {});
     assert_eq!((*t.stats(), t.len()), (stats, 32));
     check(&t);
 }
