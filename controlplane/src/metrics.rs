@@ -45,6 +45,8 @@ pub struct DataplaneCounters {
     pub snapshot_age_secs: f64,
     /// Busy ratio (0..=1) per worker, indexed by worker.
     pub busy_ratio: Vec<f64>,
+    /// Stalls per worker (cumulative), indexed by worker.
+    pub stalls: Vec<dataplane::worker::Stalls>,
 }
 
 /// Turns dataplane totals into counter increments: a counter only goes up, by the
@@ -102,6 +104,9 @@ pub struct Metrics {
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
+    stalls: Family<Labels, Counter>,
+    stall_seconds: Family<Labels, Counter<f64, AtomicU64>>,
+    longest_stall: Family<Labels, F64Gauge>,
     xdp: Family<Labels, Counter>,
     xsk_drops: Family<Labels, Counter>,
     api_events: Family<Labels, Counter>,
@@ -194,6 +199,9 @@ impl Metrics {
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
+            stalls: Family::default(),
+            stall_seconds: Family::default(),
+            longest_stall: Family::default(),
             xdp: Family::default(),
             xsk_drops: Family::default(),
             api_events: Family::default(),
@@ -407,6 +415,21 @@ impl Metrics {
                 "Fraction of time each worker spent processing packets",
                 m.busy.clone(),
             );
+            kxp.register(
+                "worker_stalls",
+                "Gaps of a millisecond or more between two rounds of a worker's polling loop with no sleep between them: its CPU was taken (another task or kernel thread, the hypervisor) or a round of its own ran long; what arrived meanwhile waited in the rings, or was dropped when they filled (kxp_xsk_rx_drops_total). Give the workers' CPUs to kxp alone (isolcpus, a cpuset) if these come with drops",
+                m.stalls.clone(),
+            );
+            kxp.register(
+                "worker_stall_seconds",
+                "Total length of the worker_stalls",
+                m.stall_seconds.clone(),
+            );
+            kxp.register(
+                "worker_longest_stall_seconds",
+                "The longest of the worker_stalls since kxp started",
+                m.longest_stall.clone(),
+            );
         }
         Metrics { registry, ..m }
     }
@@ -600,6 +623,25 @@ impl Metrics {
             self.busy
                 .get_or_create(&label("worker", &i.to_string()))
                 .set(*r);
+        }
+        for (i, s) in c.stalls.iter().enumerate() {
+            let w = label("worker", &i.to_string());
+            t.advance(
+                &format!("stalls/{i}"),
+                s.count,
+                &self.stalls.get_or_create(&w),
+            );
+            let key = format!("stall_ns/{i}");
+            let last = t.last.entry(key).or_insert(0);
+            if s.total_ns > *last {
+                self.stall_seconds
+                    .get_or_create(&w)
+                    .inc_by((s.total_ns - *last) as f64 / 1e9);
+            }
+            *last = s.total_ns;
+            self.longest_stall
+                .get_or_create(&w)
+                .set(s.longest_ns as f64 / 1e9);
         }
     }
 
@@ -961,6 +1003,14 @@ mod tests {
             generation: 4,
             snapshot_age_secs: 1.5,
             busy_ratio: vec![0.25, 0.5],
+            stalls: vec![
+                dataplane::worker::Stalls::default(),
+                dataplane::worker::Stalls {
+                    count: 3,
+                    total_ns: 45_000_000,
+                    longest_ns: 30_000_000,
+                },
+            ],
             ..Default::default()
         };
         m.update_dataplane(&c);
@@ -977,6 +1027,16 @@ mod tests {
         assert_eq!(get(&t, "kxp_snapshot_generation"), 4.0);
         assert_eq!(get(&t, "kxp_snapshot_age_seconds"), 1.5);
         assert_eq!(get(&t, "kxp_worker_busy_ratio{worker=\"1\"}"), 0.5);
+        assert_eq!(get(&t, "kxp_worker_stalls_total{worker=\"1\"}"), 3.0);
+        assert_eq!(get(&t, "kxp_worker_stalls_total{worker=\"0\"}"), 0.0);
+        assert_eq!(
+            get(&t, "kxp_worker_stall_seconds_total{worker=\"1\"}"),
+            0.045
+        );
+        assert_eq!(
+            get(&t, "kxp_worker_longest_stall_seconds{worker=\"1\"}"),
+            0.03
+        );
 
         c.forwarded = 15;
         c.conntrack_entries = 3;

@@ -521,6 +521,7 @@ fn update_metrics(m: &crate::metrics::Metrics, dp: &Dataplane, last_sync: Instan
         generation: t.generation,
         snapshot_age_secs: last_sync.elapsed().as_secs_f64(),
         busy_ratio: t.busy_ratio,
+        stalls: t.stalls,
     });
 }
 
@@ -835,8 +836,23 @@ fn totals_line(dp: &Dataplane) -> String {
             )
         })
         .collect();
+    // Gaps of over a millisecond in a worker's polling (its CPU taken by another task,
+    // or a long round of its own): what arrived meanwhile waited in the rings.
+    let stalls: Vec<String> = t
+        .stalls
+        .iter()
+        .enumerate()
+        .map(|(w, s)| {
+            format!(
+                "worker{w}:{} ({:.1} ms, longest {:.1} ms)",
+                s.count,
+                s.total_ns as f64 / 1e6,
+                s.longest_ns as f64 / 1e6
+            )
+        })
+        .collect();
     format!(
-        "totals: rx {} tx {} forwarded {} new_flows {} rejected {} dropped {} [{}] handoffs {} conntrack {} neighbour_pending {} no_route {} xsk_drops [{}]",
+        "totals: rx {} tx {} forwarded {} new_flows {} rejected {} dropped {} [{}] handoffs {} conntrack {} neighbour_pending {} no_route {} xsk_drops [{}] stalls [{}]",
         t.rx_packets,
         t.tx_packets,
         t.forwarded,
@@ -848,7 +864,8 @@ fn totals_line(dp: &Dataplane) -> String {
         t.conntrack_entries,
         t.neighbour_pending,
         t.no_route,
-        xsk.join(" ")
+        xsk.join(" "),
+        stalls.join(" ")
     )
 }
 

@@ -457,6 +457,8 @@ pub struct Totals {
     pub conntrack_evictions: u64,
     /// Share of each worker's loop iterations that found work.
     pub busy_ratio: Vec<f64>,
+    /// Each worker's stalls (its CPU taken, or a round of its own running long).
+    pub stalls: Vec<crate::worker::Stalls>,
     /// Lowest snapshot generation a worker runs.
     pub generation: u64,
     pub rx_packets: u64,
@@ -927,6 +929,11 @@ impl Dataplane {
                 0.0
             } else {
                 g(&s.busy_iterations) as f64 / it as f64
+            });
+            t.stalls.push(crate::worker::Stalls {
+                count: g(&s.stalls),
+                total_ns: g(&s.stalled_ns),
+                longest_ns: g(&s.longest_stall_ns),
             });
             let gen_ = g(&s.snapshot_generation);
             t.generation = if t.generation == 0 {

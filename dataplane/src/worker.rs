@@ -200,6 +200,10 @@ pub struct WorkerStats {
     pub conntrack_inserts: AtomicU64,
     pub busy_iterations: AtomicU64,
     pub iterations: AtomicU64,
+    /// [`Stalls`] of the loop.
+    pub stalls: AtomicU64,
+    pub stalled_ns: AtomicU64,
+    pub longest_stall_ns: AtomicU64,
     pub snapshot_generation: AtomicU64,
     /// Drops by engine cause, `label=count` lines, refreshed every few batches.
     pub drop_detail: std::sync::Mutex<Vec<(&'static str, u64)>>,
@@ -371,6 +375,35 @@ struct Local {
     too_big_icmp: u64,
     too_big_dropped: u64,
     to_kernel: u64,
+    stalls: Stalls,
+}
+
+/// Gaps between two rounds of a worker's loop that did not sleep in between, longer than
+/// [`Stalls::MIN_NS`]: the worker's CPU was taken (another task, a kernel thread, the
+/// hypervisor) or one of its own rounds ran long, and what arrived meanwhile waited in
+/// the rings, or was dropped once they were full.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Stalls {
+    /// How many.
+    pub count: u64,
+    /// Their total length.
+    pub total_ns: u64,
+    /// The longest.
+    pub longest_ns: u64,
+}
+
+impl Stalls {
+    /// Shorter gaps are a round's work: a batch of 64 takes tens of microseconds.
+    pub const MIN_NS: u64 = 1_000_000;
+
+    /// One gap between two rounds' starts.
+    pub fn note(&mut self, gap_ns: u64) {
+        if gap_ns >= Self::MIN_NS {
+            self.count += 1;
+            self.total_ns += gap_ns;
+            self.longest_ns = self.longest_ns.max(gap_ns);
+        }
+    }
 }
 
 struct FibSource<'a>(&'a FibView);
@@ -443,6 +476,9 @@ impl<'id> Worker<'id> {
         let mut busy: u64 = 0;
         let workers = self.shared.stats.len();
         let mut generation = 0;
+        // The previous round ended in a sleep (no traffic): the gap to this one is not a
+        // stall.
+        let mut slept = true;
         while !self.shared.stop.load(Ordering::Relaxed) {
             let snap = self.shared.snapshot.load();
             if snap.generation != generation {
@@ -466,6 +502,10 @@ impl<'id> Worker<'id> {
             }
             let now = crate::sys::monotonic_ns();
             self.now = now;
+            if !slept {
+                self.local.stalls.note(now.saturating_sub(prev_start));
+            }
+            slept = false;
             if prev_work > 0 {
                 busy_ns += now.saturating_sub(prev_start);
                 busy_packets += prev_work as u64;
@@ -573,6 +613,7 @@ impl<'id> Worker<'id> {
                         1 // a neighbour being resolved: look again soon
                     };
                     crate::sys::poll_readable(&fds, ms);
+                    slept = true;
                 } else {
                     std::hint::spin_loop();
                 }
@@ -654,6 +695,10 @@ impl<'id> Worker<'id> {
         s.conntrack_inserts.store(st.inserts, Ordering::Relaxed);
         s.iterations.store(iterations, Ordering::Relaxed);
         s.busy_iterations.store(busy, Ordering::Relaxed);
+        s.stalls.store(l.stalls.count, Ordering::Relaxed);
+        s.stalled_ns.store(l.stalls.total_ns, Ordering::Relaxed);
+        s.longest_stall_ns
+            .store(l.stalls.longest_ns, Ordering::Relaxed);
         if generation != 0 {
             s.snapshot_generation.store(generation, Ordering::Relaxed);
         }
@@ -1298,7 +1343,27 @@ fn keeps_up(ns: u64, packets: u64, rounds: u64, wall_ns: u64) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::keeps_up;
+    use super::{Stalls, keeps_up};
+
+    #[test]
+    fn stalls_are_gaps_of_a_millisecond_or_more() {
+        let mut s = Stalls::default();
+        for gap in [0, 50_000, 999_999] {
+            s.note(gap);
+        }
+        assert_eq!(s, Stalls::default(), "a round's work is not a stall");
+        for gap in [1_000_000, 30_000_000, 2_000_000, 10] {
+            s.note(gap);
+        }
+        assert_eq!(
+            s,
+            Stalls {
+                count: 3,
+                total_ns: 33_000_000,
+                longest_ns: 30_000_000
+            }
+        );
+    }
 
     #[test]
     fn a_worker_keeps_up_with_small_batches_and_time_to_spare() {
