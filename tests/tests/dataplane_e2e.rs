@@ -80,6 +80,8 @@ struct Opts<'a> {
     /// capabilities (`setpriv` bounding set, as the container runtime or systemd's
     /// `CapabilityBoundingSet` grants them), `/proc/sys` read-only.
     capabilities: Option<Vec<String>>,
+    /// More arguments for `kxp run`.
+    kxp_args: &'a [&'a str],
 }
 
 impl Default for Opts<'_> {
@@ -99,6 +101,7 @@ impl Default for Opts<'_> {
             mtu: None,
             kube_proxy_args: None,
             capabilities: None,
+            kxp_args: &[],
         }
     }
 }
@@ -178,6 +181,7 @@ impl Lab {
                 .flat_map(|i| ["--interface".to_string(), i.to_string()])
                 .collect();
         }
+        args.extend(o.kxp_args.iter().map(|a| a.to_string()));
         let stop = Arc::new(AtomicBool::new(false));
         let names = ["web-1", "web-2", "web-3"];
         let servers = backends
@@ -2218,6 +2222,52 @@ fn stall_around(rtts: &[(Instant, Duration)], from: Instant, to: Instant) -> Dur
         }
     }
     worst
+}
+
+/// A worker kept from its CPU while it polls counts a stall: kxp stopped for 300 ms
+/// (SIGSTOP, SIGCONT) right after traffic, while its worker still polls (`--idle-spin`: two
+/// seconds after the last packet), shows a stall of at least that long in its metrics and
+/// its totals line, and carries traffic as before.
+#[test]
+fn a_worker_kept_from_its_cpu_counts_a_stall() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe35",
+        kxp_args: &["--idle-spin", "2000000"],
+        ..Default::default()
+    });
+    let (_, _, failed) = lab.http_spread(vip(80), 3);
+    assert_eq!(failed, 0, "{}", lab.log());
+    let pid = lab.kxp.as_ref().unwrap().child.id().to_string();
+    let stop = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let cont = std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap();
+    assert!(stop.success() && cont.success());
+    // The metrics are refreshed every second.
+    std::thread::sleep(Duration::from_millis(1500));
+    let m = node_http(&lab, 10249, "/metrics");
+    let sample = |name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
+    };
+    let longest = sample("kxp_worker_longest_stall_seconds{worker=\"0\"}");
+    assert!((0.29..30.0).contains(&longest), "{longest}\n{m}");
+    assert!(sample("kxp_worker_stalls_total{worker=\"0\"}") >= 1.0);
+    assert!(sample("kxp_worker_stall_seconds_total{worker=\"0\"}") >= longest);
+    let (_, _, failed) = lab.http_spread(vip(80), 3);
+    assert_eq!(failed, 0, "{}", lab.log());
+    assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
+    let log = lab.log();
+    let totals = log.lines().find(|l| l.contains("totals:")).unwrap_or("");
+    assert!(totals.contains("stalls [worker0:"), "{totals}");
 }
 
 #[test]
