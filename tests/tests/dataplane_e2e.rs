@@ -2248,18 +2248,9 @@ fn a_worker_kept_from_its_cpu_counts_a_stall() {
         .status()
         .unwrap();
     assert!(stop.success() && cont.success());
-    // The metrics are refreshed every second.
-    std::thread::sleep(Duration::from_millis(1500));
-    let m = node_http(&lab, 10249, "/metrics");
-    let sample = |name: &str| -> f64 {
-        m.lines()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
-    };
+    let sample = fresh_metrics(&lab);
     let longest = sample("kxp_worker_longest_stall_seconds{worker=\"0\"}");
-    assert!((0.29..30.0).contains(&longest), "{longest}\n{m}");
+    assert!((0.29..30.0).contains(&longest), "{longest}");
     assert!(sample("kxp_worker_stalls_total{worker=\"0\"}") >= 1.0);
     assert!(sample("kxp_worker_stall_seconds_total{worker=\"0\"}") >= longest);
     let (_, _, failed) = lab.http_spread(vip(80), 3);
@@ -3368,16 +3359,7 @@ fn udp_and_nodeport_floods_stay_within_bounds_and_spare_established_connections(
         lab.log()
     );
     assert!(ok > 50, "{ok}");
-    // The metrics are refreshed every second.
-    std::thread::sleep(Duration::from_millis(1500));
-    let m = node_http(&lab, 10249, "/metrics");
-    let sample = |name: &str| -> f64 {
-        m.lines()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .and_then(|l| l.split_whitespace().last())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
-    };
+    let sample = fresh_metrics(&lab);
     let entries = sample("kxp_session_affinity_entries");
     let evicted = sample("kxp_session_affinity_evictions_total");
     assert!(entries <= AFFINITY as f64, "affinity entries {entries}");
@@ -3388,6 +3370,20 @@ fn udp_and_nodeport_floods_stay_within_bounds_and_spare_established_connections(
         "UDP + NodePort floods: {sent} packets from {} sources; {ok} messages echoed, {lost} lost; affinity {entries} entries (bound {AFFINITY}), {evicted} evictions",
         4 * AFFINITY
     );
+}
+
+/// kxp's metrics once they have been refreshed (every second): a sample by its name
+/// with labels, e.g. `kxp_worker_stalls_total{worker="0"}` (panics if missing).
+fn fresh_metrics(lab: &Lab) -> impl Fn(&str) -> f64 + use<> {
+    std::thread::sleep(Duration::from_millis(1500));
+    let m = node_http(lab, 10249, "/metrics");
+    move |name: &str| -> f64 {
+        m.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing:\n{m}"))
+    }
 }
 
 /// kxp's counters over all workers: (rx, forwarded, dropped, passed, rejected, drops by
