@@ -65,6 +65,22 @@ impl Totals {
         }
         *last = total;
     }
+
+    /// As [`Totals::advance`], for a counter in other units: `total` counts units of
+    /// `1 / per_unit` (clock ticks, nanoseconds) and the counter advances in whole ones.
+    fn advance_scaled(
+        &mut self,
+        key: &str,
+        total: u64,
+        per_unit: f64,
+        counter: &Counter<f64, AtomicU64>,
+    ) {
+        let last = self.last.entry(key.to_string()).or_insert(0);
+        if total > *last {
+            counter.inc_by((total - *last) as f64 / per_unit);
+        }
+        *last = total;
+    }
 }
 
 /// The metrics kxp exposes, in one registry.
@@ -474,12 +490,12 @@ impl Metrics {
         };
         // CPU time in clock ticks is a total; the counter advances by whole ticks.
         let hz = dataplane::sys::clock_ticks_per_sec().max(1);
-        let last = t.last.entry("process/cpu_ticks".into()).or_insert(0);
-        if p.cpu_ticks > *last {
-            self.cpu_seconds
-                .inc_by((p.cpu_ticks - *last) as f64 / hz as f64);
-            *last = p.cpu_ticks;
-        }
+        t.advance_scaled(
+            "process/cpu_ticks",
+            p.cpu_ticks,
+            hz as f64,
+            &self.cpu_seconds,
+        );
         self.resident_memory.set(to_i64(p.resident_bytes));
         self.virtual_memory.set(to_i64(p.virtual_bytes));
         self.open_fds.set(to_i64(p.open_fds));
@@ -631,14 +647,12 @@ impl Metrics {
                 s.count,
                 &self.stalls.get_or_create(&w),
             );
-            let key = format!("stall_ns/{i}");
-            let last = t.last.entry(key).or_insert(0);
-            if s.total_ns > *last {
-                self.stall_seconds
-                    .get_or_create(&w)
-                    .inc_by((s.total_ns - *last) as f64 / 1e9);
-            }
-            *last = s.total_ns;
+            t.advance_scaled(
+                &format!("stall_ns/{i}"),
+                s.total_ns,
+                1e9,
+                &self.stall_seconds.get_or_create(&w),
+            );
             self.longest_stall
                 .get_or_create(&w)
                 .set(s.longest_ns as f64 / 1e9);
