@@ -14,7 +14,7 @@ CATEGORIES = [
     ("kxp XDP program", r"bpf_prog_.*kxp"),
     ("AF_XDP copy-mode receive (XDP, copy into the UMEM)", r"xsk_rcv|__xsk_rcv|xsk_generic_rcv|xdp_do_redirect|xsk_map|bpf_xdp|veth_xdp|xdp_|__xsk_map|xsk_flush|xp_|veth_poll|veth_convert|napi_|__napi"),
     ("AF_XDP copy-mode transmit (an skb per frame, copied)", r"xsk_generic_xmit|__xsk_generic_xmit|xsk_build_skb|xsk_destruct|sock_alloc_send|sock_wfree|xsk_sendmsg|__dev_direct_xmit|xsk_cq|xskq_|alloc_skb|kmem_cache|kmalloc|skb_put|memcpy|skb_set_owner|validate_xmit|netif_skb_features|skb_release|kfree|skb_free|consume_skb|skb_defer|__slab|slab_|page_frag|__build_skb|skb_clone|napi_skb_cache"),
-    ("veth transmit and the backend's receive (its RPS hash, nft counter, drop)", r"veth_xmit|__dev_forward_skb|dev_forward|eth_type_trans|netif_rx|enqueue_to_backlog|get_rps_cpu|flow_dissect|siphash|skb_get_hash|process_backlog|__netif_receive|netif_receive|nft_|nf_hook|sk_skb_reason_drop|kfree_skb|ingress|tcf_|sch_handle"),
+    ("veth transmit and the backend's receive (nft counter, drop; its RPS hash with --backend-rps)", r"veth_xmit|__dev_forward_skb|dev_forward|eth_type_trans|netif_rx|enqueue_to_backlog|get_rps_cpu|flow_dissect|siphash|skb_get_hash|process_backlog|__netif_receive|netif_receive|nft_|nf_hook|sk_skb_reason_drop|kfree_skb|ingress|tcf_|sch_handle"),
     ("system calls, softirq and scheduling", r"entry_SYSCALL|syscall|do_syscall|__x64|sendto|__sys|sock_sendmsg|softirq|net_rx_action|local_bh|raw_spin|_raw_|rcu|irq|schedule|__schedule|finish_task|pick_next|update_|native_|poll|sock_poll|xsk_poll|fput|fdget|__fget|select|ktime|clock|hrtimer|tick|apic|asm_|sysvec|x86_|arch_|cpuidle|default_idle|do_idle|lock_|mutex|find_next_bit|_find_next"),
 ]
 

@@ -125,6 +125,14 @@ struct Args {
     /// Keep the working directory (trafgen configs, nft ruleset, kxp logs) and print it.
     #[arg(long)]
     keep: bool,
+    /// Also set RPS (to CPU1) on the backend's interface, as runs before 2026-12-03
+    /// did. Off by default: a pod's veth has no RPS on a node (the kernel's default), and
+    /// it steers nothing here (the router's CPU transmits into the backend, so the
+    /// backlog is that CPU's anyway), but it makes the backend's kernel hash every packet
+    /// whose skb carries no hash: kxp's (an AF_XDP transmit makes a fresh skb), not the
+    /// kernel routers' (their skb keeps the hash the router's own RPS computed on CPU0).
+    #[arg(long)]
+    backend_rps: bool,
     /// The generator: trafgen (`-t 0`, one sendto per packet: the setup) or xsk
     /// (the same packets in batches on an AF_XDP socket: `xsk-gen`, built alongside).
     #[arg(long, default_value = "trafgen")]
@@ -434,7 +442,7 @@ fn mac_of(ns: &str, dev: &str) -> anyhow::Result<String> {
 }
 
 impl Lab {
-    fn new(stop: Stop, keep: bool) -> anyhow::Result<Lab> {
+    fn new(stop: Stop, keep: bool, backend_rps: bool) -> anyhow::Result<Lab> {
         let pid = std::process::id();
         let mut topo = Topology::new("kxm");
         let genns = topo.add_ns("gen")?;
@@ -511,9 +519,11 @@ impl Lab {
                 "for d in all default {rg} {rb}; do echo 0 > /proc/sys/net/ipv4/conf/$d/rp_filter; done"
             ),
         )?;
-        // Kernel packet processing of the router (and the backend behind it) on CPU1, of
-        // the generator's side on CPU0: packets trafgen sends take the backlog path, so
-        // RPS on the receiving veth decides the CPU (veths have no IRQ to steer).
+        // Kernel packet processing of the router on CPU1, of the generator's side on CPU0:
+        // packets trafgen sends take the backlog path, so RPS on the receiving veth
+        // decides the CPU (veths have no IRQ to steer). The backend's receive runs where
+        // the router transmits into it, CPU1, with the kernel's default (no RPS) on its
+        // interface; `--backend-rps` sets it as earlier runs did (see `Args`).
         let r_mask = format!("{:x}", 1u32 << ROUTER_CPU);
         let g_mask = format!("{:x}", 1u32 << GEN_CPU);
         sh_in(
@@ -522,10 +532,12 @@ impl Lab {
                 "echo {r_mask} > /sys/class/net/{rg}/queues/rx-0/rps_cpus; echo {r_mask} > /sys/class/net/{rb}/queues/rx-0/rps_cpus"
             ),
         )?;
-        sh_in(
-            &back,
-            &format!("echo {r_mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus"),
-        )?;
+        if backend_rps {
+            sh_in(
+                &back,
+                &format!("echo {r_mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus"),
+            )?;
+        }
         sh_in(
             &genns,
             &format!("echo {g_mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus"),
@@ -2688,7 +2700,7 @@ fn real_main() -> anyhow::Result<()> {
             .trim(),
         plan.kxp.display()
     );
-    let lab = Lab::new(stop.clone(), args.keep)?;
+    let lab = Lab::new(stop.clone(), args.keep, args.backend_rps)?;
     eprintln!(
         "topology: {} (trafgen, CPU{GEN_CPU}) -> {} (router, CPU{ROUTER_CPU}) -> {} (3 endpoints)",
         lab.genns, lab.router, lab.back
