@@ -197,7 +197,7 @@ impl NodeState {
             return Prediction::AtConnection;
         }
         match pick_stateless(&fwd, src, dst, proto, 0) {
-            Some(ep) => Prediction::Hash(ep.addr),
+            Some(i) => Prediction::Hash(sp.endpoints[i as usize].addr),
             None => Prediction::NotForwarded,
         }
     }
@@ -217,6 +217,42 @@ impl NodeState {
             load: Arc::new(EndpointLoad::new()),
             cursors: DashMap::new(),
         })
+    }
+}
+
+/// Where a new connection goes: the Service port (its index in the snapshot), the
+/// endpoint (an index into that port's endpoints), and whether the decision marked it for
+/// masquerade before the endpoint was known ([`Forward::masquerade`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Choice {
+    port_index: u32,
+    endpoint: u32,
+    masquerade: bool,
+}
+
+impl Choice {
+    /// [`Forward::masquerade_for`]: the mark, or the endpoint's hairpin rule.
+    fn masquerade_for(&self, src: IpAddr, endpoint: &Endpoint) -> bool {
+        self.masquerade || endpoint.addr.ip() == src
+    }
+}
+
+/// What [`Engine::prepare_new`] made ahead for a likely new connection: the draw, and the
+/// choice it gave on one snapshot, which [`Engine::process_parsed`] uses on that
+/// snapshot only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prepared {
+    random: u64,
+    /// The snapshot the choice was made on: its address and generation.
+    snapshot: (usize, u64),
+    choice: Option<Choice>,
+}
+
+impl Prepared {
+    /// The prepared choice, if it was made on `snap`.
+    fn choice_on(&self, snap: &Snapshot) -> Option<Choice> {
+        let here = (std::ptr::from_ref(snap) as usize, snap.generation);
+        self.choice.filter(|_| self.snapshot == here)
     }
 }
 
@@ -281,22 +317,23 @@ impl Engine {
     }
 
     /// [`Engine::process`] of a packet whose parse (`rewrite::parse` of these very bytes)
-    /// is at hand: the worker parsed it already to warm the cache for its batch. `random`
-    /// is the draw [`Engine::prepare_new`] made for it, if any: the endpoint choice uses
-    /// it should the packet open a connection (else it draws then).
+    /// is at hand: the worker parsed it already to warm the cache for its batch.
+    /// `prepared` is what [`Engine::prepare_new`] chose for it, if anything: should the
+    /// packet open a connection, it goes where that choice said (made on this very
+    /// snapshot; else the decision is made again, with the draw prepared).
     #[allow(clippy::too_many_arguments)]
     pub fn process_parsed(
         &mut self,
         snap: &Snapshot,
         pkt: &mut [u8],
         parsed: Result<Parsed, ParseError>,
-        random: Option<u64>,
+        prepared: Option<Prepared>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
-        let v = self.process_inner(snap, pkt, parsed, random, now, in_interface, masq, out);
+        let v = self.process_inner(snap, pkt, parsed, prepared, now, in_interface, masq, out);
         match v {
             Verdict::Forward { new_flow, .. } => {
                 self.counters.forwarded += 1;
@@ -316,7 +353,7 @@ impl Engine {
         snap: &Snapshot,
         pkt: &mut [u8],
         parsed: Result<Parsed, ParseError>,
-        random: Option<u64>,
+        prepared: Option<Prepared>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
@@ -341,37 +378,67 @@ impl Engine {
                     let to = hit.rewrite_to();
                     return forward(pkt, &f, &to, false);
                 }
-                self.new_flow(snap, pkt, &f, random, now, in_interface, masq, out)
+                self.new_flow(snap, pkt, &f, prepared, now, in_interface, masq, out)
             }
         }
     }
 
+    /// The first packet of a connection: kube-proxy's decision and endpoint choice (or
+    /// the choice `prepared` for it on this snapshot), then the flow tracked and the
+    /// packet translated.
     #[allow(clippy::too_many_arguments)]
     fn new_flow(
         &mut self,
         snap: &Snapshot,
         pkt: &mut [u8],
         f: &rewrite::FlowPacket,
-        random: Option<u64>,
+        prepared: Option<Prepared>,
         now: u64,
         in_interface: Option<&str>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
         let t = f.tuple();
-        let fwd = match decide_tuple(snap, &t, in_interface) {
-            Decision::Pass => return Verdict::Pass,
-            Decision::Drop { reason, .. } => return Verdict::Drop(DropCause::Policy(reason)),
+        let choice = match prepared.and_then(|p| p.choice_on(snap)) {
+            Some(c) => c,
+            None => {
+                let random = prepared.map(|p| p.random);
+                match self.choose(snap, pkt, &t, random, now, in_interface, out) {
+                    Ok(c) => c,
+                    Err(v) => return v,
+                }
+            }
+        };
+        self.open(snap, pkt, f, &t, choice, now, in_interface, masq)
+    }
+
+    /// kube-proxy's decision for a new connection `t` and, if it is forwarded, the
+    /// endpoint: ClientIP affinity's, else the scheduler's (drawing `random`, or a fresh
+    /// draw). `Err` is the packet's verdict when it is not forwarded.
+    #[allow(clippy::too_many_arguments)]
+    fn choose(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &[u8],
+        t: &Tuple,
+        random: Option<u64>,
+        now: u64,
+        in_interface: Option<&str>,
+        out: &mut [u8],
+    ) -> Result<Choice, Verdict> {
+        let fwd = match decide_tuple(snap, t, in_interface) {
+            Decision::Pass => return Err(Verdict::Pass),
+            Decision::Drop { reason, .. } => return Err(Verdict::Drop(DropCause::Policy(reason))),
             Decision::Reject { .. } => {
                 let built = if t.proto == Protocol::Tcp {
                     rewrite::build_tcp_rst(pkt, out)
                 } else {
                     rewrite::build_icmp_port_unreachable(pkt, out)
                 };
-                return match built {
+                return Err(match built {
                     Ok(len) => Verdict::Respond { len, dst: t.src },
                     Err(_) => Verdict::Drop(DropCause::RejectUnanswerable),
-                };
+                });
             }
             Decision::Forward(fwd) => fwd,
         };
@@ -423,23 +490,46 @@ impl Engine {
                 ) {
                     Some(i) => i,
                     // Categorisation guarantees candidates; treat an empty list as REJECT.
-                    None => return Verdict::Drop(DropCause::RejectUnanswerable),
+                    None => return Err(Verdict::Drop(DropCause::RejectUnanswerable)),
                 }
             }
         };
-        let ep = &sp.endpoints[chosen as usize];
         if let Affinity::ClientIp { timeout_secs } = sp.affinity {
             self.node.affinity.remember(
                 sp.name_hash,
                 t.src,
-                ep.addr,
+                sp.endpoints[chosen as usize].addr,
                 now,
                 u64::from(timeout_secs) * SEC,
             );
         }
+        Ok(Choice {
+            port_index: fwd.port_index,
+            endpoint: chosen,
+            masquerade: fwd.masquerade,
+        })
+    }
 
+    /// Tracks the connection `t` to the endpoint `choice` names (with a SNAT port when it
+    /// is masqueraded or the node's own) and translates its first packet.
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        &mut self,
+        snap: &Snapshot,
+        pkt: &mut [u8],
+        f: &rewrite::FlowPacket,
+        t: &Tuple,
+        choice: Choice,
+        now: u64,
+        in_interface: Option<&str>,
+        masq: &dyn MasqueradeSource,
+    ) -> Verdict {
+        let sp = snap.port(choice.port_index);
+        let Some(ep) = sp.endpoints.get(choice.endpoint as usize) else {
+            return Verdict::Drop(DropCause::RejectUnanswerable);
+        };
         let from_host = self.is_host_interface(in_interface);
-        let reply_dst = if from_host || fwd.masquerade_for(t.src, ep) {
+        let reply_dst = if from_host || choice.masquerade_for(t.src, ep) {
             // The node's own connection keeps the address the node chose for it (its own);
             // only its port comes from the SNAT range.
             let source = if from_host {
@@ -463,9 +553,9 @@ impl Engine {
         let reply = Tuple::new(ep.addr, reply_dst, t.proto);
         let len = u32::try_from(pkt.len()).unwrap_or(u32::MAX);
         let inserted = self.table.insert_first(
-            t,
+            *t,
             reply,
-            fwd.port_index,
+            choice.port_index,
             f.tcp_flags(),
             now,
             len,
@@ -481,25 +571,27 @@ impl Engine {
     }
 
     /// For a packet of a received batch that likely opens a connection (the worker's
-    /// warming found no candidate flow for it): draws now the random number its endpoint
-    /// choice will use, so that the choice, and with it the new flow's reply tuple, are
-    /// known before the batch's packets are handled. Returns the draw, for
-    /// [`Engine::process_parsed`], and the reply tuple, whose index bucket the worker
+    /// warming found no candidate flow for it): decides now where the connection would
+    /// go, drawing the random number its endpoint choice uses, so that the choice, and
+    /// with it the new flow's reply tuple, are known before the batch's packets are
+    /// handled. Returns the choice, for [`Engine::process_parsed`] (which then neither
+    /// decides nor picks again), and the reply tuple, whose index bucket the worker
     /// brings into the cache with the batch's others ([`ConnTable::warm_tuples`]): in a
     /// large table the insert's lookup of the reply tuple is otherwise a cache miss per
     /// new connection.
     ///
-    /// Only a prediction: the packet's handling decides again, and a packet that turns
-    /// out not to be new leaves its draw unused. `None` (nothing drawn) where the choice
-    /// depends on more than the packet and the draw: ClientIP affinity, the round-robin
-    /// and least-connection schedulers. The reply tuple is `None` for a masqueraded flow
-    /// (its SNAT port is allocated at insertion).
+    /// Only a prediction: a packet that turns out not to be new (its flow was found)
+    /// leaves it unused, and it holds for this snapshot only. `None` (nothing drawn)
+    /// where the choice depends on more than the packet and the draw: ClientIP affinity,
+    /// the round-robin and least-connection schedulers, and for what is not forwarded.
+    /// The reply tuple is `None` for a masqueraded flow (its SNAT port is allocated at
+    /// insertion).
     pub fn prepare_new(
         &mut self,
         snap: &Snapshot,
         f: &rewrite::FlowPacket,
         in_interface: Option<&str>,
-    ) -> Option<(u64, Option<Tuple>)> {
+    ) -> Option<(Prepared, Option<Tuple>)> {
         let t = f.tuple();
         let Decision::Forward(fwd) = decide_tuple(snap, &t, in_interface) else {
             return None;
@@ -509,10 +601,23 @@ impl Engine {
             return None;
         }
         let random = self.next_random();
-        let reply = pick_stateless(&fwd, t.src_addr(), t.dst_addr(), t.proto, random)
-            .filter(|ep| !self.is_host_interface(in_interface) && !fwd.masquerade_for(t.src, ep))
-            .map(|ep| Tuple::new(ep.addr, t.src_addr(), t.proto));
-        Some((random, reply))
+        let endpoint = pick_stateless(&fwd, t.src_addr(), t.dst_addr(), t.proto, random);
+        let choice = endpoint.map(|endpoint| Choice {
+            port_index: fwd.port_index,
+            endpoint,
+            masquerade: fwd.masquerade,
+        });
+        let reply = choice.and_then(|c| {
+            let ep = &sp.endpoints[c.endpoint as usize];
+            (!self.is_host_interface(in_interface) && !c.masquerade_for(t.src, ep))
+                .then(|| Tuple::new(ep.addr, t.src_addr(), t.proto))
+        });
+        let prepared = Prepared {
+            random,
+            snapshot: (std::ptr::from_ref(snap) as usize, snap.generation),
+            choice,
+        };
+        Some((prepared, reply))
     }
 
     /// Whether a packet that arrived on `in_interface` is one of the node's own
@@ -570,14 +675,14 @@ impl Engine {
 
 /// The scheduler's choice among `fwd`'s candidates for a connection `src` → `dst`, as
 /// far as it depends only on the connection and `random`: no endpoint counted busy, a
-/// fresh round-robin position.
-fn pick_stateless<'s>(
-    fwd: &Forward<'s>,
+/// fresh round-robin position. An index into `fwd.port.endpoints`.
+fn pick_stateless(
+    fwd: &Forward<'_>,
     src: SocketAddr,
     dst: SocketAddr,
     proto: Protocol,
     random: u64,
-) -> Option<&'s Endpoint> {
+) -> Option<u32> {
     let sp = fwd.port;
     let none = |_: SocketAddr| 0;
     let input = PickInput {
@@ -595,7 +700,6 @@ fn pick_stateless<'s>(
         &input,
         &mut RrCursor::default(),
     )
-    .map(|i| &sp.endpoints[i as usize])
 }
 
 /// kube-proxy's decision for a new connection with tuple `t` arriving on `in_interface`.

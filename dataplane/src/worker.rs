@@ -23,7 +23,7 @@ use nat::rewrite::{self, Parsed};
 use nat::snapshot::Snapshot;
 use nat::tuple::Tuple;
 
-use crate::engine::{DropCause, Engine, MasqueradeSource, Verdict};
+use crate::engine::{DropCause, Engine, MasqueradeSource, Prepared, Verdict};
 use crate::fib::{FibView, Route};
 use crate::xsk::{Frame, WorkerIo};
 
@@ -120,12 +120,12 @@ const EXPIRE_SWEEP_NS: u64 = 1_000_000_000;
 const EXPIRE_MAX_PER_ROUND: usize = 256;
 
 /// A received packet as its batch's warming left it ([`Worker::warm`]): its parse, from
-/// its bytes unchanged since, and for a likely new connection the draw its endpoint
-/// choice is to use ([`Engine::prepare_new`]).
+/// its bytes unchanged since, and for a likely new connection where it goes, chosen on
+/// the round's snapshot ([`Engine::prepare_new`]).
 #[derive(Debug, Clone, Copy)]
 struct Warmed {
     flow: rewrite::FlowPacket,
-    random: Option<u64>,
+    prepared: Option<Prepared>,
 }
 
 /// Which flows a [`Command::Flows`] is about (evaluated by each worker on its own table).
@@ -856,12 +856,13 @@ impl<'id> Worker<'id> {
     /// are not flows (fragments, ICMP errors, other protocols) are left out.
     ///
     /// The packets that found no candidate flow, likely new connections, have their
-    /// endpoint choice's draw made now ([`Engine::prepare_new`]), and the index buckets
+    /// decision and endpoint made now ([`Engine::prepare_new`]), and the index buckets
     /// of the reply tuples that choice gives are warmed too
     /// ([`conntrack::ConnTable::warm_tuples`]).
     ///
-    /// Keeps each packet's parse and draw in `parsed` (one per frame, `None` for what is
-    /// not a flow's packet), which `handle` then uses instead of parsing again.
+    /// Keeps each packet's parse and choice in `parsed` (one per frame, `None` for what
+    /// is not a flow's packet), which `handle` then uses instead of parsing, deciding and
+    /// picking again (same snapshot: the round's).
     fn warm(
         &mut self,
         batch: &mut [Frame<'id>],
@@ -881,7 +882,10 @@ impl<'id> Worker<'id> {
             if let Some(fl) = &fl {
                 keys.push(fl.tuple());
             }
-            parsed.push(fl.map(|flow| Warmed { flow, random: None }));
+            parsed.push(fl.map(|flow| Warmed {
+                flow,
+                prepared: None,
+            }));
         }
         let mut fresh = self.engine.table.warm(keys, crate::sys::prefetch);
         if fresh == 0 {
@@ -892,9 +896,9 @@ impl<'id> Worker<'id> {
         // Bit k of `fresh` is the k-th flow packet's (keys were pushed in batch order).
         for w in parsed.iter_mut().flatten() {
             if fresh & 1 == 1
-                && let Some((random, reply)) = self.engine.prepare_new(snap, &w.flow, in_name)
+                && let Some((prepared, reply)) = self.engine.prepare_new(snap, &w.flow, in_name)
             {
-                w.random = Some(random);
+                w.prepared = Some(prepared);
                 replies.extend(reply);
             }
             fresh >>= 1;
@@ -987,7 +991,7 @@ impl<'id> Worker<'id> {
                     snap,
                     l3,
                     Ok(Parsed::Flow(w.flow)),
-                    w.random,
+                    w.prepared,
                     now,
                     in_name,
                     &fib,

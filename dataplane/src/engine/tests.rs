@@ -605,12 +605,12 @@ fn prepared(
     let Ok(Parsed::Flow(fl)) = parse(pkt) else {
         panic!("a TCP segment parses as a flow")
     };
-    let (random, reply) = e.prepare_new(snap, &fl, None).expect("random scheduler");
+    let (prep, reply) = e.prepare_new(snap, &fl, None).expect("random scheduler");
     let v = e.process_parsed(
         snap,
         pkt,
         Ok(Parsed::Flow(fl)),
-        Some(random),
+        Some(prep),
         SEC,
         None,
         &MASQ,
@@ -676,4 +676,39 @@ fn a_prepared_connection_goes_where_the_preparation_said() {
         panic!()
     };
     assert_eq!(b.prepare_new(&sticky, &fl, None), None);
+}
+
+/// A choice prepared on one snapshot is not used on another: the endpoints changed in
+/// between (a new snapshot published between the warming and the packet) and the
+/// connection goes where the snapshot it is handled on says.
+#[test]
+fn a_choice_prepared_on_another_snapshot_is_made_again() {
+    let before = snapshot(&["198.18.128.11", "198.18.128.12", "198.18.128.13"], "");
+    let after = snapshot(&["198.18.128.21"], "");
+    let mut e = engine();
+    let mut out = vec![0u8; 1500];
+    for port in 40000..40032u16 {
+        let orig = to_web(&format!("198.18.128.50:{port}"));
+        let mut pkt = build_tcp(&orig, 1000, None, SYN, b"x");
+        let Ok(Parsed::Flow(fl)) = parse(&pkt) else {
+            panic!("a TCP segment parses as a flow")
+        };
+        let (prep, _) = e.prepare_new(&before, &fl, None).expect("random scheduler");
+        let v = e.process_parsed(
+            &after,
+            &mut pkt,
+            Ok(Parsed::Flow(fl)),
+            Some(prep),
+            SEC,
+            None,
+            &MASQ,
+            &mut out,
+        );
+        assert!(
+            matches!(v, Verdict::Forward { new_flow: true, .. }),
+            "{v:?}"
+        );
+        assert_eq!(tuple_of(&pkt).dst_addr(), sa("198.18.128.21:8080"));
+    }
+    assert_eq!(e.counters.new_flows, 32);
 }
