@@ -28,9 +28,12 @@ use crate::fib::{FibView, Route};
 use crate::xsk::{Frame, WorkerIo};
 
 /// From how many tracked flows a worker warms the cache for each received batch
-/// ([`Worker::warm`]): below, the table's lines stay in the cache anyway (32,768
-/// entries and their index are a few MiB) and warming would only cost the parse.
-const WARM_FROM: usize = 32_768;
+/// ([`Worker::warm`]): below, the table's lines (half a MiB of entries and as much of
+/// index buckets) stay in a core's cache, and warming would only cost its hashing and
+/// probing. Above, they do not reliably: with 10,240 flows (the macro benchmark's 10k
+/// Services case, 2.6 MiB of lines) `find` took 10-11.5% of the worker's CPU unwarmed
+/// and 1% warmed (`warm` 3%). It was 32,768 until 2026-12-03.
+const WARM_FROM: usize = 4_096;
 
 const ETH_HLEN: usize = 14;
 /// Busy time over which the loop's drain rate is measured.

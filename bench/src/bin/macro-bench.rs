@@ -93,11 +93,11 @@ struct Args {
     /// The kxp binary [default: `kxp` next to this program, built with cargo if missing].
     #[arg(long)]
     kxp: Option<PathBuf>,
-    /// More arguments for `kxp run` in the kxp cases (not kxp-base, kxp-1m-base), e.g.
+    /// More arguments for `kxp run` in the kxp cases (not the `-base` ones), e.g.
     /// `--kxp-arg=--queue-budget=500`.
     #[arg(long = "kxp-arg", value_name = "ARG", allow_hyphen_values = true)]
     kxp_args: Vec<String>,
-    /// An earlier kxp binary, measured as cases `kxp-base` and `kxp-1m-base` in the same run: a change on
+    /// An earlier kxp binary, measured as cases `kxp-base`, `kxp-10k-base` and `kxp-1m-base` in the same run: a change on
     /// the packet path reports its ratios before and after side by side.
     #[arg(long)]
     kxp_baseline: Option<PathBuf>,
@@ -194,6 +194,8 @@ enum Case {
     Kxp1m,
     /// Kxp1m with the --kxp-baseline binary.
     Kxp1mBase,
+    /// Kxp10k with the --kxp-baseline binary.
+    Kxp10kBase,
 }
 
 /// Services of the scale cases.
@@ -216,9 +218,10 @@ impl Case {
             "kxp-10k" => Case::Kxp10k,
             "kxp-1m" => Case::Kxp1m,
             "kxp-1m-base" => Case::Kxp1mBase,
+            "kxp-10k-base" => Case::Kxp10kBase,
             o => {
                 bail!(
-                    "unknown case {o:?} (plain, nft, iptables, kxp, kxp-base, kxp-threaded, kxp-busypoll, nft-10k, iptables-10k, kxp-10k, kxp-1m, kxp-1m-base)"
+                    "unknown case {o:?} (plain, nft, iptables, kxp, kxp-base, kxp-threaded, kxp-busypoll, nft-10k, iptables-10k, kxp-10k, kxp-10k-base, kxp-1m, kxp-1m-base)"
                 )
             }
         })
@@ -237,6 +240,7 @@ impl Case {
             Case::Kxp10k => "kxp-10k",
             Case::Kxp1m => "kxp-1m",
             Case::Kxp1mBase => "kxp-1m-base",
+            Case::Kxp10kBase => "kxp-10k-base",
         }
     }
     /// The router the case sets up (the scale cases are their router's at scale).
@@ -244,14 +248,14 @@ impl Case {
         match self {
             Case::Nft10k => Case::Nft,
             Case::Ipt10k => Case::Ipt,
-            Case::Kxp10k | Case::Kxp1m | Case::Kxp1mBase => Case::Kxp,
+            Case::Kxp10k | Case::Kxp10kBase | Case::Kxp1m | Case::Kxp1mBase => Case::Kxp,
             c => c,
         }
     }
     /// Services in the state / ruleset.
     fn services(self) -> u32 {
         match self {
-            Case::Nft10k | Case::Ipt10k | Case::Kxp10k => SCALE_SERVICES,
+            Case::Nft10k | Case::Ipt10k | Case::Kxp10k | Case::Kxp10kBase => SCALE_SERVICES,
             _ => 1,
         }
     }
@@ -259,7 +263,7 @@ impl Case {
     fn flows(self) -> u32 {
         match self {
             Case::Kxp1m | Case::Kxp1mBase => 1_000_000,
-            Case::Nft10k | Case::Ipt10k | Case::Kxp10k => 10_240,
+            Case::Nft10k | Case::Ipt10k | Case::Kxp10k | Case::Kxp10kBase => 10_240,
             _ => 1024,
         }
     }
@@ -283,6 +287,7 @@ impl Case {
             Case::Kxp10k => "kxp, 10,000 Services / 99,993 endpoints, traffic to all",
             Case::Kxp1m => "kxp, 1,000,000 established flows (table sized 1.2M)",
             Case::Kxp1mBase => "kxp-1m with the --kxp-baseline binary (before)",
+            Case::Kxp10kBase => "kxp-10k with the --kxp-baseline binary (before)",
         }
     }
     fn is_kxp(self) -> bool {
@@ -295,11 +300,12 @@ impl Case {
                 | Case::Kxp10k
                 | Case::Kxp1m
                 | Case::Kxp1mBase
+                | Case::Kxp10kBase
         )
     }
     /// A case of the --kxp-baseline binary.
     fn is_base(self) -> bool {
-        matches!(self, Case::KxpBase | Case::Kxp1mBase)
+        matches!(self, Case::KxpBase | Case::Kxp1mBase | Case::Kxp10kBase)
     }
 }
 
@@ -2331,7 +2337,15 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
                 "kernel iptables DNAT",
             ),
             (Case::Plain, "plain forwarding"),
-            (Case::Kxp, "kxp, 1 Service"),
+            (
+                // A baseline case against the baseline binary's one-Service case.
+                if k.case.is_base() {
+                    Case::KxpBase
+                } else {
+                    Case::Kxp
+                },
+                "kxp, 1 Service",
+            ),
         ] {
             if base == k.case {
                 continue;
@@ -2635,7 +2649,9 @@ fn real_main() -> anyhow::Result<()> {
     // does not leak into the others.
     cases.sort_by_key(|c| *c == Case::KxpThreaded);
     if cases.iter().any(|c| c.is_base()) && args.kxp_baseline.is_none() {
-        bail!("cases kxp-base and kxp-1m-base measure an earlier binary: give --kxp-baseline PATH");
+        bail!(
+            "cases kxp-base, kxp-10k-base and kxp-1m-base measure an earlier binary: give --kxp-baseline PATH"
+        );
     }
     let modes: Vec<Mode> = args
         .modes
