@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use conntrack::{AffinityTable, ConnTable, Direction, EndpointLoad, InsertError, Update};
 use dashmap::DashMap;
-use nat::decide::{Decision, DropReason, Forward, NewPacket, Policy, decide};
+use nat::decide::{Decision, DropReason, Forward, NewPacket, Policy, decide, masquerades};
 use nat::model::{Affinity, Endpoint};
 use nat::rewrite::{self, ParseError, Parsed};
 use nat::select::{PickInput, RrCursor, pick};
@@ -231,9 +231,9 @@ struct Choice {
 }
 
 impl Choice {
-    /// [`Forward::masquerade_for`]: the mark, or the endpoint's hairpin rule.
+    /// [`Forward::masquerade_for`] of the chosen connection.
     fn masquerade_for(&self, src: IpAddr, endpoint: &Endpoint) -> bool {
-        self.masquerade || endpoint.addr.ip() == src
+        masquerades(self.masquerade, src, endpoint)
     }
 }
 

@@ -79,9 +79,9 @@ impl<'s> Forward<'s> {
     }
 
     /// Whether a connection from `src` to `endpoint` is masqueraded: the marks above plus
-    /// the endpoint chain's hairpin rule (`ip saddr <endpoint> jump mark-for-masquerade`).
+    /// the endpoint chain's hairpin rule ([`masquerades`]).
     pub fn masquerade_for(&self, src: IpAddr, endpoint: &Endpoint) -> bool {
-        self.masquerade || endpoint.addr.ip() == src
+        masquerades(self.masquerade, src, endpoint)
     }
 
     pub fn candidate_endpoints(&self) -> impl Iterator<Item = &Endpoint> {
@@ -89,6 +89,14 @@ impl<'s> Forward<'s> {
             .iter()
             .map(|&i| &self.port.endpoints[i as usize])
     }
+}
+
+/// Whether a connection from `src` to `endpoint` is masqueraded, given whether the
+/// service chains marked it before the endpoint was chosen (`marked`,
+/// [`Forward::masquerade`]): the mark, or the endpoint chain's hairpin rule (`ip saddr
+/// <endpoint> jump mark-for-masquerade`).
+pub fn masquerades(marked: bool, src: IpAddr, endpoint: &Endpoint) -> bool {
+    marked || endpoint.addr.ip() == src
 }
 
 /// The decision for the first packet of a connection.
