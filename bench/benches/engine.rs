@@ -64,6 +64,8 @@ fn engine(c: &mut Criterion) {
     let pool: Vec<Vec<u8>> = (0..POOL)
         .map(|i| build_tcp(&connection(i), 1, None, SYN, b""))
         .collect();
+    // Every packet of the pool has the same length (a SYN without options or payload).
+    let len = pool[0].len();
     let mut g = c.benchmark_group("engine_new_connection");
     g.sample_size(20)
         .noise_threshold(0.03)
@@ -85,14 +87,12 @@ fn engine(c: &mut Criterion) {
                 b[..p.len()].copy_from_slice(p);
             }
             for b in bufs.iter() {
-                let len = pool[0].len();
                 let Ok(Parsed::Flow(fl)) = parse(&b[..len]) else {
                     unreachable!("a TCP SYN parses as a flow")
                 };
                 prepared.push((fl, e.prepare_new(&snap, &fl, None).map(|(p, _)| p)));
             }
             for (b, (fl, prep)) in bufs.iter_mut().zip(prepared) {
-                let len = pool[0].len();
                 let v = e.process_parsed(
                     handled_on,
                     &mut b[..len],

@@ -204,27 +204,32 @@ const SCALE_SERVICES: u32 = 10_000;
 const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
+    /// Every case, in the order the error message lists them.
+    const ALL: [Case; 13] = [
+        Case::Plain,
+        Case::Nft,
+        Case::Ipt,
+        Case::Kxp,
+        Case::KxpBase,
+        Case::KxpThreaded,
+        Case::KxpBusyPoll,
+        Case::Nft10k,
+        Case::Ipt10k,
+        Case::Kxp10k,
+        Case::Kxp10kBase,
+        Case::Kxp1m,
+        Case::Kxp1mBase,
+    ];
+
     fn parse(s: &str) -> anyhow::Result<Case> {
-        Ok(match s.trim() {
-            "plain" => Case::Plain,
-            "nft" => Case::Nft,
-            "kxp" => Case::Kxp,
-            "kxp-base" => Case::KxpBase,
-            "kxp-threaded" => Case::KxpThreaded,
-            "kxp-busypoll" => Case::KxpBusyPoll,
-            "iptables" => Case::Ipt,
-            "nft-10k" => Case::Nft10k,
-            "iptables-10k" => Case::Ipt10k,
-            "kxp-10k" => Case::Kxp10k,
-            "kxp-1m" => Case::Kxp1m,
-            "kxp-1m-base" => Case::Kxp1mBase,
-            "kxp-10k-base" => Case::Kxp10kBase,
-            o => {
-                bail!(
-                    "unknown case {o:?} (plain, nft, iptables, kxp, kxp-base, kxp-threaded, kxp-busypoll, nft-10k, iptables-10k, kxp-10k, kxp-10k-base, kxp-1m, kxp-1m-base)"
-                )
+        let s = s.trim();
+        match Case::ALL.into_iter().find(|c| c.name() == s) {
+            Some(c) => Ok(c),
+            None => {
+                let names: Vec<&str> = Case::ALL.iter().map(|c| c.name()).collect();
+                bail!("unknown case {s:?} ({})", names.join(", "))
             }
-        })
+        }
     }
     fn name(self) -> &'static str {
         match self {
@@ -3043,7 +3048,20 @@ fn main() -> std::process::ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{Case, median};
+
+    /// Every case parses from its name, and no two share one.
+    #[test]
+    fn each_case_is_found_by_its_name() {
+        for c in Case::ALL {
+            assert_eq!(Case::parse(c.name()).unwrap(), c);
+        }
+        let mut names: Vec<&str> = Case::ALL.iter().map(|c| c.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Case::ALL.len());
+        assert!(Case::parse("kxp-2m").is_err());
+    }
 
     #[test]
     fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
