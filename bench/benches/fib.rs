@@ -101,12 +101,43 @@ fn fib(c: &mut Criterion) {
             "{d} has a route and a neighbour"
         );
     }
+    // Every routed address: the neighbours and the four addresses of each /30, in an
+    // order that is neither theirs nor the cache's.
+    let mut all: Vec<IpAddr> = (0..NEIGHBOURS)
+        .map(|i| {
+            let host = 2 + i;
+            IpAddr::V4(Ipv4Addr::new(198, 18, (host >> 8) as u8, host as u8))
+        })
+        .chain((0..ROUTES * 4).map(|i| {
+            let (r, h) = (i / 4, i % 4);
+            IpAddr::V4(Ipv4Addr::new(
+                198,
+                19,
+                (r >> 6) as u8,
+                ((r & 63) * 4 + h) as u8,
+            ))
+        }))
+        .collect();
+    let n_all = all.len();
+    all = (0..n_all).map(|i| all[(i * 2_477) % n_all]).collect();
+    let mut seen = std::collections::HashSet::new();
+    for d in &all {
+        assert!(seen.insert(*d), "{d} twice");
+        assert!(
+            matches!(view.route(*d), Route::Forward(_)),
+            "{d} has a route and a neighbour"
+        );
+    }
     let mut g = c.benchmark_group("fib");
     g.sample_size(30)
         .noise_threshold(0.03)
         .measurement_time(Duration::from_secs(3));
-    for n in [1usize, 64, 256] {
-        let set = &dsts[..n];
+    for n in [1usize, 64, 256, n_all] {
+        let set = if n <= dsts.len() {
+            &dsts[..n]
+        } else {
+            &all[..]
+        };
         g.bench_with_input(BenchmarkId::new("route_cached", n), &n, |b, _| {
             let mut k = 0;
             b.iter(|| {

@@ -537,6 +537,22 @@ fn a_view_remembers_routes_until_other_tables_are_published() {
         }
     }
 
+    // An IPv4 destination and its IPv4-mapped IPv6 address are two destinations: each
+    // gets its own family's answer (the IPv6 one has no route here).
+    let v4 = ip("198.20.0.1");
+    let mapped = IpAddr::V6(std::net::Ipv4Addr::new(198, 20, 0, 1).to_ipv6_mapped());
+    let Resolved::Route(want) = t.resolve(v4) else {
+        panic!("{v4} is routed via the gateway")
+    };
+    let Resolved::Route(want_mapped) = t.resolve(mapped) else {
+        panic!("{mapped} has an answer")
+    };
+    assert_ne!(want, want_mapped);
+    for _ in 0..2 {
+        assert_eq!(view.route(v4), want);
+        assert_eq!(view.route(mapped), want_mapped);
+    }
+
     // The gateway's MAC as the kernel announces it, published.
     let learn = |t: &mut FibTable, mac: [u8; 6]| {
         let m = neigh(ETH0, "198.18.0.7", NeighbourState::Reachable, Some(mac));
