@@ -334,15 +334,19 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
             return Ok(error_response(&e));
         }
     };
-    {
+    // A watch counted is open from here: a drop after its count cuts it.
+    let drop_gen = {
         let mut st = shared.lock();
         st.count(t.kind, verb);
         if let Some(code) = st.faults.pop_front() {
             return Ok(error_response(&injected(code, &t, verb)));
         }
-    }
+        st.drop_gen
+    };
     let out = match verb {
-        "watch" => return Ok(watch::start(shared, t, &q).unwrap_or_else(|e| error_response(&e))),
+        "watch" => {
+            return Ok(watch::start(shared, t, &q, drop_gen).unwrap_or_else(|e| error_response(&e)));
+        }
         "get" => get(&shared.lock(), &t),
         "list" => list(&shared.lock(), &t, &q),
         _ => {

@@ -101,10 +101,13 @@ fn line(etype: &str, obj: &Value) -> Bytes {
 }
 
 /// Validates a watch request and starts streaming it.
+/// `drop_gen`: the drop generation when the request was counted (a drop after that
+/// cuts this watch, even one before its task first looks at the state).
 pub(crate) fn start(
     shared: Arc<Shared>,
     t: Target,
     q: &Query,
+    drop_gen: u64,
 ) -> Result<Response<Body>, FakeError> {
     let bad = |m: &str| FakeError::new(400, "BadRequest", m.to_string());
     let (labels, fields) = selectors(t.kind, q)?;
@@ -165,7 +168,7 @@ pub(crate) fn start(
         start,
     };
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(run(shared, spec, tx));
+    tokio::spawn(run(shared, spec, tx, drop_gen));
     Ok(Response::builder()
         .status(200)
         .header(header::CONTENT_TYPE, "application/json")
@@ -173,14 +176,14 @@ pub(crate) fn start(
         .expect("response"))
 }
 
-async fn run(shared: Arc<Shared>, spec: Spec, tx: mpsc::Sender<Chunk>) {
+async fn run(shared: Arc<Shared>, spec: Spec, tx: mpsc::Sender<Chunk>, drop_gen: u64) {
     let mut poke = shared.poke.subscribe();
     let deadline = Instant::now() + spec.timeout;
     let mut next_bookmark = Instant::now() + BOOKMARK_EVERY;
     // Lines computed at start but held back while watches are silenced.
     let mut pending = Vec::new();
     let mut terminal = false;
-    let (mut cursor, drop_gen) = {
+    let mut cursor = {
         let st = shared.lock();
         let cursor = match spec.start {
             Start::From(rv) if rv < st.compacted => {
@@ -207,7 +210,7 @@ async fn run(shared: Arc<Shared>, spec: Spec, tx: mpsc::Sender<Chunk>) {
                 st.rv
             }
         };
-        (cursor, st.drop_gen)
+        cursor
     };
     loop {
         let mut out = Vec::new();
