@@ -185,7 +185,7 @@ async fn run(shared: Arc<Shared>, spec: Spec, tx: mpsc::Sender<Chunk>, drop_gen:
     let mut terminal = false;
     let mut cursor = {
         let st = shared.lock();
-        let cursor = match spec.start {
+        match spec.start {
             Start::From(rv) if rv < st.compacted => {
                 pending.push(line("ERROR", &expired(rv, st.compacted).status()));
                 terminal = true;
@@ -209,8 +209,7 @@ async fn run(shared: Arc<Shared>, spec: Spec, tx: mpsc::Sender<Chunk>, drop_gen:
                 }
                 st.rv
             }
-        };
-        cursor
+        }
     };
     loop {
         let mut out = Vec::new();
