@@ -78,66 +78,56 @@ fn fib(c: &mut Criterion) {
         .wait_ready(Duration::from_secs(10))
         .expect("the mirror's first dump");
     let view = mirror.view();
+    // The namespace's addresses: neighbour `i` (on the link) and address `h` of the /30
+    // of route `r` (behind the gateway).
+    let neighbour = |i: u32| {
+        let host = 2 + i % NEIGHBOURS;
+        IpAddr::V4(Ipv4Addr::new(198, 18, (host >> 8) as u8, host as u8))
+    };
+    let routed = |r: u32, h: u32| {
+        IpAddr::V4(Ipv4Addr::new(
+            198,
+            19,
+            (r >> 6) as u8,
+            ((r & 63) * 4 + h) as u8,
+        ))
+    };
     // Endpoints on the link (neighbours) and clients behind the gateway, mixed.
     let dsts: Vec<IpAddr> = (0..256u32)
         .map(|i| {
             if i % 2 == 0 {
-                let host = 2 + (i / 2) % NEIGHBOURS;
-                IpAddr::V4(Ipv4Addr::new(198, 18, (host >> 8) as u8, host as u8))
+                neighbour(i / 2)
             } else {
-                let r = (i * 7) % ROUTES;
-                IpAddr::V4(Ipv4Addr::new(
-                    198,
-                    19,
-                    (r >> 6) as u8,
-                    ((r & 63) * 4 + 1) as u8,
-                ))
+                routed((i * 7) % ROUTES, 1)
             }
         })
         .collect();
-    for d in &dsts {
-        assert!(
-            matches!(view.route(*d), Route::Forward(_)),
-            "{d} has a route and a neighbour"
-        );
-    }
     // Every routed address: the neighbours and the four addresses of each /30, in an
     // order that is neither theirs nor the cache's.
-    let mut all: Vec<IpAddr> = (0..NEIGHBOURS)
-        .map(|i| {
-            let host = 2 + i;
-            IpAddr::V4(Ipv4Addr::new(198, 18, (host >> 8) as u8, host as u8))
-        })
-        .chain((0..ROUTES * 4).map(|i| {
-            let (r, h) = (i / 4, i % 4);
-            IpAddr::V4(Ipv4Addr::new(
-                198,
-                19,
-                (r >> 6) as u8,
-                ((r & 63) * 4 + h) as u8,
-            ))
-        }))
+    let ordered: Vec<IpAddr> = (0..NEIGHBOURS)
+        .map(neighbour)
+        .chain((0..ROUTES * 4).map(|i| routed(i / 4, i % 4)))
         .collect();
-    let n_all = all.len();
-    all = (0..n_all).map(|i| all[(i * 2_477) % n_all]).collect();
+    let all: Vec<IpAddr> = (0..ordered.len())
+        .map(|i| ordered[(i * 2_477) % ordered.len()])
+        .collect();
     let mut seen = std::collections::HashSet::new();
     for d in &all {
         assert!(seen.insert(*d), "{d} twice");
+    }
+    for d in dsts.iter().chain(&all) {
         assert!(
             matches!(view.route(*d), Route::Forward(_)),
             "{d} has a route and a neighbour"
         );
     }
+    let sets = [&dsts[..1], &dsts[..64], &dsts[..], &all[..]];
     let mut g = c.benchmark_group("fib");
     g.sample_size(30)
         .noise_threshold(0.03)
         .measurement_time(Duration::from_secs(3));
-    for n in [1usize, 64, 256, n_all] {
-        let set = if n <= dsts.len() {
-            &dsts[..n]
-        } else {
-            &all[..]
-        };
+    for set in sets {
+        let n = set.len();
         g.bench_with_input(BenchmarkId::new("route_cached", n), &n, |b, _| {
             let mut k = 0;
             b.iter(|| {
