@@ -29,6 +29,7 @@
 //! The kernel does not send RTM_DELROUTE for IPv4 routes it flushes when a link goes
 //! down or an address disappears; the mirror re-dumps the routes after such events.
 
+mod dir4;
 mod mirror;
 mod state;
 mod table;

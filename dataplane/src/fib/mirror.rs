@@ -324,6 +324,19 @@ impl Context {
 
     fn publish(&self, state: &mut FibTable) {
         state.generation += 1;
+        let started = Instant::now();
+        match state.index_routes() {
+            Some(Some(blocks)) => tracing::debug!(
+                blocks,
+                took_us = started.elapsed().as_micros() as u64,
+                "IPv4 routes indexed into a trie"
+            ),
+            Some(None) => tracing::debug!(
+                "IPv4 routes left to the per-length hash lookup: more fine-grained prefixes \
+                 than the trie holds"
+            ),
+            None => {}
+        }
         // Under the lock, so that a concurrent set_attached is never undone.
         let attached = self.attached.lock().unwrap_or_else(|e| e.into_inner());
         state.attached = attached.clone();

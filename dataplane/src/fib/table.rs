@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use super::dir4::Dir4;
 use super::{NextHop, Route};
 
 pub(super) type FastMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
@@ -28,6 +29,9 @@ pub struct FibTable {
     pub(super) fdb: Arc<FastMap<(u32, [u8; 6]), u32>>,
     /// `routes[family][table]`, family 0 = IPv4, 1 = IPv6, table as in [`TABLES`].
     pub(super) routes: [[Arc<Lpm>; 3]; 2],
+    /// The IPv4 routes as one trie, when built for these `routes[0]` (see
+    /// [`FibTable::index_routes`]).
+    pub(super) v4: Option<Arc<Dir4>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,6 +178,16 @@ impl Lpm {
         }
     }
 
+    /// Every prefix with an entry that takes part in lookups, with that entry (the one
+    /// [`Lpm::lookup`] answers).
+    pub fn visible(&self) -> impl Iterator<Item = (u128, u8, &RouteEntry)> {
+        self.levels.iter().flat_map(|l| {
+            l.prefixes.iter().filter_map(move |(&p, entries)| {
+                Some((p, l.len, entries.iter().find(|e| e.matches_any_packet())?))
+            })
+        })
+    }
+
     pub fn len(&self) -> usize {
         self.levels
             .iter()
@@ -193,6 +207,16 @@ impl FibTable {
     /// Bumped on every publication; 0 until the first full dump is applied.
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// Builds the IPv4 trie again if the IPv4 routes changed since it was built (the
+    /// mirror, before it publishes). Returns its blocks when it built one.
+    pub(super) fn index_routes(&mut self) -> Option<Option<usize>> {
+        if self.v4.as_ref().is_some_and(|d| d.is_of(&self.routes[0])) {
+            return None;
+        }
+        self.v4 = Dir4::build(&self.routes[0]).map(Arc::new);
+        Some(self.v4.as_ref().map(|d| d.blocks()))
     }
 
     /// Number of mirrored routes (every table and family).
@@ -218,6 +242,12 @@ impl FibTable {
 
     /// The route entry the kernel's default rules would pick for `dst`.
     pub(super) fn lookup(&self, dst: IpAddr) -> Option<&RouteEntry> {
+        if let IpAddr::V4(a) = dst
+            && let Some(dir) = &self.v4
+            && dir.is_of(&self.routes[0])
+        {
+            return dir.lookup(a.to_bits());
+        }
         let (bits, width) = (ip_bits(dst), width(dst));
         let family = usize::from(dst.is_ipv6());
         for lpm in &self.routes[family] {
