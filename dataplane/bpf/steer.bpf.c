@@ -15,6 +15,11 @@
  *      address inside a Service CIDR: kxp rejects the first (no Service on
  *      that port) and drops the second (unallocated), as kube-proxy does
  *                                                 [cluster_ips, service_cidrs]
+ * Rule (e)'s Service CIDRs are checked first, and only for a destination inside the
+ * smallest prefix holding them all (config.cover4/cover6): most packets kxp takes go
+ * to ClusterIPs, and on a node with many Services the frontends lookup is a cache
+ * miss in a large hash table, where one compare and a small trie are not; every other
+ * packet pays the compare only. A ClusterIP's packets then count under (e).
  * If no socket sits on the queue, bpf_redirect_map falls back to XDP_PASS
  * (fail-open), or the packet is dropped with CFG_HOLD (kxp restarting, see below).
  * Userspace (dataplane::xdp) mirrors every layout below.
@@ -54,12 +59,21 @@ struct lpm_key {
 	__u8 addr[16];
 };
 
-/* config[0]; host byte order. snat_hi == 0 disables rule (b). */
+/* config[0]; host byte order. snat_hi == 0 disables rule (b). cover4/cover6: the
+ * smallest prefix holding every Service CIDR of the family (cover6 as four words, most
+ * significant first), of length cover4_len/cover6_len; COVER_NONE: the family has no
+ * Service CIDR. All zero (before kxp writes them): /0, every address is looked up. */
 struct steer_config {
 	__u16 snat_lo;
 	__u16 snat_hi;
 	__u32 flags;
+	__u32 cover4;
+	__u8 cover4_len;
+	__u8 cover6_len;
+	__u8 pad[2];
+	__u32 cover6[4];
 };
+#define COVER_NONE 0xff
 #define CFG_STEER_VLAN (1u << 0) /* look inside one 802.1Q/802.1ad tag */
 /* kxp's service device: everything on it was routed there by the node for kxp; what
  * kxp does not take (no rule matched, or no socket) is dropped, never handed back to
@@ -184,6 +198,39 @@ static __always_inline int in_snat_range(const struct steer_config *cfg, __be16 
 	return cfg && cfg->snat_hi && p >= cfg->snat_lo && p <= cfg->snat_hi;
 }
 
+/* Whether addr (16 bytes, IPv4 mapped) is inside the cover of the Service CIDRs of its
+ * family; without config, yes (look it up). */
+static __always_inline int in_cover(const struct steer_config *cfg, const __u8 *addr, int v6)
+{
+	__u32 len, word, bits, mask;
+	int i;
+
+	if (!cfg)
+		return 1;
+	if (!v6) {
+		len = cfg->cover4_len;
+		if (len > 32)
+			return 0;
+		__builtin_memcpy(&word, addr + 12, 4);
+		mask = len ? ~0u << (32 - len) : 0;
+		return ((bpf_ntohl(word) ^ cfg->cover4) & mask) == 0;
+	}
+	len = cfg->cover6_len;
+	if (len > 128)
+		return 0;
+#pragma unroll
+	for (i = 0; i < 4; i++) {
+		bits = len > 32 * i ? len - 32 * i : 0;
+		if (bits > 32)
+			bits = 32;
+		mask = bits ? ~0u << (32 - bits) : 0;
+		__builtin_memcpy(&word, addr + 4 * i, 4);
+		if ((bpf_ntohl(word) ^ cfg->cover6[i]) & mask)
+			return 0;
+	}
+	return 1;
+}
+
 static __always_inline void set_proto(struct tuple *t, __u8 proto)
 {
 	t->src.proto = proto;
@@ -279,11 +326,17 @@ static __always_inline int parse_ports(void *l4, void *end, struct tuple *t)
 }
 
 /* Rules (a)-(c) and (e); returns the stats index of the rule, or 0. */
-static __always_inline __u32 match_flow(struct tuple *t, const struct steer_config *cfg)
+static __always_inline __u32 match_flow(struct tuple *t, const struct steer_config *cfg,
+					int v6)
 {
 	struct lpm_key cidr = { .prefixlen = 128 };
 	int dst_local;
 
+	if (in_cover(cfg, t->dst.addr, v6)) {
+		__builtin_memcpy(cidr.addr, t->dst.addr, 16);
+		if (bpf_map_lookup_elem(&service_cidrs, &cidr))
+			return ST_CLUSTER_IP;
+	}
 	if (bpf_map_lookup_elem(&frontends, &t->dst))
 		return ST_FRONTEND;
 	dst_local = bpf_map_lookup_elem(&local_addrs, t->dst.addr) != NULL;
@@ -292,9 +345,6 @@ static __always_inline __u32 match_flow(struct tuple *t, const struct steer_conf
 	if (!dst_local && bpf_map_lookup_elem(&endpoints, &t->src))
 		return ST_DNAT_REPLY;
 	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
-		return ST_CLUSTER_IP;
-	__builtin_memcpy(cidr.addr, t->dst.addr, 16);
-	if (bpf_map_lookup_elem(&service_cidrs, &cidr))
 		return ST_CLUSTER_IP;
 	return 0;
 }
@@ -408,7 +458,7 @@ int kxp_steer(struct xdp_md *ctx)
 			count(ST_UNPARSED);
 			goto pass;
 		}
-		reason = match_flow(&t, cfg);
+		reason = match_flow(&t, cfg, v6);
 	} else if ((!v6 && t.src.proto == IPPROTO_ICMP) ||
 		   (v6 && t.src.proto == IPPROTO_ICMPV6_)) {
 		reason = match_icmp(l4, end, v6, cfg);

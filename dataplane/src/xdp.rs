@@ -19,6 +19,13 @@
 //!   the address), and so does kxp's engine, which must see them for that. Pings and
 //!   other protocols to those addresses stay the kernel's.
 //!
+//! The Service CIDRs are looked up first, and only for a destination inside the
+//! smallest prefix of its family that holds them all (`config`, kept by
+//! [`Steering::sync_service_cidrs`]): most of what kxp takes goes to ClusterIPs, and
+//! with thousands of Services the `frontends` lookup misses the cache where one compare
+//! and a trie of a few prefixes do not; every other packet pays the compare only
+//! (`bench/results/cidr-first-ab-20261204.json`).
+//!
 //! It is fail-open: with no socket in `xsks` for the queue (kxp starting, restarting or
 //! gone), matching packets go to the kernel too. Each [`Steering`] is its own program
 //! instance with its own maps, so several interfaces with the same queue numbers work;
@@ -90,6 +97,10 @@ const CFG_STEER_VLAN: u32 = 1;
 const CFG_SERVICE_DEVICE: u32 = 2;
 /// `config.flags` bit: drop, do not pass, a matching packet with no socket on its queue.
 const CFG_HOLD: u32 = 4;
+/// Size of `struct steer_config`.
+const CONFIG_LEN: usize = 32;
+/// `config.cover4_len` / `cover6_len`: the family has no Service CIDR.
+const COVER_NONE: u8 = 0xff;
 
 // include_bytes! is 1-aligned; libelf wants the ELF image 8-aligned.
 #[repr(C, align(8))]
@@ -542,8 +553,8 @@ impl Steering {
         })
     }
 
-    /// Read-modify-write of `config[0]` (`struct steer_config`, 8 bytes).
-    fn update_config(&self, change: impl FnOnce(&mut [u8; 8])) -> Result<(), XdpError> {
+    /// Read-modify-write of `config[0]` (`struct steer_config`, [`CONFIG_LEN`] bytes).
+    fn update_config(&self, change: impl FnOnce(&mut [u8; CONFIG_LEN])) -> Result<(), XdpError> {
         let key = 0u32.to_ne_bytes();
         let map_err = |op, source| XdpError::Map {
             map: "config",
@@ -555,9 +566,9 @@ impl Steering {
             .config
             .lookup(&key, MapFlags::ANY)
             .map_err(|e| map_err("lookup", e))?;
-        let mut value = [0u8; 8];
+        let mut value = [0u8; CONFIG_LEN];
         if let Some(v) = current {
-            let n = v.len().min(8);
+            let n = v.len().min(CONFIG_LEN);
             value[..n].copy_from_slice(&v[..n]);
         }
         change(&mut value);
@@ -658,7 +669,40 @@ impl Steering {
     /// As [`Steering::sync_frontends`].
     pub fn sync_service_cidrs(&mut self, want: &HashSet<IpNet>) -> Result<SyncStats, XdpError> {
         let canonical: HashSet<IpNet> = want.iter().map(|&n| key::canonical_net(n)).collect();
-        self.service_cidrs.sync(&canonical)
+        // The program looks a destination up only inside the cover of the CIDRs, so the
+        // cover holds every CIDR in the map at every moment: widened to the old and the
+        // new ones first, narrowed to what the map holds after.
+        let both: Vec<IpNet> = self
+            .service_cidrs
+            .installed()
+            .iter()
+            .chain(&canonical)
+            .copied()
+            .collect();
+        self.set_cidr_cover(&both)?;
+        let synced = self.service_cidrs.sync(&canonical);
+        let held: Vec<IpNet> = self.service_cidrs.installed().iter().copied().collect();
+        self.set_cidr_cover(&held)?;
+        synced
+    }
+
+    /// Writes the smallest prefix of each family holding all of `nets` to the config.
+    fn set_cidr_cover(&self, nets: &[IpNet]) -> Result<(), XdpError> {
+        let (v4, v6) = key::covers(nets);
+        self.update_config(|c| {
+            let (a4, l4) = v4.map_or((0, COVER_NONE), |n| {
+                (u32::from(n.network()), n.prefix_len())
+            });
+            c[8..12].copy_from_slice(&a4.to_ne_bytes());
+            c[12] = l4;
+            let (a6, l6) = v6.map_or((0, COVER_NONE), |n| {
+                (u128::from(n.network()), n.prefix_len())
+            });
+            c[13] = l6;
+            for (i, w) in c[16..32].chunks_exact_mut(4).enumerate() {
+                w.copy_from_slice(&((a6 >> (96 - 32 * i)) as u32).to_ne_bytes());
+            }
+        })
     }
 
     /// The counters, summed over CPUs.

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::net::IpAddr;
 
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use nat::tuple::Protocol;
 
@@ -105,6 +105,38 @@ pub(super) fn canonical_net(net: IpNet) -> IpNet {
         return IpNet::V4(n4.trunc());
     }
     net.trunc()
+}
+
+/// The smallest IPv4 and IPv6 prefixes holding every net of `nets` of their family
+/// (`None`: no net of that family). IPv4-mapped IPv6 nets must be canonical (IPv4).
+pub(super) fn covers(nets: &[IpNet]) -> (Option<Ipv4Net>, Option<Ipv6Net>) {
+    let mut v4: Option<Ipv4Net> = None;
+    let mut v6: Option<Ipv6Net> = None;
+    for net in nets {
+        match *net {
+            IpNet::V4(n) => {
+                v4 = Some(v4.map_or(n.trunc(), |c| {
+                    let (a, b) = (u32::from(c.network()), u32::from(n.network()));
+                    let len = c
+                        .prefix_len()
+                        .min(n.prefix_len())
+                        .min((a ^ b).leading_zeros() as u8);
+                    Ipv4Net::new(c.network(), len).map_or(c, |m| m.trunc())
+                }));
+            }
+            IpNet::V6(n) => {
+                v6 = Some(v6.map_or(n.trunc(), |c| {
+                    let (a, b) = (u128::from(c.network()), u128::from(n.network()));
+                    let len = c
+                        .prefix_len()
+                        .min(n.prefix_len())
+                        .min((a ^ b).leading_zeros() as u8);
+                    Ipv6Net::new(c.network(), len).map_or(c, |m| m.trunc())
+                }));
+            }
+        }
+    }
+    (v4, v6)
 }
 
 pub(super) fn addr_bytes(addr: IpAddr) -> [u8; 16] {

@@ -16,7 +16,8 @@ pub struct SteerStats {
     pub redirected: u64,
     pub passed: u64,
     pub no_socket: u64,
-    /// Rule (a): to a Service frontend.
+    /// Rule (a): to a Service frontend outside the Service CIDRs (NodePorts, external
+    /// and LoadBalancer IPs; ClusterIPs when no ServiceCIDR is known).
     pub frontend: u64,
     /// Rule (b): to a node address, in the SNAT port range.
     pub masq_reply: u64,
@@ -24,8 +25,9 @@ pub struct SteerStats {
     pub dnat_reply: u64,
     /// Rule (d): an ICMP error about a translated flow.
     pub icmp_error: u64,
-    /// Rule (e): to a ClusterIP on a port no Service serves, or to an address inside a
-    /// Service CIDR that no Service owns (kxp rejects / drops them).
+    /// Rule (e), checked first: to an address inside a Service CIDR (ClusterIPs
+    /// included, whichever port; kxp translates, rejects or drops them); or to a
+    /// ClusterIP outside the CIDRs on a port no Service serves (kxp rejects it).
     pub cluster_ip: u64,
     /// IPv4 or IPv6 whose headers the program cannot read (truncated, IHL below 5, a
     /// transport header cut short, too long an IPv6 extension chain): passed, and the

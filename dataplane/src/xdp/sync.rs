@@ -45,6 +45,11 @@ impl<K: MapKey> SyncedMap<K> {
         }
     }
 
+    /// The keys this process installed (and did not remove).
+    pub(super) fn installed(&self) -> &HashSet<K> {
+        &self.installed
+    }
+
     #[cfg(test)]
     pub(super) fn map(&self) -> &MapHandle {
         &self.map

@@ -502,6 +502,112 @@ fn service_cidrs_steer_unallocated_addresses_of_their_family_only() {
 }
 
 #[test]
+fn service_cidrs_are_looked_up_first_inside_their_cover_only() {
+    let mut s = steering();
+    let v4 = sock("198.18.0.1:40000");
+    let v6 = sock("[2001:db8::1]:40000");
+    let to = |client, dst: &str| frame(&tuple(client, sock(dst), Protocol::Tcp));
+    // Before kxp writes a cover (all zero): every address is looked up.
+    s.service_cidrs.sync(&set([net("203.0.113.0/24")])).unwrap();
+    assert_eq!(
+        classify(&s, &to(v4, "203.0.113.5:80")),
+        Some(Rule::ClusterIp)
+    );
+    // A frontend inside a Service CIDR counts under (e), one outside under (a).
+    s.sync_frontends(&set([
+        key(sock("198.19.0.10:80"), Protocol::Tcp),
+        key(sock("198.18.0.2:30080"), Protocol::Tcp),
+    ]))
+    .unwrap();
+    s.sync_service_cidrs(&set([net("198.19.0.0/16")])).unwrap();
+    assert_eq!(
+        classify(&s, &to(v4, "198.19.0.10:80")),
+        Some(Rule::ClusterIp)
+    );
+    assert_eq!(
+        classify(&s, &to(v4, "198.18.0.2:30080")),
+        Some(Rule::Frontend)
+    );
+    assert_eq!(
+        classify(&s, &to(v4, "203.0.113.5:80")),
+        None,
+        "CIDR removed"
+    );
+    // Far-apart CIDRs: the cover is wide, the trie still decides; each family its own.
+    s.sync_service_cidrs(&set([
+        net("10.96.0.0/12"),
+        net("198.19.0.0/16"),
+        net("fd00:10:96::/112"),
+        net("2001:db8:ffff::/112"),
+    ]))
+    .unwrap();
+    for (client, dst, want) in [
+        (v4, "10.96.0.1:443", true),
+        (v4, "10.111.255.255:443", true),
+        (v4, "10.112.0.0:443", false),
+        (v4, "100.64.0.1:443", false),
+        (v4, "198.19.200.1:443", true),
+        (v6, "[fd00:10:96::a]:443", true),
+        (v6, "[2001:db8:ffff::a]:443", true),
+        (v6, "[2001:db8:fffe::a]:443", false),
+        (v6, "[fd00:10:97::a]:443", false),
+    ] {
+        assert_eq!(
+            classify(&s, &to(client, dst)),
+            want.then_some(Rule::ClusterIp),
+            "{dst}"
+        );
+    }
+    // No IPv6 CIDR left: IPv6 destinations are not looked up, IPv4 ones still are.
+    s.sync_service_cidrs(&set([net("10.96.0.0/12")])).unwrap();
+    assert_eq!(classify(&s, &to(v6, "[fd00:10:96::a]:443")), None);
+    assert_eq!(
+        classify(&s, &to(v4, "10.96.0.1:443")),
+        Some(Rule::ClusterIp)
+    );
+    assert_eq!(classify(&s, &to(v4, "198.19.200.1:443")), None);
+    s.sync_service_cidrs(&HashSet::new()).unwrap();
+    assert_eq!(classify(&s, &to(v4, "10.96.0.1:443")), None);
+}
+
+#[test]
+fn cidr_covers_are_the_smallest_common_prefix_per_family() {
+    let covers = |nets: &[&str]| {
+        let nets: Vec<IpNet> = nets.iter().map(|n| net(n)).collect();
+        let (v4, v6) = super::key::covers(&nets);
+        (v4.map(|n| n.to_string()), v6.map(|n| n.to_string()))
+    };
+    let s = |x: &str| Some(x.to_string());
+    assert_eq!(covers(&[]), (None, None));
+    assert_eq!(covers(&["198.19.0.0/16"]), (s("198.19.0.0/16"), None));
+    assert_eq!(
+        covers(&["198.19.0.0/16", "198.19.5.0/24"]),
+        (s("198.19.0.0/16"), None)
+    );
+    assert_eq!(
+        covers(&["198.19.0.0/16", "198.18.0.0/16"]),
+        (s("198.18.0.0/15"), None)
+    );
+    assert_eq!(
+        covers(&["10.96.0.0/12", "198.19.0.0/16"]),
+        (s("0.0.0.0/0"), None)
+    );
+    assert_eq!(
+        covers(&["10.96.0.1/12"]),
+        (s("10.96.0.0/12"), None),
+        "host bits"
+    );
+    assert_eq!(
+        covers(&[
+            "2001:db8:ffff::/112",
+            "2001:db8:fffe::/112",
+            "198.19.0.0/16"
+        ]),
+        (s("198.19.0.0/16"), s("2001:db8:fffe::/47"))
+    );
+}
+
+#[test]
 fn cluster_ip_and_service_cidr_sync_is_incremental_and_canonical() {
     let mut s = steering();
     let v4 = sock("198.18.0.1:40000");
