@@ -18,8 +18,9 @@
  * Rule (e)'s Service CIDRs are checked first, and only for a destination inside the
  * smallest prefix holding them all (config.cover4/cover6): most packets kxp takes go
  * to ClusterIPs, and on a node with many Services the frontends lookup is a cache
- * miss in a large hash table, where one compare and a small trie are not; every other
- * packet pays the compare only. A ClusterIP's packets then count under (e).
+ * miss in a large hash table, where one compare (and, with several CIDRs of a family,
+ * a small trie) is not; every other packet pays the compare only. A ClusterIP's
+ * packets then count under (e).
  * If no socket sits on the queue, bpf_redirect_map falls back to XDP_PASS
  * (fail-open), or the packet is dropped with CFG_HOLD (kxp restarting, see below).
  * Userspace (dataplane::xdp) mirrors every layout below.
@@ -62,7 +63,10 @@ struct lpm_key {
 /* config[0]; host byte order. snat_hi == 0 disables rule (b). cover4/cover6: the
  * smallest prefix holding every Service CIDR of the family (cover6 as four words, most
  * significant first), of length cover4_len/cover6_len; COVER_NONE: the family has no
- * Service CIDR. All zero (before kxp writes them): /0, every address is looked up. */
+ * Service CIDR. cover_exact: COVER4_EXACT / COVER6_EXACT when the cover is itself one
+ * of the CIDRs (one per family, the usual case): inside it is inside a CIDR, no trie
+ * lookup. All zero (before kxp writes them): /0, not exact, every address is looked
+ * up. */
 struct steer_config {
 	__u16 snat_lo;
 	__u16 snat_hi;
@@ -70,10 +74,13 @@ struct steer_config {
 	__u32 cover4;
 	__u8 cover4_len;
 	__u8 cover6_len;
-	__u8 pad[2];
+	__u8 cover_exact;
+	__u8 pad;
 	__u32 cover6[4];
 };
 #define COVER_NONE 0xff
+#define COVER4_EXACT 1
+#define COVER6_EXACT 2
 #define CFG_STEER_VLAN (1u << 0) /* look inside one 802.1Q/802.1ad tag */
 /* kxp's service device: everything on it was routed there by the node for kxp; what
  * kxp does not take (no rule matched, or no socket) is dropped, never handed back to
@@ -333,6 +340,8 @@ static __always_inline __u32 match_flow(struct tuple *t, const struct steer_conf
 	int dst_local;
 
 	if (in_cover(cfg, t->dst.addr, v6)) {
+		if (cfg && (cfg->cover_exact & (v6 ? COVER6_EXACT : COVER4_EXACT)))
+			return ST_CLUSTER_IP;
 		__builtin_memcpy(cidr.addr, t->dst.addr, 16);
 		if (bpf_map_lookup_elem(&service_cidrs, &cidr))
 			return ST_CLUSTER_IP;

@@ -21,10 +21,13 @@
 //!
 //! The Service CIDRs are looked up first, and only for a destination inside the
 //! smallest prefix of its family that holds them all (`config`, kept by
-//! [`Steering::sync_service_cidrs`]): most of what kxp takes goes to ClusterIPs, and
-//! with thousands of Services the `frontends` lookup misses the cache where one compare
-//! and a trie of a few prefixes do not; every other packet pays the compare only
-//! (`bench/results/cidr-first-ab-20261204.json`).
+//! [`Steering::sync_service_cidrs`]; with one CIDR per family, the usual case, that
+//! prefix is the CIDR and no trie is looked up): most of what kxp takes goes to
+//! ClusterIPs, and with thousands of Services the `frontends` lookup misses the cache
+//! where a compare does not; every other packet pays the compare only (`cargo bench
+//! --bench steer`, three runs in `bench/results/steer-20261204.txt`: a packet to
+//! one of 10,000 ClusterIPs took 130-170 ns, 70-74 now; an endpoint's reply 177-215 vs
+//! 183-202).
 //!
 //! It is fail-open: with no socket in `xsks` for the queue (kxp starting, restarting or
 //! gone), matching packets go to the kernel too. Each [`Steering`] is its own program
@@ -679,17 +682,21 @@ impl Steering {
             .chain(&canonical)
             .copied()
             .collect();
-        self.set_cidr_cover(&both)?;
+        self.set_cidr_cover(&both, false)?;
         let synced = self.service_cidrs.sync(&canonical);
         let held: Vec<IpNet> = self.service_cidrs.installed().iter().copied().collect();
-        self.set_cidr_cover(&held)?;
+        self.set_cidr_cover(&held, true)?;
         synced
     }
 
-    /// Writes the smallest prefix of each family holding all of `nets` to the config.
-    fn set_cidr_cover(&self, nets: &[IpNet]) -> Result<(), XdpError> {
+    /// Writes the smallest prefix of each family holding all of `nets` to the config,
+    /// marked exact (no trie lookup inside it) when it is one of `nets` and `exact`.
+    fn set_cidr_cover(&self, nets: &[IpNet], exact: bool) -> Result<(), XdpError> {
         let (v4, v6) = key::covers(nets);
+        let is_one = |cover: Option<IpNet>| exact && cover.is_some_and(|c| nets.contains(&c));
+        let flags = u8::from(is_one(v4.map(IpNet::V4))) | u8::from(is_one(v6.map(IpNet::V6))) << 1;
         self.update_config(|c| {
+            c[14] = flags;
             let (a4, l4) = v4.map_or((0, COVER_NONE), |n| {
                 (u32::from(n.network()), n.prefix_len())
             });
@@ -722,6 +729,15 @@ impl Steering {
     /// [`XdpError::TestRunFrameSize`] below 14 bytes; [`XdpError::TestRun`] (e.g. a frame
     /// larger than the kernel's limit of about 3.5 KiB).
     pub fn test_run(&self, frame: &[u8]) -> Result<u32, XdpError> {
+        self.test_run_timed(frame).map(|(action, _)| action)
+    }
+
+    /// [`Steering::test_run`], with the nanoseconds the kernel timed the program for
+    /// (the `steer` bench).
+    ///
+    /// # Errors
+    /// As [`Steering::test_run`].
+    pub fn test_run_timed(&self, frame: &[u8]) -> Result<(u32, u32), XdpError> {
         if frame.len() < 14 {
             return Err(XdpError::TestRunFrameSize { len: frame.len() });
         }

@@ -84,58 +84,6 @@ fn mac(s: &str) -> anyhow::Result<[u8; 6]> {
         .map_err(|_| anyhow::anyhow!("{s:?} is not a MAC address"))
 }
 
-fn fold(mut sum: u32) -> u16 {
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-fn sum16(data: &[u8]) -> u32 {
-    data.chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum()
-}
-
-/// One 60-byte frame: Ethernet, IPv4 (no options), UDP, 18 bytes of payload.
-fn frame(
-    a: &Args,
-    src_mac: [u8; 6],
-    dst_mac: [u8; 6],
-    (src, sport): (Ipv4Addr, u16),
-    dst: Ipv4Addr,
-) -> [u8; 60] {
-    let mut f = [0x2eu8; 60];
-    f[0..6].copy_from_slice(&dst_mac);
-    f[6..12].copy_from_slice(&src_mac);
-    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-    let ip = &mut f[14..34];
-    ip[0] = 0x45;
-    ip[1] = 0;
-    ip[2..4].copy_from_slice(&46u16.to_be_bytes());
-    ip[4..8].copy_from_slice(&[0, 0, 0x40, 0]);
-    ip[8] = 64;
-    ip[9] = 17;
-    ip[10..12].copy_from_slice(&[0, 0]);
-    ip[12..16].copy_from_slice(&src.octets());
-    ip[16..20].copy_from_slice(&dst.octets());
-    let c = fold(sum16(ip));
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    f[34..36].copy_from_slice(&sport.to_be_bytes());
-    f[36..38].copy_from_slice(&a.dport.to_be_bytes());
-    f[38..40].copy_from_slice(&26u16.to_be_bytes());
-    f[40..42].copy_from_slice(&[0, 0]);
-    // UDP checksum over the pseudo-header, header and payload.
-    let mut s = sum16(&f[26..34]) + 17 + 26;
-    s += sum16(&f[34..60]);
-    let c = match fold(s) {
-        0 => 0xffff,
-        c => c,
-    };
-    f[40..42].copy_from_slice(&c.to_be_bytes());
-    f
-}
-
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let (src_mac, dst_mac) = (mac(&a.src_mac)?, mac(&a.dst_mac)?);
@@ -193,7 +141,7 @@ fn main() -> anyhow::Result<()> {
                     port = (port + 1) % a.flows;
                     (est_source(&a, k), Ipv4Addr::from(base + k % a.vips))
                 };
-                let bytes = frame(&a, src_mac, dst_mac, source, dst);
+                let bytes = kxp_bench::udp_frame(src_mac, dst_mac, source, (dst, a.dport));
                 io.set_len(&mut f, 60);
                 io.bytes(&mut f).copy_from_slice(&bytes);
                 io.send(0, f);

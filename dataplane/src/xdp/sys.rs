@@ -175,7 +175,9 @@ pub fn is_bpffs(path: &std::path::Path) -> bool {
 }
 
 /// BPF_PROG_TEST_RUN of an XDP program on one frame (>= 14 bytes); the XDP action.
-pub fn prog_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<u32> {
+/// Runs `prog` once on `frame`: its return value and the nanoseconds the kernel timed
+/// the run for.
+pub fn prog_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<(u32, u32)> {
     let mut opts = libbpf_sys::bpf_test_run_opts {
         sz: size_of::<libbpf_sys::bpf_test_run_opts>() as libbpf_sys::size_t,
         data_in: frame.as_ptr().cast(),
@@ -192,7 +194,7 @@ pub fn prog_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<u32> {
     // `ctx_out` are NULL, so the kernel writes no buffer of ours.
     let ret = unsafe { libbpf_sys::bpf_prog_test_run_opts(prog.as_raw_fd(), &mut opts) };
     check(ret)?;
-    Ok(opts.retval)
+    Ok((opts.retval, opts.duration))
 }
 
 /// Why [`load_object`] failed: libbpf's error and the tail of the kernel verifier log
