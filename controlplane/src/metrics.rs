@@ -1023,6 +1023,7 @@ mod tests {
                     count: 3,
                     total_ns: 45_000_000,
                     longest_ns: 30_000_000,
+                    by_part: [1, 2, 0, 0],
                 },
             ],
             ..Default::default()

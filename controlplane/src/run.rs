@@ -843,11 +843,23 @@ fn totals_line(dp: &Dataplane) -> String {
         .iter()
         .enumerate()
         .map(|(w, s)| {
+            let parts: Vec<String> = dataplane::worker::Stalls::PARTS
+                .iter()
+                .zip(s.by_part)
+                .filter(|&(_, n)| n > 0)
+                .map(|(p, n)| format!("{p} {n}"))
+                .collect();
             format!(
-                "worker{w}:{} ({:.1} ms, longest {:.1} ms)",
+                "worker{w}:{} ({:.1} ms, longest {:.1} ms{}{})",
                 s.count,
                 s.total_ns as f64 / 1e6,
-                s.longest_ns as f64 / 1e6
+                s.longest_ns as f64 / 1e6,
+                if parts.is_empty() {
+                    ""
+                } else {
+                    "; longest part: "
+                },
+                parts.join(", ")
             )
         })
         .collect();

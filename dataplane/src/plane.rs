@@ -934,6 +934,7 @@ impl Dataplane {
                 count: g(&s.stalls),
                 total_ns: g(&s.stalled_ns),
                 longest_ns: g(&s.longest_stall_ns),
+                by_part: [0, 1, 2, 3].map(|i| g(&s.stall_parts[i])),
             });
             let gen_ = g(&s.snapshot_generation);
             t.generation = if t.generation == 0 {

@@ -207,6 +207,7 @@ pub struct WorkerStats {
     pub stalls: AtomicU64,
     pub stalled_ns: AtomicU64,
     pub longest_stall_ns: AtomicU64,
+    pub stall_parts: [AtomicU64; 4],
     pub snapshot_generation: AtomicU64,
     /// Drops by engine cause, `label=count` lines, refreshed every few batches.
     pub drop_detail: std::sync::Mutex<Vec<(&'static str, u64)>>,
@@ -393,18 +394,30 @@ pub struct Stalls {
     pub total_ns: u64,
     /// The longest.
     pub longest_ns: u64,
+    /// How many stalls each part of the round was the longest part of, in
+    /// [`Stalls::PARTS`] order.
+    pub by_part: [u64; 4],
 }
 
 impl Stalls {
     /// Shorter gaps are a round's work: a batch of 64 takes tens of microseconds.
     pub const MIN_NS: u64 = 1_000_000;
 
-    /// One gap between two rounds' starts.
-    pub fn note(&mut self, gap_ns: u64) {
+    /// The parts of a round a stall is put down to: receiving and handling the packets
+    /// (handed-over ones included), writing the journal and the transmit kick (in copy
+    /// mode the kernel delivers the frames inside it), the expiry and affinity sweeps,
+    /// and the rest until the next round (the loop's own bookkeeping, or its CPU taken
+    /// away).
+    pub const PARTS: [&str; 4] = ["packets", "transmit", "expiry", "between"];
+
+    /// One gap between two rounds' starts, `parts` its lengths by [`Stalls::PARTS`].
+    pub fn note(&mut self, gap_ns: u64, parts: [u64; 4]) {
         if gap_ns >= Self::MIN_NS {
             self.count += 1;
             self.total_ns += gap_ns;
             self.longest_ns = self.longest_ns.max(gap_ns);
+            let longest = (0..4).max_by_key(|&i| parts[i]).unwrap_or(3);
+            self.by_part[longest] += 1;
         }
     }
 }
@@ -473,6 +486,9 @@ impl<'id> Worker<'id> {
         // The rate the loop drains packets at, measured over its busy rounds (the time
         // from one busy round's start to the next's, and the packets it took).
         let (mut prev_start, mut prev_work) = (last_work, 0usize);
+        // When the previous round had handled its packets, kicked the transmission and
+        // swept (for the parts of a stall).
+        let (mut handled, mut sent, mut swept) = (last_work, last_work, last_work);
         let (mut busy_ns, mut busy_packets, mut busy_rounds) = (0u64, 0u64, 0u64);
         let mut window_start = last_work;
         let mut iterations: u64 = 0;
@@ -506,7 +522,15 @@ impl<'id> Worker<'id> {
             let now = crate::sys::monotonic_ns();
             self.now = now;
             if !slept {
-                self.local.stalls.note(now.saturating_sub(prev_start));
+                let parts = [
+                    handled.saturating_sub(prev_start),
+                    sent.saturating_sub(handled),
+                    swept.saturating_sub(sent),
+                    now.saturating_sub(swept),
+                ];
+                self.local
+                    .stalls
+                    .note(now.saturating_sub(prev_start), parts);
             }
             slept = false;
             if prev_work > 0 {
@@ -589,16 +613,19 @@ impl<'id> Worker<'id> {
                     self.handle(f, ifindex, &snap, now, workers, &mut answer, false, pre);
                 }
             }
+            handled = crate::sys::monotonic_ns();
             // Every flow a packet of this batch created or changed is in the state file
             // before the packet leaves (the transmit kick below).
             self.write_journal();
             self.io.flush();
+            sent = crate::sys::monotonic_ns();
             self.engine
                 .table
                 .expire_paced(now, EXPIRE_SWEEP_NS, EXPIRE_MAX_PER_ROUND);
             if iterations.is_multiple_of(64) {
                 self.engine.node.affinity.sweep(now, 64);
             }
+            swept = crate::sys::monotonic_ns();
 
             iterations += 1;
             prev_work = work;
@@ -702,6 +729,9 @@ impl<'id> Worker<'id> {
         s.stalled_ns.store(l.stalls.total_ns, Ordering::Relaxed);
         s.longest_stall_ns
             .store(l.stalls.longest_ns, Ordering::Relaxed);
+        for (a, v) in s.stall_parts.iter().zip(l.stalls.by_part) {
+            a.store(v, Ordering::Relaxed);
+        }
         if generation != 0 {
             s.snapshot_generation.store(generation, Ordering::Relaxed);
         }
@@ -1356,18 +1386,24 @@ mod tests {
     fn stalls_are_gaps_of_a_millisecond_or_more() {
         let mut s = Stalls::default();
         for gap in [0, 50_000, 999_999] {
-            s.note(gap);
+            s.note(gap, [gap, 0, 0, 0]);
         }
         assert_eq!(s, Stalls::default(), "a round's work is not a stall");
-        for gap in [1_000_000, 30_000_000, 2_000_000, 10] {
-            s.note(gap);
+        for (gap, parts) in [
+            (1_000_000, [10, 999_990, 0, 0]),
+            (30_000_000, [0, 0, 0, 30_000_000]),
+            (2_000_000, [1_500_000, 400_000, 100_000, 0]),
+            (10, [10, 0, 0, 0]),
+        ] {
+            s.note(gap, parts);
         }
         assert_eq!(
             s,
             Stalls {
                 count: 3,
                 total_ns: 33_000_000,
-                longest_ns: 30_000_000
+                longest_ns: 30_000_000,
+                by_part: [1, 1, 0, 1],
             }
         );
     }
