@@ -1,7 +1,8 @@
 //! Where a translated packet goes next: a worker's route lookup against the mirrored
 //! FIB of a real network namespace, through its route cache (`FibView::route`, what the
 //! worker calls per packet since 2026-12-03) and without it (`FibSnapshot::route`: the
-//! prefix levels of tables local, main and default, then the neighbour table), for
+//! IPv4 trie of tables local, main and default, or for IPv6 their prefix levels, then
+//! the neighbour table), for
 //! packets to 1, 64 and 256 destinations in turn. The namespace has 1,000 routes and 250
 //! permanent neighbours (on-link endpoints and a gateway).
 //!
