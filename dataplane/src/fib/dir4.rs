@@ -65,19 +65,16 @@ impl Dir4 {
                     .collect()
             })
             .collect();
-        // /16s and /24s where a longer prefix starts.
-        let fine16: BTreeSet<u32> = prefixes
-            .iter()
-            .flatten()
-            .filter(|&&(_, len, _)| len > 16)
-            .map(|&(p, _, _)| p >> 16)
-            .collect();
-        let fine24: BTreeSet<u32> = prefixes
-            .iter()
-            .flatten()
-            .filter(|&&(_, len, _)| len > 24)
-            .map(|&(p, _, _)| p >> 8)
-            .collect();
+        // The /16s and /24s where a longer prefix starts.
+        let fine = |bits: u8| -> BTreeSet<u32> {
+            prefixes
+                .iter()
+                .flatten()
+                .filter(|&&(_, len, _)| len > bits)
+                .map(|&(p, _, _)| p >> (32 - bits))
+                .collect()
+        };
+        let (fine16, fine24) = (fine(16), fine(24));
         if fine16.len() + fine24.len() > MAX_BLOCKS {
             return None;
         }

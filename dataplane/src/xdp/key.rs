@@ -110,32 +110,29 @@ pub(super) fn canonical_net(net: IpNet) -> IpNet {
 /// The smallest IPv4 and IPv6 prefixes holding every net of `nets` of their family
 /// (`None`: no net of that family). IPv4-mapped IPv6 nets must be canonical (IPv4).
 pub(super) fn covers(nets: &[IpNet]) -> (Option<Ipv4Net>, Option<Ipv6Net>) {
-    let mut v4: Option<Ipv4Net> = None;
-    let mut v6: Option<Ipv6Net> = None;
-    for net in nets {
-        match *net {
-            IpNet::V4(n) => {
-                v4 = Some(v4.map_or(n.trunc(), |c| {
-                    let (a, b) = (u32::from(c.network()), u32::from(n.network()));
-                    let len = c
-                        .prefix_len()
-                        .min(n.prefix_len())
-                        .min((a ^ b).leading_zeros() as u8);
-                    Ipv4Net::new(c.network(), len).map_or(c, |m| m.trunc())
-                }));
-            }
-            IpNet::V6(n) => {
-                v6 = Some(v6.map_or(n.trunc(), |c| {
-                    let (a, b) = (u128::from(c.network()), u128::from(n.network()));
-                    let len = c
-                        .prefix_len()
-                        .min(n.prefix_len())
-                        .min((a ^ b).leading_zeros() as u8);
-                    Ipv6Net::new(c.network(), len).map_or(c, |m| m.trunc())
-                }));
-            }
-        }
-    }
+    let cover = |v6: bool| {
+        nets.iter()
+            .filter(|n| matches!(n, IpNet::V6(_)) == v6)
+            .map(IpNet::trunc)
+            .reduce(|c, n| {
+                // Both of one family: the bits they share, counted in a 128-bit word.
+                let bits = |net: IpNet| match net.network() {
+                    IpAddr::V4(a) => u128::from(a.to_bits()) << 96,
+                    IpAddr::V6(a) => a.to_bits(),
+                };
+                let shared = (bits(c) ^ bits(n)).leading_zeros() as u8;
+                let len = c.prefix_len().min(n.prefix_len()).min(shared);
+                IpNet::new(c.network(), len).map_or(c, |m| m.trunc())
+            })
+    };
+    let v4 = match cover(false) {
+        Some(IpNet::V4(n)) => Some(n),
+        _ => None,
+    };
+    let v6 = match cover(true) {
+        Some(IpNet::V6(n)) => Some(n),
+        _ => None,
+    };
     (v4, v6)
 }
 
