@@ -18,7 +18,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use super::table::{Kind, Lpm, RouteEntry};
+use super::table::{Kind, Lpm, RouteEntry, lookup_tables};
 
 /// A slot holding the index of a next-stage block rather than an answer.
 const CHILD: u32 = 1 << 31;
@@ -47,9 +47,7 @@ impl std::fmt::Debug for Dir4 {
 
 /// The answer of the three tables for `a`, as [`super::FibTable::lookup`] gives it.
 fn slow(lpms: &[Arc<Lpm>; 3], a: u32) -> Option<&RouteEntry> {
-    lpms.iter()
-        .filter_map(|lpm| lpm.lookup(u128::from(a), 32))
-        .find(|e| e.kind != Kind::Throw)
+    lookup_tables(lpms, u128::from(a), 32)
 }
 
 impl Dir4 {

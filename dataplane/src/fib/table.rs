@@ -196,6 +196,15 @@ impl Lpm {
     }
 }
 
+/// The entry of the first of `tables` (in [`TABLES`] order) whose longest matching
+/// prefix is not a `throw`: what the kernel's default rules pick for `bits`.
+pub(super) fn lookup_tables(tables: &[Arc<Lpm>; 3], bits: u128, width: u8) -> Option<&RouteEntry> {
+    tables
+        .iter()
+        .filter_map(|lpm| lpm.lookup(bits, width))
+        .find(|e| e.kind != Kind::Throw)
+}
+
 /// A lookup's answer before the view turns "unresolved" into a resolution request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Resolved {
@@ -248,16 +257,8 @@ impl FibTable {
         {
             return dir.lookup(a.to_bits());
         }
-        let (bits, width) = (ip_bits(dst), width(dst));
         let family = usize::from(dst.is_ipv6());
-        for lpm in &self.routes[family] {
-            match lpm.lookup(bits, width) {
-                Some(e) if e.kind == Kind::Throw => continue,
-                Some(e) => return Some(e),
-                None => continue,
-            }
-        }
-        None
+        lookup_tables(&self.routes[family], ip_bits(dst), width(dst))
     }
 
     pub(super) fn resolve(&self, dst: IpAddr) -> Resolved {
