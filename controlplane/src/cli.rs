@@ -174,6 +174,12 @@ pub struct RunArgs {
     /// CPUs to pin the workers to (one worker each), e.g. 1 or 0,1.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub cpus: Option<Vec<usize>>,
+    /// The workers' nice value, -20 (highest priority) to 19 [default: -20 for workers
+    /// pinned by --cpus, which then also raises their CPUs' ksoftirqd to it while kxp
+    /// runs; else the process's]: at nice 0 a task woken on a worker's CPU shares it by
+    /// equal weight for milliseconds at a time, a standing queue in the worker's rings.
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
+    pub worker_nice: Option<i32>,
     /// Source ports for masquerade (keep outside the kernel's ephemeral range).
     #[arg(long, value_name = "LO-HI", value_parser = parse_port_range)]
     pub snat_port_range: Option<(u16, u16)>,
@@ -479,6 +485,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 flags: args.node.flags(),
                 workers: args.workers,
                 cpus: args.cpus,
+                worker_nice: args.worker_nice,
                 snat_ports: args.snat_port_range,
                 busy_poll: args.busy_poll,
                 queue_budget_us: args.queue_budget,

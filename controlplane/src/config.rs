@@ -209,6 +209,10 @@ pub struct KxpSection {
     /// CPUs to pin the workers to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpus: Option<Vec<u32>>,
+    /// The workers' nice value, -20 to 19 (default -20 for workers pinned by `cpus`,
+    /// else the process's; `--worker-nice` wins).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_nice: Option<i32>,
     /// Most ClientIP session-affinity entries (client, Service port) the node keeps
     /// (default 262144); when full, the least recently refreshed client is forgotten and
     /// counted in `kxp_session_affinity_evictions_total`.

@@ -39,6 +39,8 @@ pub struct RunOptions {
     pub flags: NodeFlags,
     pub workers: Option<usize>,
     pub cpus: Option<Vec<usize>>,
+    /// `--worker-nice` (see [`dataplane::plane::DataplaneConfig::worker_nice`]).
+    pub worker_nice: Option<i32>,
     pub snat_ports: Option<(u16, u16)>,
     /// Preferred busy polling on the AF_XDP sockets: (µs, budget).
     pub busy_poll: Option<(u32, u32)>,
@@ -719,6 +721,13 @@ fn dataplane_config(
         dp_cfg.workers
     );
     dp_cfg.cpus = cpus;
+    dp_cfg.worker_nice = opts.worker_nice.or(kxp.worker_nice);
+    if let Some(n) = dp_cfg.worker_nice {
+        anyhow::ensure!(
+            (-20..=19).contains(&n),
+            "kxp.workerNice {n}: give a nice value from -20 (highest priority) to 19"
+        );
+    }
     if let Some(r) = opts.snat_ports {
         dp_cfg.snat_ports = r;
     }

@@ -10,7 +10,7 @@
 //! | `CAP_PERFMON` (or `CAP_SYS_ADMIN`) | what the verifier allows the steering program with it |
 //! | `CAP_IPC_LOCK` | the UMEMs' pinned memory beyond `RLIMIT_MEMLOCK` |
 //! | `CAP_SYS_RESOURCE` | a negative `oomScoreAdj` (kube-proxy's -999) |
-//! | `CAP_SYS_NICE` | moving threaded NAPI kthreads off pinned workers' CPUs ([`crate::napi`]) |
+//! | `CAP_SYS_NICE` | moving threaded NAPI kthreads off pinned workers' CPUs ([`crate::napi`]); the workers' nice -20 and their CPUs' ksoftirqd's ([`crate::priority`]) |
 //!
 //! The first three are required; without the others kxp starts and says what will not
 //! work.

@@ -13,6 +13,7 @@ pub mod logrl;
 pub mod napi;
 pub mod persistence;
 pub mod plane;
+pub mod priority;
 pub mod servicedev;
 #[allow(unsafe_code)]
 pub mod statefile;

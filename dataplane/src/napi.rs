@@ -33,7 +33,7 @@ fn serves(comm: &str, ifname: &str) -> bool {
 
 /// The PIDs that may be kernel threads: kthreadd's children where the kernel lists
 /// them (`CONFIG_PROC_CHILDREN`), else every process.
-fn candidate_pids() -> Vec<libc::pid_t> {
+pub(crate) fn candidate_pids() -> Vec<libc::pid_t> {
     if let Ok(s) = fs::read_to_string("/proc/2/task/2/children")
         && !s.trim().is_empty()
     {

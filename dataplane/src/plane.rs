@@ -41,6 +41,9 @@ pub struct DataplaneConfig {
     pub workers: usize,
     /// CPU of each worker (`None`: not pinned).
     pub cpus: Option<Vec<usize>>,
+    /// The workers' nice value (`None`: [`crate::priority::PINNED_WORKER_NICE`] when
+    /// pinned, else the process's).
+    pub worker_nice: Option<i32>,
     pub xsk: XskConfig,
     pub attach: AttachMode,
     /// Connection-table capacity of each worker.
@@ -62,6 +65,7 @@ impl Default for DataplaneConfig {
             service_device: "kxp0".into(),
             workers: 1,
             cpus: None,
+            worker_nice: None,
             xsk: XskConfig::default(),
             attach: AttachMode::Link,
             conntrack_per_worker: 262_144,
@@ -113,6 +117,8 @@ pub enum DataplaneError {
 struct WorkerParts {
     id: usize,
     cpu: Option<usize>,
+    /// The nice the worker's thread sets itself to (`None`: the process's).
+    nice: Option<i32>,
     sockets: Sockets,
     engine: Engine,
     fib: crate::fib::FibView,
@@ -133,6 +139,7 @@ impl WorkerParts {
         let WorkerParts {
             id,
             cpu,
+            nice,
             sockets,
             engine,
             fib,
@@ -145,7 +152,19 @@ impl WorkerParts {
             local_delivery,
             started,
         } = self;
-        let _ = started.send(crate::sys::gettid());
+        let tid = crate::sys::gettid();
+        if let Some(n) = nice {
+            match crate::sys::set_nice(0, n) {
+                Ok(()) => tracing::info!(
+                    "worker {id} (thread {tid}){} runs at nice {n}",
+                    cpu.map(|c| format!(" on CPU {c}")).unwrap_or_default()
+                ),
+                Err(e) => tracing::warn!(
+                    "worker {id} (thread {tid}): cannot set nice {n}: {e} (needs CAP_SYS_NICE, or --worker-nice 0); tasks woken on its CPU share it with the worker by equal weight, for milliseconds at a time"
+                ),
+            }
+        }
+        let _ = started.send(tid);
         drop(started);
         sockets.with(move |io| {
             let mut w = Worker::new(id, cpu, io, engine, fib, shared, commands);
@@ -698,6 +717,10 @@ impl Dataplane {
             workers.push(WorkerParts {
                 id,
                 cpu: cfg.cpus.as_ref().map(|c| c[id]),
+                nice: cfg.worker_nice.or(cfg
+                    .cpus
+                    .is_some()
+                    .then_some(crate::priority::PINNED_WORKER_NICE)),
                 sockets,
                 engine,
                 fib: fib.view(),
@@ -781,6 +804,14 @@ impl Dataplane {
         let mut napi = cfg.cpus.as_ref().map(|cpus| {
             crate::napi::NapiGuard::new(cpus.clone(), other_cpus(cpus).unwrap_or_default())
         });
+        // And their CPUs' ksoftirqd kept at the workers' nice (crate::priority), put
+        // back when the thread ends.
+        let mut softirq = cfg.cpus.as_ref().and_then(|cpus| {
+            let nice = cfg
+                .worker_nice
+                .unwrap_or(crate::priority::PINNED_WORKER_NICE);
+            (nice < 0).then(|| crate::priority::SoftirqNice::new(cpus.clone(), nice))
+        });
         let h = std::thread::Builder::new()
             .name("kxp-links".into())
             .spawn(move || {
@@ -790,6 +821,9 @@ impl Dataplane {
                         && napi_checked.is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
                     {
                         napi_checked = Some(Instant::now());
+                        if let Some(s) = softirq.as_mut() {
+                            s.check();
+                        }
                         let names: Vec<String> = links
                             .lock()
                             .steering

@@ -114,6 +114,21 @@ pub fn set_affinity(tid: libc::pid_t, cpus: &[usize]) -> io::Result<()> {
     Ok(())
 }
 
+/// Sets the nice value of thread `tid` (this process's or, with `CAP_SYS_NICE`,
+/// another's; 0: the calling thread): on Linux `setpriority(PRIO_PROCESS, tid)` sets
+/// one thread's, not the whole process's. Lowering it below the thread's current value
+/// needs `CAP_SYS_NICE` (or an `RLIMIT_NICE` that allows it).
+pub fn set_nice(tid: libc::pid_t, nice: i32) -> io::Result<()> {
+    let who = libc::id_t::try_from(tid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("thread id {tid}")))?;
+    // SAFETY: setpriority takes plain integers and touches no memory of ours.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, who, nice) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The CPUs the calling thread may run on.
 pub fn allowed_cpus() -> io::Result<Vec<usize>> {
     affinity(0)

@@ -2550,6 +2550,12 @@ fn with_the_daemonsets_capabilities_kxp_serves_restarts_and_drops_what_it_no_lon
     assert!(!log.contains("already attached"), "{log}");
 }
 
+/// Field 19 (nice) of a `/proc/PID/stat` line (fields counted from after the name's `)`).
+fn stat_nice(stat: &str) -> i32 {
+    let rest = &stat[stat.rfind(')').unwrap() + 1..];
+    rest.split_whitespace().nth(16).unwrap().parse().unwrap()
+}
+
 /// With its worker pinned (`kxp.cpus`), kxp keeps every other thread of its own off the
 /// worker's CPU (and says so), so that none takes the poll loop's CPU for a time slice;
 /// the worker stays on its CPU, and kxp serves. Threads started later (the servers) are
@@ -2565,6 +2571,21 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         ncpu >= 2,
         "needs 2 CPUs (the worker on CPU 1, the rest on CPU 0)"
     );
+    let ksoftirqd1 = || -> Option<(u32, i32)> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .find_map(|p| {
+                let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).ok()?;
+                (comm.trim_end() == "ksoftirqd/1").then_some(p)
+            })
+            .and_then(|p| {
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+                Some((p, stat_nice(&stat)))
+            })
+    };
+    let softirq_before = ksoftirqd1().expect("ksoftirqd/1");
     let lab = Lab::new(Opts {
         prefix: "kxe34",
         config_extra: "kxp:\n  cpus: [1]\n",
@@ -2607,6 +2628,45 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         log.contains("workers pinned to CPUs [1]; kxp's") && log.contains("run on CPUs [0"),
         "{log}"
     );
+    // The pinned worker runs at nice -20 (by default), kxp's other threads at the
+    // process's nice; CPU 1's ksoftirqd has the worker's nice while kxp runs (put back
+    // at exit: checked below, after the lab ends).
+    let task_nice: Vec<(String, i32)> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|t| {
+            let name = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            Some((name.trim_end().to_string(), stat_nice(&stat)))
+        })
+        .collect();
+    let own = stat_nice(&std::fs::read_to_string("/proc/self/stat").unwrap());
+    for (name, n) in &task_nice {
+        let want = if name == "kxp-worker-0" { -20 } else { own };
+        assert_eq!(*n, want, "thread {name}: {task_nice:?}");
+    }
+    assert!(
+        log.contains("worker 0 (thread") && log.contains("on CPU 1 runs at nice -20"),
+        "{log}"
+    );
+    // Checked once a second by kxp's link thread.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut softirq = ksoftirqd1().expect("ksoftirqd/1");
+    while softirq.1 != -20 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        softirq = ksoftirqd1().expect("ksoftirqd/1");
+    }
+    assert_eq!(softirq.1, -20, "{}", lab.log());
+    if softirq_before.1 > -20 {
+        assert!(
+            lab.log().contains(&format!(
+                "ksoftirqd/1 (pid {}) set to nice -20 (was {})",
+                softirq.0, softirq_before.1
+            )),
+            "{}",
+            lab.log()
+        );
+    }
     // Each interface says which AF_XDP mode it got (copy, on veths: no zero-copy there)
     // and how many frames one sendto() transmits: the 4,096-entry TX ring where the
     // kernel takes the budget (Linux 6.17), else the kernel's 32.
@@ -2680,6 +2740,9 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
     );
     let (spread, _, failed) = lab.http_spread(vip(80), 30);
     assert_eq!((failed, spread.len()), (0, 3), "{spread:?}\n{}", lab.log());
+    // kxp ended: CPU 1's ksoftirqd has its nice back.
+    drop(lab);
+    assert_eq!(ksoftirqd1(), Some(softirq_before));
 }
 
 /// As root (all capabilities, CAP_SETPCAP among them), kxp drops CAP_SYS_ADMIN and the

@@ -439,6 +439,7 @@ fn random_command_lines_and_configs_exit_0_or_2_never_panic() {
         ("--busy-poll", &["0", "1,0", "50,64", "x,y", "50"]),
         ("--queue-budget", &["0", "250", "-1", "x", "1000001", ""]),
         ("--idle-spin", &["0", "10000", "-5", "y", "10000001"]),
+        ("--worker-nice", &["-20", "19", "0", "-21", "20", "x", ""]),
         (
             "--healthz-bind-address",
             &["", "198.18.0.1", "[::]:1", "nope", "1.1.1.1:99999"],
