@@ -58,6 +58,17 @@ pub struct DataplaneConfig {
     pub state_dir: Option<std::path::PathBuf>,
 }
 
+impl DataplaneConfig {
+    /// The nice the workers set themselves to: `worker_nice`, else
+    /// [`crate::priority::PINNED_WORKER_NICE`] when pinned; `None`: the process's.
+    pub fn effective_worker_nice(&self) -> Option<i32> {
+        self.worker_nice.or(self
+            .cpus
+            .is_some()
+            .then_some(crate::priority::PINNED_WORKER_NICE))
+    }
+}
+
 impl Default for DataplaneConfig {
     fn default() -> Self {
         DataplaneConfig {
@@ -717,10 +728,7 @@ impl Dataplane {
             workers.push(WorkerParts {
                 id,
                 cpu: cfg.cpus.as_ref().map(|c| c[id]),
-                nice: cfg.worker_nice.or(cfg
-                    .cpus
-                    .is_some()
-                    .then_some(crate::priority::PINNED_WORKER_NICE)),
+                nice: cfg.effective_worker_nice(),
                 sockets,
                 engine,
                 fib: fib.view(),
@@ -806,12 +814,12 @@ impl Dataplane {
         });
         // And their CPUs' ksoftirqd kept at the workers' nice (crate::priority), put
         // back when the thread ends.
-        let mut softirq = cfg.cpus.as_ref().and_then(|cpus| {
-            let nice = cfg
-                .worker_nice
-                .unwrap_or(crate::priority::PINNED_WORKER_NICE);
-            (nice < 0).then(|| crate::priority::SoftirqNice::new(cpus.clone(), nice))
-        });
+        let mut softirq = cfg
+            .cpus
+            .as_ref()
+            .zip(cfg.effective_worker_nice())
+            .filter(|&(_, nice)| nice < 0)
+            .map(|(cpus, nice)| crate::priority::SoftirqNice::new(cpus.clone(), nice));
         let h = std::thread::Builder::new()
             .name("kxp-links".into())
             .spawn(move || {

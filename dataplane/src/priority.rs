@@ -62,6 +62,9 @@ pub struct SoftirqNice {
     nice: i32,
     /// (CPU, PID, nice before kxp changed it).
     raised: Vec<(usize, libc::pid_t, i32)>,
+    /// The kthreads found by the last scan of /proc (per-CPU: scanned again only when
+    /// one is gone, a CPU taken offline).
+    found: Vec<(usize, libc::pid_t)>,
 }
 
 impl SoftirqNice {
@@ -71,6 +74,7 @@ impl SoftirqNice {
             cpus,
             nice,
             raised: Vec::new(),
+            found: Vec::new(),
         }
     }
 
@@ -80,7 +84,10 @@ impl SoftirqNice {
     /// failure warned about at most once a minute.
     pub fn check(&mut self) {
         let (cpus, nice) = (&self.cpus, self.nice);
-        let found = ksoftirqd_of(cpus);
+        if self.found.is_empty() || self.found.iter().any(|&(_, p)| nice_of(p).is_none()) {
+            self.found = ksoftirqd_of(cpus);
+        }
+        let found = self.found.clone();
         if found.is_empty() {
             crate::warn_limited!(
                 "ksoftirqd-unseen",
