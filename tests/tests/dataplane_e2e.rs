@@ -2556,6 +2556,14 @@ fn stat_nice(stat: &str) -> i32 {
     rest.split_whitespace().nth(16).unwrap().parse().unwrap()
 }
 
+/// The PIDs of the processes (kernel threads included) now in /proc.
+fn proc_pids() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+}
+
 /// With its worker pinned (`kxp.cpus`), kxp keeps every other thread of its own off the
 /// worker's CPU (and says so), so that none takes the poll loop's CPU for a time slice;
 /// the worker stays on its CPU, and kxp serves. Threads started later (the servers) are
@@ -2572,10 +2580,7 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         "needs 2 CPUs (the worker on CPU 1, the rest on CPU 0)"
     );
     let ksoftirqd1 = || -> Option<(u32, i32)> {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .filter_map(Result::ok)
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        proc_pids()
             .find_map(|p| {
                 let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).ok()?;
                 (comm.trim_end() == "ksoftirqd/1").then_some(p)
@@ -2698,10 +2703,7 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
     assert!(out.status.success(), "{out:?}");
     let napi = |name: &str| name.starts_with("napi/n-client-");
     let threads = || -> Vec<(u32, String)> {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .filter_map(Result::ok)
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        proc_pids()
             .filter_map(|pid| {
                 let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
                 let field = |f: &str| st.lines().find_map(|l| l.strip_prefix(f)).map(str::trim);
