@@ -13,7 +13,7 @@
 //! The hasher is foldhash with a per-table random seed: tuples are chosen by remote
 //! peers, and a fixed hash would let them aim for one bucket chain.
 
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::mem::{align_of, size_of};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -159,7 +159,33 @@ pub struct ConnTable {
     pub(crate) journal: Option<Vec<u32>>,
     /// Packets and bytes of the flows that left the table, per endpoint and protocol
     /// (so an endpoint's totals do not drop when its flows end).
-    pub(crate) retired: HashMap<(SocketAddr, Protocol), Counts>,
+    pub(crate) retired: HashMap<EndpointKey, Counts>,
+    /// A tuple the index does not hold, and its hash: the key of the last lookup that
+    /// found no flow ([`ConnTable::on_packet_bytes`]). A packet that finds no flow is
+    /// usually inserted next ([`ConnTable::insert_first`]), whose check that the tuple
+    /// is free ([`ConnTable::claim`]) then neither hashes it nor looks it up again.
+    /// Taken by `claim`; cleared by every insertion into the index (`place`), the only
+    /// way a tuple gets in.
+    pub(crate) absent: Option<(Tuple, u64)>,
+}
+
+/// An endpoint and a protocol: the key of the totals of flows gone. Hashed as one word
+/// for IPv4 (one hasher round; the derived `Hash` of `(SocketAddr, Protocol)` took five,
+/// and an evicted flow's totals are added on the new-connection path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EndpointKey(pub(crate) SocketAddr, pub(crate) Protocol);
+
+impl Hash for EndpointKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let rest = (u64::from(self.0.port()) << 8) | u64::from(self.1.number());
+        match self.0.ip() {
+            IpAddr::V4(a) => state.write_u64((u64::from(a.to_bits()) << 24) | rest),
+            IpAddr::V6(a) => {
+                state.write_u128(a.to_bits());
+                state.write_u64(rest);
+            }
+        }
+    }
 }
 
 /// Packets and bytes.
@@ -254,6 +280,7 @@ impl ConnTable {
             load: None,
             journal: None,
             retired: HashMap::new(),
+            absent: None,
         })
     }
 
@@ -501,7 +528,13 @@ impl ConnTable {
         reply: &Tuple,
         now: u64,
     ) -> Result<[u64; 2], InsertError> {
-        let hashes = [self.hash(orig), self.hash(reply)];
+        // The original tuple's last lookup may have found it absent (see `absent`).
+        let known = self
+            .absent
+            .take()
+            .filter(|(t, _)| t == orig)
+            .map(|(_, h)| h);
+        let hashes = [known.unwrap_or_else(|| self.hash(orig)), self.hash(reply)];
         let dirs = [Direction::Original, Direction::Reply];
         if orig == reply {
             self.stats.clashes += 1;
@@ -511,6 +544,9 @@ impl ConnTable {
             });
         }
         for ((dir, hash), key) in dirs.into_iter().zip(hashes).zip([orig, reply]) {
+            if dir == Direction::Original && known.is_some() {
+                continue;
+            }
             if let Some(v) = find(&self.index, &self.slots, hash, key) {
                 let (slot, _) = unpack(v);
                 if !self.slots[slot].is_expired(now) {
@@ -542,6 +578,7 @@ impl ConnTable {
                 capacity: self.capacity,
             });
         }
+        self.absent = None;
         let endpoint = entry.reply.src_addr();
         let assured = entry.is_assured();
         let loaded = entry.flags & flag::LOADED != 0;
@@ -595,10 +632,15 @@ impl ConnTable {
         bytes: u32,
     ) -> Option<Hit<'_>> {
         let hash = self.hash(key);
-        let (slot, dir) = unpack(find(&self.index, &self.slots, hash, key)?);
+        let Some(found) = find(&self.index, &self.slots, hash, key) else {
+            self.absent = Some((*key, hash));
+            return None;
+        };
+        let (slot, dir) = unpack(found);
         if self.slots[slot].is_expired(now) {
             self.remove_slot(slot);
             self.stats.expired += 1;
+            self.absent = Some((*key, hash));
             return None;
         }
         let e = &mut self.slots[slot];
@@ -610,6 +652,7 @@ impl ConnTable {
             Outcome::Reopen => {
                 self.remove_slot(slot);
                 self.stats.removed += 1;
+                self.absent = Some((*key, hash));
                 return None;
             }
             Outcome::Done { update, assured } => {
@@ -685,8 +728,11 @@ impl ConnTable {
     /// every flow held (expired ones not yet reclaimed included) plus those that left.
     /// One walk over the slab.
     pub fn endpoint_counts(&self, now: u64) -> HashMap<(SocketAddr, Protocol), (u64, Counts)> {
-        let mut m: HashMap<(SocketAddr, Protocol), (u64, Counts)> =
-            self.retired.iter().map(|(k, c)| (*k, (0, *c))).collect();
+        let mut m: HashMap<(SocketAddr, Protocol), (u64, Counts)> = self
+            .retired
+            .iter()
+            .map(|(k, c)| ((k.0, k.1), (0, *c)))
+            .collect();
         for e in self.slots.iter().filter(|e| e.is_live()) {
             let (flows, c) = m.entry((e.endpoint(), e.protocol())).or_default();
             *flows += u64::from(!e.is_expired(now));
@@ -716,11 +762,14 @@ impl ConnTable {
         if endpoints <= self.retired.capacity() {
             return;
         }
-        let mut m: HashMap<(SocketAddr, Protocol), Counts> = HashMap::with_capacity(endpoints);
+        let mut m: HashMap<EndpointKey, Counts> = HashMap::with_capacity(endpoints);
         for i in 0..m.capacity() {
             // Distinct keys no endpoint has ([::N]:0).
             let ip = IpAddr::V6(std::net::Ipv6Addr::from(i as u128));
-            m.insert((SocketAddr::new(ip, 0), Protocol::Udp), Counts::default());
+            m.insert(
+                EndpointKey(SocketAddr::new(ip, 0), Protocol::Udp),
+                Counts::default(),
+            );
         }
         m.clear();
         m.extend(self.retired.drain());
@@ -735,7 +784,7 @@ impl ConnTable {
     /// Forgets the totals of flows gone to endpoints `keep` rejects (endpoints no longer
     /// in any Service).
     pub fn prune_retired(&mut self, keep: impl Fn(&SocketAddr, Protocol) -> bool) {
-        self.retired.retain(|(ep, p), _| keep(ep, *p));
+        self.retired.retain(|k, _| keep(&k.0, k.1));
     }
 
     /// Live flows at `now`, in slot order, for listing. Walks the whole slab.
@@ -751,7 +800,7 @@ impl ConnTable {
         let e = &self.slots[slot];
         let c = self
             .retired
-            .entry((e.reply.src_addr(), e.orig.proto))
+            .entry(EndpointKey(e.reply.src_addr(), e.orig.proto))
             .or_default();
         c.packets += e.packets;
         c.bytes += e.bytes;

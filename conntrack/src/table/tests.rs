@@ -594,6 +594,11 @@ fn random_operations_keep_the_structure_consistent() {
         let key = if rand(2) == 0 { o } else { r };
         match rand(10) {
             0..=3 => {
+                // Half the time as a packet path does it: a lookup that finds no flow,
+                // then the insert (which trusts that lookup: `ConnTable::absent`).
+                if rand(2) == 0 && t.on_packet(&o, f, now).is_some() {
+                    continue;
+                }
                 let _ = t.insert(o, r, 0, f, now);
             }
             4..=7 => {
@@ -610,6 +615,53 @@ fn random_operations_keep_the_structure_consistent() {
     }
     let s = t.stats();
     assert!(s.inserts > 0 && s.expired > 0 && s.evictions > 0, "{s:?}");
+}
+
+/// An insert after a lookup that found no flow skips looking the original tuple up
+/// again, and only then: a tuple held meanwhile (as another flow's reply), or another
+/// tuple than the one looked up, is checked as always.
+#[test]
+fn an_insert_trusts_only_the_last_miss_of_its_own_tuple() {
+    let mut t = table(8);
+    let (o1, r1) = flow(Protocol::Udp, 1);
+    assert!(t.on_packet(&o1, 0, 0).is_none());
+    t.insert(o1, r1, 0, 0, 0).unwrap();
+    check(&t);
+    // Missed, then taken as another flow's reply before its own insert.
+    let x = tuple(Protocol::Udp, "198.18.1.9:99", VIP);
+    assert!(t.on_packet(&x, 0, 0).is_none());
+    let held_as_reply = tuple(Protocol::Udp, "198.18.9.9:9", "198.18.8.8:8");
+    t.insert(held_as_reply, x, 0, 0, 0).unwrap();
+    let e = t.insert(x, tuple(Protocol::Udp, EP, "198.18.1.9:99"), 0, 0, 0);
+    assert!(
+        matches!(
+            e,
+            Err(InsertError::Clash {
+                which: Direction::Original,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    // A miss on one tuple says nothing of another.
+    assert!(t.on_packet(&flow(Protocol::Udp, 2).0, 0, 0).is_none());
+    let e = t.insert(o1, r1, 0, 0, 0);
+    assert!(
+        matches!(
+            e,
+            Err(InsertError::Clash {
+                which: Direction::Original,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    // An expired flow found by the lookup is removed there, and its tuple is free.
+    let later = 10 * 60 * S;
+    assert!(t.on_packet(&o1, 0, later).is_none());
+    t.insert(o1, r1, 0, 0, later).unwrap();
+    check(&t);
+    assert_eq!(t.get(&r1, later).map(|(d, _)| d), Some(Direction::Reply));
 }
 
 /// The shared per-endpoint load follows every way a flow comes and goes.
