@@ -78,14 +78,25 @@ fn conntrack(c: &mut Criterion) {
             // the macro benchmark's new-connection mode: lookup (a miss), then insert.
             // Warmed: the batch's keys (`warm`), and with `_replies` the reply tuples too
             // (`warm_tuples`, as a worker does once the new flows' endpoints are chosen).
-            for (warmed, replies) in [(false, false), (true, false), (true, true)] {
-                let name = match (warmed, replies) {
-                    (true, true) => "new_flows_batch_64_full_262144_warmed_replies",
-                    (true, false) => "new_flows_batch_64_full_262144_warmed",
+            // With `_ahead`, the table also prefetches the flows it will evict next
+            // (`ConnTable::set_prefetch`, as a worker's engine has it since 2026-12-05).
+            for (warmed, replies, ahead) in [
+                (false, false, false),
+                (true, false, false),
+                (true, true, false),
+                (true, true, true),
+            ] {
+                let name = match (warmed, replies, ahead) {
+                    (true, true, true) => "new_flows_batch_64_full_262144_warmed_replies_ahead",
+                    (true, true, false) => "new_flows_batch_64_full_262144_warmed_replies",
+                    (true, false, _) => "new_flows_batch_64_full_262144_warmed",
                     _ => "new_flows_batch_64_full_262144",
                 };
                 let cap = 262_144u32;
                 let mut full = holding(cap as usize, cap);
+                if ahead {
+                    full.set_prefetch(prefetch);
+                }
                 let mut next = cap;
                 let mut batch = Vec::with_capacity(64);
                 g.bench_function(name, |b| {

@@ -85,6 +85,7 @@ impl ConnTable {
                 self.stats.evictions += 1;
             }
             self.remove_slot(head as usize);
+            self.look_ahead();
             return true;
         }
         self.expire(now, ConnTable::ROOM_SWEEP) > 0

@@ -282,6 +282,8 @@ impl Engine {
     /// counts its flows in the node's endpoint load from now on.
     pub fn on_node(mut table: ConnTable, seed: u64, node: Arc<NodeState>) -> Engine {
         table.set_load(node.load.clone());
+        // A hint, no I/O: the table prefetches the flows it will evict next.
+        table.set_prefetch(crate::sys::prefetch);
         Engine {
             table,
             counters: Counters::default(),

@@ -63,6 +63,19 @@ fn check(t: &ConnTable) {
     assert_eq!(t.unassured_tail, prev);
     let unassured = live.iter().filter(|&&i| !t.slots[i].is_assured()).count();
     assert_eq!(on_list.len(), unassured);
+    // The look-ahead point is on the list, at most `ahead_by` places from its head.
+    assert!(t.ahead_by <= ConnTable::LOOKAHEAD);
+    if t.ahead == NIL {
+        assert_eq!(t.ahead_by, 0);
+    } else {
+        let at = on_list.iter().position(|&s| s == t.ahead as usize);
+        let at = at.expect("the look-ahead point is an unassured flow");
+        assert!(
+            at < t.ahead_by as usize,
+            "place {at}, counted {}",
+            t.ahead_by
+        );
+    }
 }
 
 /// SYN, SYN/ACK, ACK at `now`: an assured ESTABLISHED flow.
@@ -662,6 +675,53 @@ fn an_insert_trusts_only_the_last_miss_of_its_own_tuple() {
     t.insert(o1, r1, 0, 0, later).unwrap();
     check(&t);
     assert_eq!(t.get(&r1, later).map(|(d, _)| d), Some(Direction::Reply));
+}
+
+thread_local! {
+    static PREFETCHED: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A full table of unanswered flows, each new one evicting the oldest: by the time a
+/// batch of victims is read (by `warm`, then by the evictions), the table has already
+/// asked for their entries, a batch or more ahead.
+#[test]
+fn the_flows_to_evict_next_are_prefetched_ahead() {
+    let mut t = table(300);
+    t.set_prefetch(|line| PREFETCHED.with(|p| p.borrow_mut().push(line as usize)));
+    let udp = |i: u32| {
+        let c = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::from(0xC612_0000 + i)), 7);
+        (
+            Tuple::new(c, VIP.parse().unwrap(), Protocol::Udp),
+            Tuple::new(EP.parse().unwrap(), c, Protocol::Udp),
+        )
+    };
+    for i in 0..300 {
+        let (o, r) = udp(i);
+        t.insert(o, r, 0, 0, 0).unwrap();
+    }
+    assert!(
+        PREFETCHED.with(|p| p.borrow().is_empty()),
+        "no eviction, no look-ahead"
+    );
+    for i in 300..500 {
+        let (o, r) = udp(i);
+        t.insert(o, r, 0, 0, 0).unwrap();
+        check(&t);
+    }
+    assert_eq!(t.stats().evictions, 200);
+    let asked: std::collections::HashSet<usize> =
+        PREFETCHED.with(|p| p.borrow().iter().copied().collect());
+    let mut victim = t.unassured_head;
+    for k in 0..ConnTable::WARM_BATCH {
+        let e = &t.slots[victim as usize];
+        let at = (&raw const *e) as usize;
+        assert!(
+            asked.contains(&at) && asked.contains(&(at + 64)),
+            "victim {k} not asked for"
+        );
+        victim = e.next;
+    }
+    assert!(t.ahead_by >= ConnTable::LOOKAHEAD - 1);
 }
 
 /// The shared per-endpoint load follows every way a flow comes and goes.
