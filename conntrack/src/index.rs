@@ -26,29 +26,31 @@ struct Bucket {
 
 const _: () = assert!(size_of::<Bucket>() == 64);
 
+/// Bit `k` set where way `k` holds `x`. Written without branches so that the compiler
+/// compares all ten at once (SSE2 on x86-64): a loop that stops at the first match
+/// mispredicts its exit at a random way, and the scans of `find`, `place` and `remove`
+/// took most of a new connection's index time that way (perf annotate, new-connection
+/// profile of 2026-12-05).
+#[inline]
+fn ways_equal<T: Copy + PartialEq>(ways: &[T; WAYS], x: T) -> u32 {
+    let mut m = 0;
+    for (k, &w) in ways.iter().enumerate() {
+        m |= u32::from(w == x) << k;
+    }
+    m
+}
+
 impl Bucket {
-    /// Bit `k` set where way `k`'s tag is `t` (`t` = 0: the free ways). Written without
-    /// branches so that the compiler compares all ten at once (SSE2 on x86-64): a loop
-    /// that stops at the first match mispredicts its exit at a random way, and the
-    /// scans of `find`, `place` and `remove` took most of a new connection's index time
-    /// that way (perf annotate, new-connection profile of 2026-12-05).
+    /// The ways whose tag is `t` (`t` = 0: the free ways).
     #[inline]
     fn tags_equal(&self, t: u16) -> u32 {
-        let mut m = 0;
-        for (k, &x) in self.tags.iter().enumerate() {
-            m |= u32::from(x == t) << k;
-        }
-        m
+        ways_equal(&self.tags, t)
     }
 
-    /// Bit `k` set where way `k`'s value is `v` (free ways included: mask with a tag).
+    /// The ways whose value is `v` (free ways included: mask with a tag).
     #[inline]
     fn vals_equal(&self, v: u32) -> u32 {
-        let mut m = 0;
-        for (k, &x) in self.vals.iter().enumerate() {
-            m |= u32::from(x == v) << k;
-        }
-        m
+        ways_equal(&self.vals, v)
     }
 }
 

@@ -229,6 +229,13 @@ fn hash_tuple(hasher: &DefaultHashBuilder, t: &Tuple) -> u64 {
     }
 }
 
+/// Has both cache lines of an entry asked for (`prefetch`: the dataplane's hint).
+fn prefetch_entry(e: &Entry, prefetch: &impl Fn(*const u8)) {
+    let line: *const u8 = (&raw const *e).cast();
+    prefetch(line);
+    prefetch(line.wrapping_add(64));
+}
+
 /// Looks a tuple up; a free function so callers can borrow other fields meanwhile.
 fn find(index: &FlowIndex, slots: &[Entry], hash: u64, key: &Tuple) -> Option<u32> {
     index.find(hash, |v| {
@@ -438,9 +445,7 @@ impl ConnTable {
             match self.index.candidate(h).map(unpack) {
                 Some((slot, _)) => {
                     if let Some(e) = self.slots.get(slot) {
-                        let line: *const u8 = (&raw const *e).cast();
-                        prefetch(line);
-                        prefetch(line.wrapping_add(64));
+                        prefetch_entry(e, &prefetch);
                     }
                 }
                 None => fresh |= 1 << i,
@@ -512,9 +517,7 @@ impl ConnTable {
             let Some(e) = self.slots.get(next as usize) else {
                 return;
             };
-            let line: *const u8 = (&raw const *e).cast();
-            (self.prefetch)(line);
-            (self.prefetch)(line.wrapping_add(64));
+            prefetch_entry(e, &self.prefetch);
             self.ahead = next;
             self.ahead_by += 1;
         }
