@@ -40,6 +40,8 @@ pub struct DataplaneCounters {
     pub affinity_expired: u64,
     pub affinity_evictions: u64,
     pub handoffs: u64,
+    /// Packets forwarded untranslated whose partial checksum kxp completed.
+    pub pass_checksums_completed: u64,
     /// Generation of the snapshot the workers run.
     pub generation: u64,
     pub snapshot_age_secs: f64,
@@ -117,6 +119,7 @@ pub struct Metrics {
     affinity_expired: Counter,
     affinity_evictions: Counter,
     handoffs: Counter,
+    pass_checksums_completed: Counter,
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
@@ -212,6 +215,7 @@ impl Metrics {
             affinity_expired: Counter::default(),
             affinity_evictions: Counter::default(),
             handoffs: Counter::default(),
+            pass_checksums_completed: Counter::default(),
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
@@ -380,6 +384,13 @@ impl Metrics {
                 "handoffs",
                 "Packets handed to the worker that owns their flow",
                 m.handoffs.clone(),
+            );
+            kxp.register(
+                "pass_checksums_completed",
+                "Packets kxp forwarded without translating them (an endpoint's answer in a \
+                 connection no one translated, with the kernel's conntrack off) whose partial \
+                 checksum it completed",
+                m.pass_checksums_completed.clone(),
             );
             kxp.register(
                 "snapshot_generation",
@@ -632,6 +643,11 @@ impl Metrics {
         );
         self.affinity_entries.set(to_i64(c.affinity_entries));
         t.advance("handoffs", c.handoffs, &self.handoffs);
+        t.advance(
+            "pass_csum",
+            c.pass_checksums_completed,
+            &self.pass_checksums_completed,
+        );
         self.conntrack_entries.set(to_i64(c.conntrack_entries));
         self.generation.set(to_i64(c.generation));
         self.snapshot_age.set(c.snapshot_age_secs);
@@ -666,12 +682,18 @@ impl Metrics {
         };
         for (ifname, st) in per_interface {
             // The outcomes partition what the program saw: passed for the kernel's own
-            // traffic, unparsed and vlan (passed too, counted apart), dropped (held
+            // traffic, unparsed, vlan and kernel_flow (passed too, counted apart: the last
+            // are the kernel's own connections from an endpoint), dropped (held
             // while kxp restarts, or on the service device and not for the node).
             let dropped = st.seen.saturating_sub(st.redirected + st.passed);
             for (outcome, n) in [
                 ("redirected", st.redirected),
-                ("passed", st.passed.saturating_sub(st.unparsed + st.vlan)),
+                (
+                    "passed",
+                    st.passed
+                        .saturating_sub(st.unparsed + st.vlan + st.kernel_flow),
+                ),
+                ("kernel_flow", st.kernel_flow),
                 ("unparsed", st.unparsed),
                 ("vlan", st.vlan),
                 ("dropped", dropped),
@@ -1014,6 +1036,7 @@ mod tests {
             conntrack_entries: 7,
             conntrack_inserts: 9,
             handoffs: 1,
+            pass_checksums_completed: 0,
             generation: 4,
             snapshot_age_secs: 1.5,
             busy_ratio: vec![0.25, 0.5],

@@ -15,6 +15,15 @@
  *      address inside a Service CIDR: kxp rejects the first (no Service on
  *      that port) and drops the second (unallocated), as kube-proxy does
  *                                                 [cluster_ips, service_cidrs]
+ * A reply rule -- (b), (c), (d) for a masqueraded or DNAT-only flow, (f) from an
+ * endpoint -- yields to the kernel's conntrack: a packet of a flow the kernel tracks (it
+ * forwarded or sent the other direction: traffic straight to a pod, Service traffic that
+ * another node translated, the node's own connections) is passed, so that the kernel
+ * keeps carrying its own connections, its conntrack sees both directions and its
+ * firewall (ct state) holds [kernel_flow]. kxp's translated flows never pass the
+ * kernel's path, so the kernel has no entry for them. Not on kxp's service device,
+ * where everything was routed to kxp. A later fragment follows its first fragment's
+ * choice (kernel_frags); kernels without the conntrack kfuncs keep the rules alone.
  * Rule (e)'s Service CIDRs are checked first, and only for a destination inside the
  * smallest prefix holding them all (config.cover4/cover6): most packets kxp takes go
  * to ClusterIPs, and on a node with many Services the frontends lookup is a cache
@@ -95,6 +104,24 @@ struct steer_config {
 #define CFG_HOLD (1u << 2)
 #define CFG_HOLD_QUEUES(f) ((f) >> 16)
 
+/* The kernel's conntrack, looked up from XDP (net/netfilter/nf_conntrack_bpf.c, 6.0+).
+ * Weak: on a kernel without them the program loads all the same and does not ask. */
+struct nf_conn {
+	int unused;
+};
+struct bpf_ct_opts {
+	__s32 netns_id;
+	__s32 error;
+	__u8 l4proto;
+	__u8 dir;
+	__u8 reserved[2];
+};
+#define BPF_F_CURRENT_NETNS_ (-1)
+extern struct nf_conn *bpf_xdp_ct_lookup(struct xdp_md *xdp_ctx, struct bpf_sock_tuple *tuple,
+					 __u32 tuple_len, struct bpf_ct_opts *opts,
+					 __u32 opts_len) __ksym __weak;
+extern void bpf_ct_release(struct nf_conn *ct) __ksym __weak;
+
 /* stats indices (PERCPU_ARRAY of u64); seen == redirected + passed */
 enum {
 	ST_SEEN,
@@ -108,6 +135,7 @@ enum {
 	ST_CLUSTER_IP, /* rule (e) */
 	ST_UNPARSED, /* IPv4/IPv6 whose headers cannot be read (passed: the kernel drops it) */
 	ST_VLAN, /* 802.1Q/802.1ad-tagged, not looked inside (passed) */
+	ST_KERNEL_FLOW, /* a reply rule matched, but the kernel tracks the flow (passed) */
 	ST_MAX,
 };
 
@@ -171,6 +199,23 @@ struct {
 	__type(value, __u64);
 } stats SEC(".maps");
 
+/* A datagram whose first fragment was left to the kernel (its flow is the kernel's):
+ * addresses as in addr_key, IPv4's 16-bit or IPv6's 32-bit identification, protocol. */
+struct frag_key {
+	__u8 src[16];
+	__u8 dst[16];
+	__u32 id;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct frag_key);
+	__type(value, __u8);
+} kernel_frags SEC(".maps");
+
 struct vlan_hdr {
 	__be16 tci;
 	__be16 encap_proto;
@@ -188,6 +233,8 @@ struct frag_hdr {
 struct tuple {
 	struct steer_key src;
 	struct steer_key dst;
+	__u32 frag_id; /* fragment identification, when frag is set */
+	__u8 frag; /* a fragment (first or later) */
 };
 
 static __always_inline void count(__u32 idx)
@@ -253,6 +300,10 @@ static __always_inline void *parse_ipv4(void *l3, void *end, struct tuple *t, in
 
 	if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
 		return NULL;
+	if (ip->frag_off & bpf_htons(0x3fff)) {
+		t->frag = 1;
+		t->frag_id = bpf_ntohs(ip->id);
+	}
 	if (ip->frag_off & bpf_htons(0x1fff)) {
 		if (!later)
 			return NULL;
@@ -295,6 +346,8 @@ static __always_inline void *parse_ipv6(void *l3, void *end, struct tuple *t, in
 
 			if ((void *)(f + 1) > end)
 				return NULL;
+			t->frag = 1;
+			t->frag_id = bpf_ntohl(f->identification);
 			if (f->frag_off & bpf_htons(0xfff8)) {
 				if (!later)
 					return NULL;
@@ -332,9 +385,70 @@ static __always_inline int parse_ports(void *l4, void *end, struct tuple *t)
 	return 0;
 }
 
+/* Whether the kernel's conntrack has an entry, in either direction, for the TCP or UDP
+ * flow src -> dst of t (only those two: the kfunc tracks no other). */
+static __always_inline int kernel_tracks(struct xdp_md *ctx, const struct tuple *t, int v6)
+{
+	struct bpf_sock_tuple bt = {};
+	struct bpf_ct_opts opts = { .netns_id = BPF_F_CURRENT_NETNS_ };
+	struct nf_conn *ct;
+	__u32 len;
+
+	if (!bpf_ksym_exists(bpf_xdp_ct_lookup) || !bpf_ksym_exists(bpf_ct_release))
+		return 0;
+	if (t->src.proto != IPPROTO_TCP && t->src.proto != IPPROTO_UDP)
+		return 0;
+	opts.l4proto = t->src.proto;
+	if (v6) {
+		__builtin_memcpy(bt.ipv6.saddr, t->src.addr, 16);
+		__builtin_memcpy(bt.ipv6.daddr, t->dst.addr, 16);
+		bt.ipv6.sport = t->src.port;
+		bt.ipv6.dport = t->dst.port;
+		len = sizeof(bt.ipv6);
+	} else {
+		__builtin_memcpy(&bt.ipv4.saddr, &t->src.addr[12], 4);
+		__builtin_memcpy(&bt.ipv4.daddr, &t->dst.addr[12], 4);
+		bt.ipv4.sport = t->src.port;
+		bt.ipv4.dport = t->dst.port;
+		len = sizeof(bt.ipv4);
+	}
+	ct = bpf_xdp_ct_lookup(ctx, &bt, len, &opts, sizeof(opts));
+	if (!ct)
+		return 0;
+	bpf_ct_release(ct);
+	return 1;
+}
+
+static __always_inline void frag_key_of(struct frag_key *k, const struct tuple *t)
+{
+	__builtin_memcpy(k->src, t->src.addr, 16);
+	__builtin_memcpy(k->dst, t->dst.addr, 16);
+	k->id = t->frag_id;
+	k->proto = t->src.proto;
+}
+
+/* Whether a reply rule's match is the kernel's flow instead (see the top): a first
+ * fragment's datagram is then remembered for its later fragments. */
+static __always_inline int leave_to_kernel(struct xdp_md *ctx, const struct tuple *t, int v6,
+					   const struct steer_config *cfg)
+{
+	struct frag_key k = {};
+	__u8 one = 1;
+
+	if (cfg && (cfg->flags & CFG_SERVICE_DEVICE))
+		return 0;
+	if (!kernel_tracks(ctx, t, v6))
+		return 0;
+	if (t->frag) {
+		frag_key_of(&k, t);
+		bpf_map_update_elem(&kernel_frags, &k, &one, BPF_ANY);
+	}
+	return 1;
+}
+
 /* Rules (a)-(c) and (e); returns the stats index of the rule, or 0. */
-static __always_inline __u32 match_flow(struct tuple *t, const struct steer_config *cfg,
-					int v6)
+static __always_inline __u32 match_flow(struct xdp_md *ctx, struct tuple *t,
+					const struct steer_config *cfg, int v6)
 {
 	struct lpm_key cidr = { .prefixlen = 128 };
 	int dst_local;
@@ -350,24 +464,31 @@ static __always_inline __u32 match_flow(struct tuple *t, const struct steer_conf
 		return ST_FRONTEND;
 	dst_local = bpf_map_lookup_elem(&local_addrs, t->dst.addr) != NULL;
 	if (dst_local && in_snat_range(cfg, t->dst.port))
-		return ST_MASQ_REPLY;
+		return leave_to_kernel(ctx, t, v6, cfg) ? ST_KERNEL_FLOW : ST_MASQ_REPLY;
 	if (!dst_local && bpf_map_lookup_elem(&endpoints, &t->src))
-		return ST_DNAT_REPLY;
+		return leave_to_kernel(ctx, t, v6, cfg) ? ST_KERNEL_FLOW : ST_DNAT_REPLY;
 	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
 		return ST_CLUSTER_IP;
 	return 0;
 }
 
 /* Rule (f): a fragment after the first of a datagram to a Service address or from an
- * endpoint (any destination: a masqueraded reply goes to the node). */
+ * endpoint (any destination: a masqueraded reply goes to the node), unless its first
+ * fragment was left to the kernel. */
 static __always_inline __u32 match_fragment(struct tuple *t)
 {
+	struct frag_key k = {};
+
 	t->src.port = 0;
 	t->dst.port = 0;
 	if (bpf_map_lookup_elem(&frontends, &t->dst))
 		return ST_FRONTEND;
-	if (bpf_map_lookup_elem(&endpoints, &t->src))
+	if (bpf_map_lookup_elem(&endpoints, &t->src)) {
+		frag_key_of(&k, t);
+		if (bpf_map_lookup_elem(&kernel_frags, &k))
+			return ST_KERNEL_FLOW;
 		return ST_DNAT_REPLY;
+	}
 	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
 		return ST_CLUSTER_IP;
 	return 0;
@@ -375,7 +496,7 @@ static __always_inline __u32 match_fragment(struct tuple *t)
 
 /* Rule (d): an ICMP error whose quoted packet (IP header + 8 bytes) is of a
  * masqueraded flow, a DNAT-only flow, or a reply kxp sent from a frontend. */
-static __always_inline __u32 match_icmp(void *l4, void *end, int v6,
+static __always_inline __u32 match_icmp(struct xdp_md *ctx, void *l4, void *end, int v6,
 					const struct steer_config *cfg)
 {
 	__u8 *icmp = l4;
@@ -398,11 +519,10 @@ static __always_inline __u32 match_icmp(void *l4, void *end, int v6,
 	if (!inner_l4 || !is_translated_proto(in.src.proto) ||
 	    parse_ports(inner_l4, end, &in))
 		return 0;
-	if (bpf_map_lookup_elem(&local_addrs, in.src.addr) &&
-	    in_snat_range(cfg, in.src.port))
-		return ST_ICMP_ERROR;
-	if (bpf_map_lookup_elem(&endpoints, &in.dst))
-		return ST_ICMP_ERROR;
+	in.frag = 0;
+	if ((bpf_map_lookup_elem(&local_addrs, in.src.addr) && in_snat_range(cfg, in.src.port)) ||
+	    bpf_map_lookup_elem(&endpoints, &in.dst))
+		return leave_to_kernel(ctx, &in, v6, cfg) ? ST_KERNEL_FLOW : ST_ICMP_ERROR;
 	if (bpf_map_lookup_elem(&frontends, &in.src))
 		return ST_ICMP_ERROR;
 	return 0;
@@ -467,15 +587,19 @@ int kxp_steer(struct xdp_md *ctx)
 			count(ST_UNPARSED);
 			goto pass;
 		}
-		reason = match_flow(&t, cfg, v6);
+		reason = match_flow(ctx, &t, cfg, v6);
 	} else if ((!v6 && t.src.proto == IPPROTO_ICMP) ||
 		   (v6 && t.src.proto == IPPROTO_ICMPV6_)) {
-		reason = match_icmp(l4, end, v6, cfg);
+		reason = match_icmp(ctx, l4, end, v6, cfg);
 	} else {
 		goto pass;
 	}
 	if (!reason)
 		goto pass;
+	if (reason == ST_KERNEL_FLOW) {
+		count(reason);
+		goto pass;
+	}
 
 	count(reason);
 	act = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);

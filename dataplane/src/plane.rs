@@ -508,6 +508,8 @@ pub struct Totals {
     pub too_big_icmp: u64,
     /// Packets handed to the kernel to leave by an interface kxp does not drive.
     pub to_kernel: u64,
+    /// Packets forwarded untranslated whose partial checksum kxp completed.
+    pub pass_checksums_completed: u64,
 }
 
 /// A seed for a worker's random endpoint choice from the OS, so that nodes and restarts
@@ -957,6 +959,7 @@ impl Dataplane {
             t.fragmented_out += g(&s.fragmented_out);
             t.too_big_icmp += g(&s.too_big_icmp);
             t.to_kernel += g(&s.to_kernel);
+            t.pass_checksums_completed += g(&s.pass_checksums_completed);
             *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
             // Dropped after waiting for their next hop's MAC (the queue full, or 1 s
             // passed), and with no route at all: drops like the others.

@@ -198,6 +198,8 @@ pub struct WorkerStats {
     /// Packets handed to the kernel (through the service device) to leave by an
     /// interface kxp does not drive.
     pub to_kernel: AtomicU64,
+    /// Packets forwarded untranslated (passed) whose partial checksum kxp completed.
+    pub pass_checksums_completed: AtomicU64,
     pub conntrack_entries: AtomicU64,
     pub conntrack_evictions: AtomicU64,
     pub conntrack_inserts: AtomicU64,
@@ -379,6 +381,7 @@ struct Local {
     too_big_icmp: u64,
     too_big_dropped: u64,
     to_kernel: u64,
+    pass_checksums_completed: u64,
     stalls: Stalls,
 }
 
@@ -707,6 +710,7 @@ impl<'id> Worker<'id> {
             (&s.too_big_icmp, l.too_big_icmp),
             (&s.too_big_dropped, l.too_big_dropped),
             (&s.to_kernel, l.to_kernel),
+            (&s.pass_checksums_completed, l.pass_checksums_completed),
         ] {
             a.store(v, Ordering::Relaxed);
         }
@@ -1042,17 +1046,28 @@ impl<'id> Worker<'id> {
             }
             Verdict::Pass => {
                 // Redirected by the XDP program but not part of a translated flow (an
-                // endpoint answering a direct connection): forward it as the kernel would.
+                // endpoint answering a connection that the kernel does not track either,
+                // e.g. with conntrack off in this namespace; the steering program leaves
+                // the flows the kernel tracks to it): forward it as the kernel would, its
+                // partial checksum completed, its TTL decremented, fragmented or refused
+                // when too big for the next link.
                 let frame = self.io.bytes(&mut f);
-                let dst = match rewrite::parse(&frame[ETH_HLEN..]) {
-                    Ok(p) => p.dst(),
+                let l3 = &mut frame[ETH_HLEN..];
+                let (dst, from) = match rewrite::parse(l3) {
+                    Ok(Parsed::Flow(p)) => {
+                        if rewrite::complete_checksum(l3, &p) == Ok(true) {
+                            self.local.pass_checksums_completed += 1;
+                        }
+                        (p.tuple().dst, Some(p.tuple()))
+                    }
+                    Ok(p) => (p.dst(), None),
                     Err(_) => {
                         self.io.recycle(f);
                         return;
                     }
                 };
-                match rewrite::decrement_ttl(&mut frame[ETH_HLEN..]) {
-                    Ok(true) => self.route_out(f, dst),
+                match rewrite::decrement_ttl(l3) {
+                    Ok(true) => self.route_out_checked(f, dst, from, answer),
                     _ => self.io.recycle(f),
                 }
             }

@@ -76,8 +76,8 @@ pub struct XskConfig {
     /// Entries of each of a port's rings (fill, RX, TX, completion). Below saturation a
     /// fill ring holds what its interface receives in 16 ms, within this and the UMEM's
     /// share, so that a pause of the worker's CPU waits in the rings instead of being
-    /// dropped. With the default UMEM and two interfaces a port's share is 2,944 frames:
-    /// 4,096 entries let it hold 10 ms at 0.3 Mpps, where 2,048 held 7 (2026-12-03, three
+    /// dropped. With the default UMEM a busy port may be given up to 5,872 frames (16 fewer
+    /// for each further port, kept for its idle floor), within this ring: 4,096 entries let it hold 10 ms at 0.3 Mpps, where 2,048 held 7 (2026-12-03, three
     /// same-run A/Bs below saturation: 4,531 packets dropped against 32,753).
     pub ring_size: u32,
     /// Force copy mode; otherwise the UMEM's own socket asks for zero-copy and the
@@ -169,7 +169,7 @@ struct Port {
     /// Frames this port's fill ring holds (given, not yet received back).
     in_fill: usize,
     /// Descriptors received since the last refill, and the fill depth that traffic
-    /// asks for (decaying): an idle port keeps [`BATCH`] frames, a busy one more.
+    /// asks for (decaying): an idle port keeps [`IDLE_FILL`] frames, a busy one more.
     received: usize,
     demand: usize,
     /// Descriptors received since the last [`WorkerIo::hold_for`], and the fill depth
@@ -219,8 +219,9 @@ pub struct WorkerIo<'id> {
     scratch: Vec<FrameDesc>,
     /// Frames kept back from the fill rings for transmitting generated packets.
     reserve: usize,
-    /// Frames each port's fill ring is kept at: the UMEM less the reserve, shared evenly,
-    /// so that no interface starves the others of receive buffers.
+    /// The most frames a port's fill ring is given (see `reshare`): the UMEM less the
+    /// reserve and every other port's idle floor, so that no interface starves the others
+    /// of receive buffers.
     fill_target: usize,
     /// See [`WorkerIo::set_fill_limit`].
     fill_limit: usize,
@@ -351,6 +352,10 @@ pub const BATCH: usize = 64;
 pub const KERNEL_TX_BUDGET: u32 = 32;
 /// Receive frames kept on the first port's fill ring (kxp's service device).
 const FIRST_PORT_FILL: usize = 256;
+/// Receive frames an idle port's fill ring keeps (every port but the first): a new
+/// connection's first packets; from its first round of traffic a port is given what it
+/// receives (`refill`). 250 idle pod veths hold 4,000 frames of the default 8,192.
+pub const IDLE_FILL: usize = 16;
 
 impl WorkerIo<'static> {
     /// See [`Sockets::open`] (the only caller: a `WorkerIo<'static>` never leaves
@@ -422,7 +427,7 @@ impl WorkerIo<'static> {
 impl<'id> WorkerIo<'id> {
     /// Opens a socket on `ifname` (index `ifindex`) at this worker's queue, on the shared
     /// UMEM, gives it its share of receive frames, and returns its descriptor for the XDP
-    /// program's XSKMAP. The fill rings of every port are re-shared evenly.
+    /// program's XSKMAP. The ports' most is computed again (`reshare`).
     ///
     /// # Errors
     /// The socket cannot be created or bound (no such queue, already bound, …).
@@ -531,13 +536,19 @@ impl<'id> WorkerIo<'id> {
         true
     }
 
-    /// The most a port's fill ring is given: the UMEM (less the reserve and the first
-    /// port's [`FIRST_PORT_FILL`], kxp's own service device) shared evenly between the
-    /// other ports. Within it, each port's depth follows its traffic (`refill`).
+    /// The most a port's fill ring is given: the UMEM less the reserve, the first port's
+    /// [`FIRST_PORT_FILL`] (kxp's own service device) and every other port's
+    /// [`IDLE_FILL`], within its ring. Each port's depth follows its traffic (`refill`):
+    /// an idle port (a pod's veth between connections) holds [`IDLE_FILL`] frames, a busy
+    /// one what it receives, so frames go where the traffic is, however many ports there
+    /// are, instead of an even share that starves a busy uplink beside a hundred idle
+    /// pod veths.
     fn reshare(&mut self) {
-        let others = self.ports.len().saturating_sub(1).max(1);
-        self.fill_target = ((self.frames_total - self.reserve - FIRST_PORT_FILL) / others)
-            .clamp(BATCH, self.ring_size);
+        let others = self.ports.len().saturating_sub(2);
+        let pool = self
+            .frames_total
+            .saturating_sub(self.reserve + FIRST_PORT_FILL + IDLE_FILL * others);
+        self.fill_target = pool.clamp(IDLE_FILL, self.ring_size);
     }
 
     /// Bounds every port's fill ring (but the first's, kxp's service device) to `frames`
@@ -881,7 +892,7 @@ impl<'id> WorkerIo<'id> {
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            (BATCH + p.demand).max(p.hold).min(cap).min(self.fill_limit)
+            (IDLE_FILL + p.demand).max(p.hold).min(cap).min(self.fill_limit)
         };
         let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
@@ -1014,7 +1025,7 @@ mod tests {
 
     /// A port keeps, until the next window, what it received in the hold time at the
     /// last window's rate, within its share and the fill limit; an idle port goes back
-    /// to a batch.
+    /// to its floor.
     #[test]
     fn a_receiving_port_holds_a_pause_worth_of_frames() {
         let (held, limited, idle) = with_pod("kxqh", usize::MAX, |io, port| {
@@ -1038,7 +1049,7 @@ mod tests {
         });
         assert_eq!(held, (800, 800));
         assert_eq!(limited, (800, 300), "the fill limit holds");
-        assert_eq!(idle, (0, BATCH), "an idle port keeps a batch");
+        assert_eq!(idle, (0, IDLE_FILL), "an idle port keeps its floor");
     }
 
     /// In copy mode one sendto() sends a whole batch (the TX budget is the ring, not the

@@ -43,4 +43,4 @@ pub use parse::{
     Untranslatable, may_be_fragment, parse,
 };
 pub use reply::{BuildError, build_icmp_port_unreachable, build_icmp_too_big, build_tcp_rst};
-pub use translate::{RewriteError, decrement_ttl, rewrite, rewrite_fragment};
+pub use translate::{RewriteError, complete_checksum, decrement_ttl, rewrite, rewrite_fragment};

@@ -3768,3 +3768,72 @@ fn memory_only_state_leaves_nothing_behind_at_exit() {
     assert!(!show(&["ip", "route", "show", "table", "all"]).contains("proto 201"));
     lab.kxp = None;
 }
+
+/// The value of the metric line that starts with `want` (0 when absent).
+fn metric_value(metrics: &str, want: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(want)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn a_busy_uplink_beside_250_idle_pod_veths_on_one_worker_loses_nothing() {
+    // A node with 250 pods (more than a kubelet's 110) and one worker: the pods' veths
+    // sit idle while the uplink carries Service traffic. Their receive frames come from
+    // the worker's one UMEM; an idle veth must not hold what the uplink needs.
+    const PODS: usize = 250;
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe40",
+        interfaces: Some(&["n-client", "n-web*", "vp*"]),
+        ..Default::default()
+    });
+    let node = lab.node.clone();
+    let idle = lab.topo.add_ns("idle").unwrap();
+    // Each veth as a CNI creates it (kernel defaults), its peer in one namespace that
+    // stands for the idle pods, up, sending nothing.
+    let batch = lab.dir.join("veths.batch");
+    let mut text = String::new();
+    for i in 0..PODS {
+        text.push_str(&format!(
+            "link add vp{i} type veth peer name e{i} netns {idle}\nlink set vp{i} up\n"
+        ));
+    }
+    std::fs::write(&batch, text).unwrap();
+    in_ns(&node, &["ip", "-batch", batch.to_str().unwrap()]).unwrap();
+    let up: String = (0..PODS).map(|i| format!("link set e{i} up\n")).collect();
+    let batch_up = lab.dir.join("veths-up.batch");
+    std::fs::write(&batch_up, up).unwrap();
+    in_ns(&idle, &["ip", "-batch", batch_up.to_str().unwrap()]).unwrap();
+    let start = Instant::now();
+    let attached = |lab: &Lab| lab.log().matches("attached interface=vp").count();
+    while attached(&lab) < PODS && start.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(attached(&lab), PODS, "{}", lab.log());
+    println!(
+        "{PODS} pod veths attached {:.1} s after they were created",
+        start.elapsed().as_secs_f64()
+    );
+
+    let (spread, _, failed) = lab.http_spread(vip(80), 300);
+    assert_eq!(failed, 0, "{spread:?}\n{}", lab.log());
+    let bad = lab.in_client(|| {
+        let mut bad = 0;
+        for _ in 0..300 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s.send_to(b"?", vip(9)).unwrap();
+            let mut buf = [0u8; 64];
+            if !matches!(s.recv_from(&mut buf), Ok((_, from)) if from == vip(9)) {
+                bad += 1;
+            }
+        }
+        bad
+    });
+    assert_eq!(bad, 0, "UDP datagrams unanswered\n{}", lab.log());
+    std::thread::sleep(Duration::from_millis(1100));
+    let m = node_http(&lab, 10249, "/metrics");
+    let empty = r#"kxp_xsk_rx_drops_total{interface="n-client",reason="fill_ring_empty"}"#;
+    assert_eq!(metric_value(&m, empty), 0.0, "{m}");
+}

@@ -35,6 +35,10 @@ pub struct SteerStats {
     pub unparsed: u64,
     /// VLAN-tagged frames not looked inside (passed).
     pub vlan: u64,
+    /// A reply rule ((b), (c), (d), or a later fragment from an endpoint) matched, but the
+    /// kernel's conntrack tracks the flow: the kernel's own connection (traffic straight
+    /// to a pod, Service traffic another node translated), passed to it.
+    pub kernel_flow: u64,
 }
 
 impl SteerStats {
@@ -52,13 +56,14 @@ impl SteerStats {
             cluster_ip: self.cluster_ip.saturating_sub(earlier.cluster_ip),
             unparsed: self.unparsed.saturating_sub(earlier.unparsed),
             vlan: self.vlan.saturating_sub(earlier.vlan),
+            kernel_flow: self.kernel_flow.saturating_sub(earlier.kernel_flow),
         }
     }
 }
 
 /// Reads and sums every counter of the `stats` map.
 pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
-    let mut c = [0u64; 11];
+    let mut c = [0u64; 12];
     for (idx, slot) in (0u32..).zip(c.iter_mut()) {
         let per_cpu = stats
             .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
@@ -87,6 +92,7 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         cluster_ip,
         unparsed,
         vlan,
+        kernel_flow,
     ] = c;
     Ok(SteerStats {
         seen,
@@ -100,5 +106,6 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         cluster_ip,
         unparsed,
         vlan,
+        kernel_flow,
     })
 }

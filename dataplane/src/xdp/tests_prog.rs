@@ -180,6 +180,102 @@ fn dnat_replies_come_from_an_endpoint_to_a_non_node_address() {
 }
 
 #[test]
+fn replies_of_flows_the_kernel_tracks_are_left_to_it() {
+    // Traffic straight to a pod, or Service traffic another node translated: the kernel
+    // forwarded the request and tracks the flow, so the endpoint's answers are its own
+    // (its conntrack must see them). Here the kernel's entries are the namespace's own
+    // connections over loopback, with conntrack on (an nftables `ct state` rule).
+    let mut topo = crate::lab::Topology::new("kxpct");
+    let ns = topo.add_ns("ct").unwrap();
+    crate::lab::in_ns(&ns, &["ip", "link", "set", "lo", "up"]).unwrap();
+    crate::lab::in_ns(
+        &ns,
+        &[
+            "nft",
+            "add table inet kxpct; add chain inet kxpct out { type filter hook output \
+             priority 0; ct state invalid drop; }",
+        ],
+    )
+    .unwrap();
+    let ns2 = ns.clone();
+    std::thread::spawn(move || {
+        crate::sys::enter_netns(&ns2).unwrap();
+        let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
+        // The kernel's flows: 127.0.0.1:X -> :9 (UDP) and -> :7 (TCP, refused: the
+        // entry stays a while in CLOSE).
+        let udp = std::net::UdpSocket::bind(lo(0)).unwrap();
+        udp.send_to(b"x", lo(9)).unwrap();
+        let x = udp.local_addr().unwrap().port();
+        let tcp = std::net::TcpStream::connect(lo(7));
+        assert!(tcp.is_err(), "nothing listens on 127.0.0.1:7");
+        let mut s = steering();
+        s.set_snat_range(SNAT.0, SNAT.1).unwrap();
+        s.sync_endpoints(&set([
+            key(lo(9), Protocol::Udp),
+            key(lo(0), Protocol::Udp),
+            key(lo(7), Protocol::Tcp),
+        ]))
+        .unwrap();
+        let reply = tuple(lo(9), lo(x), Protocol::Udp);
+        assert_eq!(classify(&s, &frame(&reply)), Some(Rule::KernelFlow));
+        let untracked = tuple(lo(9), lo(x.wrapping_add(1)), Protocol::Udp);
+        assert_eq!(classify(&s, &frame(&untracked)), Some(Rule::DnatReply));
+        // TCP: whichever port the refused connect used, no entry has port 1 as client.
+        let tcp_untracked = tuple(lo(7), lo(1), Protocol::Tcp);
+        assert_eq!(classify(&s, &frame(&tcp_untracked)), Some(Rule::DnatReply));
+
+        // A fragmented answer: the first fragment is the kernel's, and so are the later
+        // ones of the same datagram (not those of another).
+        let mut first = frame(&reply);
+        first[14 + 4..14 + 6].copy_from_slice(&0x4242u16.to_be_bytes()); // id
+        first[14 + 6..14 + 8].copy_from_slice(&0x2000u16.to_be_bytes()); // MF
+        let first = eth_ip(&fixed_ipv4(&first[14..]));
+        assert_eq!(classify(&s, &first), Some(Rule::KernelFlow));
+        let mut later = first.clone();
+        later[14 + 6..14 + 8].copy_from_slice(&0x0010u16.to_be_bytes()); // offset 128
+        let later = eth_ip(&fixed_ipv4(&later[14..]));
+        assert_eq!(classify(&s, &later), Some(Rule::KernelFlow));
+        let mut other = later.clone();
+        other[14 + 4..14 + 6].copy_from_slice(&0x4243u16.to_be_bytes());
+        let other = eth_ip(&fixed_ipv4(&other[14..]));
+        assert_eq!(classify(&s, &other), Some(Rule::DnatReply));
+
+        // An ICMP error quoting the kernel's flow (client -> endpoint) is the kernel's.
+        let router = IpAddr::from([127, 0, 0, 2]);
+        let about = tuple(lo(x), lo(9), Protocol::Udp);
+        let err = icmp_error(router, lo(x).ip(), &about);
+        assert_eq!(classify(&s, &err), Some(Rule::KernelFlow));
+        let about_other = tuple(lo(x.wrapping_add(1)), lo(9), Protocol::Udp);
+        let err = icmp_error(router, lo(x).ip(), &about_other);
+        assert_eq!(classify(&s, &err), Some(Rule::IcmpError));
+
+        // To a node address in the SNAT port range (rule (b)): the kernel's when it
+        // tracks it (the node's own connection from such a port) ...
+        let node = std::net::UdpSocket::bind(lo(61500)).unwrap();
+        node.send_to(b"x", lo(9)).unwrap();
+        s.sync_local_addrs(&set([IpAddr::from([127, 0, 0, 1])]))
+            .unwrap();
+        let masq_reply = tuple(lo(9), lo(61500), Protocol::Udp);
+        assert_eq!(classify(&s, &frame(&masq_reply)), Some(Rule::KernelFlow));
+        let masq_untracked = tuple(lo(9), lo(61501), Protocol::Udp);
+        assert_eq!(classify(&s, &frame(&masq_untracked)), Some(Rule::MasqReply));
+        // ... but on kxp's service device everything was routed to kxp: no lookup.
+        s.set_service_device().unwrap();
+        assert_eq!(classify(&s, &frame(&masq_reply)), Some(Rule::MasqReply));
+        drop((udp, node));
+    })
+    .join()
+    .unwrap();
+}
+
+/// An IPv4 packet with its header checksum recomputed.
+fn fixed_ipv4(ip: &[u8]) -> Vec<u8> {
+    let mut p = ip.to_vec();
+    pkt::fix_ipv4_checksum(&mut p);
+    p
+}
+
+#[test]
 fn icmp_errors_quoting_translated_flows() {
     let mut s = steering();
     s.set_snat_range(SNAT.0, SNAT.1).unwrap();

@@ -70,6 +70,27 @@ pub fn rewrite(buf: &mut [u8], pkt: &FlowPacket, to: &Tuple) -> Result<(), Rewri
     Ok(())
 }
 
+/// Completes the TCP/UDP checksum of a packet that kxp forwards without translating it (an
+/// endpoint answering a connection kxp did not translate, handed to kxp by the steering
+/// program), when its sender left the checksum partial (`l4::checksum_is_partial`): the
+/// kernel would have completed it on transmit, an AF_XDP transmit will not. Returns
+/// whether it did; any other packet (a complete checksum, UDP's 0, SCTP, a fragment) is
+/// left as it is.
+///
+/// # Errors
+/// [`RewriteError::BufferTooShort`] when `buf` is not the buffer that was parsed; the
+/// buffer is then unchanged.
+pub fn complete_checksum(buf: &mut [u8], pkt: &FlowPacket) -> Result<bool, RewriteError> {
+    let buf = parsed_bytes(buf, pkt.ip_len)?;
+    let t = pkt.tuple;
+    let seg = &mut buf[pkt.l4_offset..];
+    if pkt.frag.is_some() || !l4::checksum_is_partial(seg, t.proto, t.src, t.dst) {
+        return Ok(false);
+    }
+    l4::rewrite_complete(seg, t.proto, t.sport, t.dport, t.src, t.dst);
+    Ok(true)
+}
+
 /// Translates a fragment after the first (`pkt`, as parsed from `buf`) the way the first
 /// fragment of its datagram was: its addresses become `src` and `dst` (the IPv4 header
 /// checksum patched). Nothing else changes: the ports and the transport checksum are in

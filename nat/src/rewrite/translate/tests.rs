@@ -82,6 +82,46 @@ fn partial_checksums_are_completed_in_both_directions_and_families() {
 }
 
 #[test]
+fn a_packet_forwarded_untranslated_gets_its_partial_checksum_completed_and_nothing_else() {
+    // An endpoint answering a connection kxp did not translate: forwarded as it is, but
+    // its pseudo-header-only checksum completed, as the kernel would on transmit.
+    for e in [Endpoints::v4(), Endpoints::v6()] {
+        for proto in PROTOS {
+            let t = e.dnat(proto).reversed();
+            for payload in [&b""[..], PAYLOAD, &[0x5Au8; 1473][..]] {
+                let whole = build_tuple(&t, payload);
+                let mut buf = whole.clone();
+                let partial = proto != Protocol::Sctp;
+                if partial {
+                    make_partial(&mut buf);
+                }
+                buf.extend_from_slice(&[PATTERN; 16]);
+                let parsed = flow(&buf);
+                assert_eq!(complete_checksum(&mut buf, &parsed), Ok(partial), "{t}");
+                assert_eq!(buf[..whole.len()], whole[..], "{t}");
+                assert!(buf[whole.len()..].iter().all(|&b| b == PATTERN));
+                verify_checksums(&buf[..whole.len()]);
+                // Complete already: left alone.
+                let parsed = flow(&buf);
+                assert_eq!(complete_checksum(&mut buf, &parsed), Ok(false), "{t}");
+                assert_eq!(buf[..whole.len()], whole[..], "{t}");
+            }
+        }
+    }
+    // A wrong checksum that is not the pseudo-header's sum stays wrong.
+    let mut buf = build_tuple(&Endpoints::v4().original(Protocol::Tcp), PAYLOAD);
+    buf[36] ^= 0x01;
+    let before = buf.clone();
+    let parsed = flow(&buf);
+    assert_eq!(complete_checksum(&mut buf, &parsed), Ok(false));
+    assert_eq!(buf, before);
+    // Not the parsed buffer: refused, unchanged.
+    let mut short = before[..30].to_vec();
+    assert!(complete_checksum(&mut short, &parsed).is_err());
+    assert_eq!(short, before[..30]);
+}
+
+#[test]
 fn a_complete_checksum_is_still_patched_not_recomputed() {
     // A wrong (not partial) checksum stays exactly as wrong: kxp only completes the
     // pseudo-header sum it recognises, and patches everything else incrementally.
