@@ -892,7 +892,10 @@ impl<'id> WorkerIo<'id> {
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            (IDLE_FILL + p.demand).max(p.hold).min(cap).min(self.fill_limit)
+            (IDLE_FILL + p.demand)
+                .max(p.hold)
+                .min(cap)
+                .min(self.fill_limit)
         };
         let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
