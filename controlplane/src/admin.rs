@@ -338,6 +338,16 @@ fn answer(
                         })
                         .unwrap_or_default();
                     let it = g(&w.iterations);
+                    // The (interface, queue) sockets this worker serves, and what each
+                    // received: how RSS spreads the traffic.
+                    let queues: Vec<Value> = shared
+                        .socket_stats_of(i, WORKER_WAIT)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(ifname, st)| {
+                            json!({"interface": ifname, "queue": st.queue, "rx_packets": st.rx_packets})
+                        })
+                        .collect();
                     json!({
                         "worker": i,
                         "rx_packets": g(&w.rx_packets),
@@ -352,6 +362,7 @@ fn answer(
                         "handoffs_in": g(&w.handoffs_in),
                         "busy_ratio": if it == 0 { 0.0 } else { g(&w.busy_iterations) as f64 / it as f64 },
                         "conntrack_entries": g(&w.conntrack_entries),
+                        "queues": queues,
                     })
                 })
                 .collect(),
@@ -554,7 +565,7 @@ pub fn stats_table(before: &Value, after: &Value, secs: f64) -> String {
             "drops_total": if drops.is_empty() { "-".to_string() } else { drops.join(" ") },
         }));
     }
-    table(
+    let workers = table(
         &rows,
         &[
             "worker",
@@ -567,6 +578,36 @@ pub fn stats_table(before: &Value, after: &Value, secs: f64) -> String {
             "conntrack",
             "drops_total",
         ],
+    );
+    // Per receive queue (an AF_XDP socket each), those that received in the window.
+    let mut queues = Vec::new();
+    for b in after.as_array().into_iter().flatten() {
+        for q in b["queues"].as_array().into_iter().flatten() {
+            let earlier = before
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|w| w["queues"].as_array().into_iter().flatten())
+                .find(|e| e["interface"] == q["interface"] && e["queue"] == q["queue"])
+                .cloned()
+                .unwrap_or(Value::Null);
+            let rx = rate(&earlier, q, "rx_packets");
+            if rx != "0" {
+                queues.push(json!({
+                    "interface": q["interface"],
+                    "queue": q["queue"],
+                    "worker": b["worker"],
+                    "rx_pps": rx,
+                }));
+            }
+        }
+    }
+    if queues.is_empty() {
+        return workers;
+    }
+    format!(
+        "{workers}\n{}",
+        table(&queues, &["interface", "queue", "worker", "rx_pps"])
     )
 }
 

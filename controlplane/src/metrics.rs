@@ -128,6 +128,7 @@ pub struct Metrics {
     longest_stall: Family<Labels, F64Gauge>,
     xdp: Family<Labels, Counter>,
     xsk_drops: Family<Labels, Counter>,
+    xsk_packets: Family<Labels, Counter>,
     api_events: Family<Labels, Counter>,
     api_errors: Family<Labels, Counter>,
     api_relists: Family<Labels, Counter>,
@@ -224,6 +225,7 @@ impl Metrics {
             longest_stall: Family::default(),
             xdp: Family::default(),
             xsk_drops: Family::default(),
+            xsk_packets: Family::default(),
             api_events: Family::default(),
             api_errors: Family::default(),
             api_relists: Family::default(),
@@ -436,6 +438,12 @@ impl Metrics {
                 "xsk_rx_drops",
                 "Packets the kernel redirected to kxp's AF_XDP sockets and dropped, per interface and reason: fill_ring_empty (no receive buffer: kxp's rings held what its queue budget allows, or it fell behind), rx_ring_full (the receive ring was full), other",
                 m.xsk_drops.clone(),
+            );
+            kxp.register(
+                "xsk_rx_packets",
+                "Frames kxp received per interface and receive queue (one AF_XDP socket each; \
+                 queue q is served by worker q % workers): how RSS spreads the traffic",
+                m.xsk_packets.clone(),
             );
             kxp.register(
                 "worker_busy_ratio",
@@ -712,10 +720,31 @@ impl Metrics {
     }
 
     /// Takes the AF_XDP sockets' counters, per interface.
-    pub fn update_xsk(&self, per_interface: &[(String, dataplane::xsk::PortStats)]) {
+    pub fn update_xsk(&self, per_queue: &[(String, dataplane::xsk::PortStats)]) {
         let Ok(mut t) = self.totals.lock() else {
             return;
         };
+        let mut per_interface: Vec<(&String, dataplane::xsk::PortStats)> = Vec::new();
+        for (ifname, st) in per_queue {
+            let q = st.queue.to_string();
+            let l = vec![
+                ("interface".to_string(), ifname.clone()),
+                ("queue".to_string(), q.clone()),
+            ];
+            t.advance(
+                &format!("xskq/{ifname}/{q}"),
+                st.rx_packets,
+                &self.xsk_packets.get_or_create(&l),
+            );
+            match per_interface.iter_mut().find(|(n, _)| *n == ifname) {
+                Some((_, a)) => {
+                    a.rx_dropped += st.rx_dropped;
+                    a.rx_ring_full += st.rx_ring_full;
+                    a.rx_fill_ring_empty += st.rx_fill_ring_empty;
+                }
+                None => per_interface.push((ifname, *st)),
+            }
+        }
         for (ifname, st) in per_interface {
             // The kernel counts a packet dropped for want of a buffer in both rx_dropped
             // and the fill ring's empty count.

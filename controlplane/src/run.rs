@@ -322,7 +322,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             update_metrics(&metrics, &dp, last_sync);
             metrics.update_process();
             metrics.update_xdp(&dp.steer_stats());
-            metrics.update_xsk(&dp.shared.socket_stats(Duration::from_millis(200)));
+            metrics.update_xsk(&dp.shared.socket_stats_per_queue(Duration::from_millis(200)));
             if let Input::Kube { source, .. } = &input {
                 let api: Vec<crate::metrics::ApiCounters> = source
                     .status()

@@ -282,6 +282,10 @@ struct Programming {
     restore: Vec<(String, String)>,
     /// Interfaces whose attach failed, with when (retried after [`ATTACH_RETRY`]).
     failed: HashMap<u32, Instant>,
+    /// Receive queues served per attached interface (a socket on each), to follow a
+    /// change of the count (`ethtool -L`), and when it was last compared.
+    queues: HashMap<u32, usize>,
+    queues_checked: Option<Instant>,
     /// The links a previous kxp pinned are this process's now (see
     /// [`Dataplane::take_over`]); until then instances for them are filled, not attached.
     taken_over: bool,
@@ -1151,6 +1155,34 @@ impl LinkCtl {
         for ifindex in gone {
             self.detach(&mut prog, ifindex);
         }
+        // A queue count changed (`ethtool -L`, no netlink event says so): attached again
+        // below, a socket on every queue. Compared once a second.
+        if prog
+            .queues_checked
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        {
+            prog.queues_checked = Some(Instant::now());
+            let moved: Vec<(u32, String, usize, usize)> = prog
+                .steering
+                .iter()
+                .filter_map(|s| {
+                    let name = s.ifname()?.to_string();
+                    let had = *prog.queues.get(&s.ifindex())?;
+                    let now = rx_queues(&name)?.max(1);
+                    (now != had).then_some((s.ifindex(), name, had, now))
+                })
+                .collect();
+            for (ifindex, name, had, now) in moved {
+                tracing::info!(
+                    interface = %name,
+                    from = had,
+                    to = now,
+                    "receive queue count changed: attaching again with a socket on every queue"
+                );
+                self.detach(&mut prog, ifindex);
+                changed = true;
+            }
+        }
         prog.failed
             .retain(|i, at| at.elapsed() < ATTACH_RETRY && links.iter().any(|l| l.ifindex == *i));
         for l in links {
@@ -1198,16 +1230,32 @@ impl LinkCtl {
     }
 
     /// Loads and attaches a program instance to `link`, fills its maps with what is
-    /// wanted now, and has each worker whose queue the interface has open a socket there.
-    /// Returns the number of sockets.
-    /// Attaches to `link`: its queues (one socket each), their AF_XDP mode, and the
-    /// fewest frames one sendto() on them transmits in copy mode (0: zero-copy).
+    /// wanted now, and opens a socket on every receive queue of the interface: queue `q`
+    /// is served by worker `q % workers` (a worker serves several queues when the
+    /// interface has more than there are workers: RSS spreads flows over every queue,
+    /// and a queue without a socket would pass Service traffic untranslated).
+    /// Returns the number of sockets, their AF_XDP mode, and the fewest frames one
+    /// sendto() on them transmits in copy mode (0: zero-copy).
     fn attach(
         &self,
         prog: &mut Programming,
         link: &LinkInfo,
     ) -> Result<(usize, &'static str, u32), DataplaneError> {
-        let queues = rx_queues(&link.name).unwrap_or(1).clamp(1, self.workers);
+        const MAX_QUEUES: usize = crate::xdp::MAX_QUEUES as usize;
+        let queues = rx_queues(&link.name).unwrap_or(1).max(1);
+        if queues > MAX_QUEUES {
+            tracing::warn!(
+                interface = %link.name,
+                queues,
+                "more receive queues than kxp serves ({}): Service traffic that RSS puts on \
+                 the others is passed to the kernel untranslated; lower the count (ethtool -L \
+                 {} combined {})",
+                MAX_QUEUES,
+                link.name,
+                MAX_QUEUES
+            );
+        }
+        let queues = queues.min(MAX_QUEUES);
         if !self.multi_buffer
             && let Some((_, mtu)) = matching_links(std::slice::from_ref(&link.name)).first()
             && *mtu > self.frame_mtu
@@ -1232,23 +1280,27 @@ impl LinkCtl {
         let mut zero_copy = Vec::new();
         let mut tx_budget = u32::MAX;
         let mut result = Ok(());
-        for (queue, tx) in self.shared.commands.iter().enumerate().take(queues) {
+        for queue in 0..queues {
+            let worker = queue % self.workers;
             let (rtx, rrx) = crossbeam::channel::bounded(1);
-            let _ = tx.send(Command::AddPort {
+            let _ = self.shared.commands[worker].send(Command::AddPort {
                 ifname: link.name.clone(),
                 ifindex: link.ifindex,
+                queue: queue as u32,
                 reply: rtx,
             });
             let r = match rrx.recv_timeout(WORKER_REPLY) {
                 Ok(Ok((fd, zc, budget))) => {
-                    opened.push(queue);
+                    if !opened.contains(&worker) {
+                        opened.push(worker);
+                    }
                     zero_copy.push(zc);
                     tx_budget = tx_budget.min(budget);
                     s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
                 }
                 Ok(Err(reason)) => Err(DataplaneError::Config(reason)),
                 Err(_) => Err(DataplaneError::Config(format!(
-                    "worker {queue} did not open its socket on {}",
+                    "worker {worker} did not open its socket on {} queue {queue}",
                     link.name
                 ))),
             };
@@ -1275,6 +1327,7 @@ impl LinkCtl {
                 .extend(busy_poll_knobs(std::slice::from_ref(&link.name)));
         }
         prog.steering.push(s);
+        prog.queues.insert(link.ifindex, queues);
         Ok((
             queues,
             match (zero_copy.iter().all(|z| *z), zero_copy.iter().any(|z| *z)) {
@@ -1292,6 +1345,7 @@ impl LinkCtl {
             return;
         };
         let s = prog.steering.remove(i);
+        prog.queues.remove(&ifindex);
         let name = s.ifname().unwrap_or_default().to_string();
         if let Err(e) = s.detach() {
             tracing::warn!(interface = %name, error = %e, "detaching an XDP program");

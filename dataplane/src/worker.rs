@@ -83,11 +83,13 @@ pub enum Command {
     SocketStats(crossbeam::channel::Sender<Vec<(String, crate::xsk::PortStats)>>),
     /// Send back the live flows, packets and bytes per endpoint (for `kxp service list`).
     EndpointCounts(crossbeam::channel::Sender<EndpointMap>),
-    /// Open a socket on a newly attached interface at this worker's queue and send back
-    /// its descriptor (for the interface's XSKMAP) or why it failed.
+    /// Open a socket on a newly attached interface at its receive queue `queue` (one of
+    /// those this worker serves) and send back its descriptor (for the interface's
+    /// XSKMAP) or why it failed.
     AddPort {
         ifname: String,
         ifindex: u32,
+        queue: u32,
         /// The socket's descriptor, whether it is in zero-copy mode, and its TX budget
         /// per sendto() ([`crate::xsk::WorkerIo::tx_budget`]).
         reply: crossbeam::channel::Sender<Result<(std::os::fd::RawFd, bool, u32), String>>,
@@ -164,7 +166,7 @@ impl std::fmt::Debug for Command {
             Command::TableStats(_) => f.write_str("TableStats"),
             Command::SocketStats(_) => f.write_str("SocketStats"),
             Command::EndpointCounts(_) => f.write_str("EndpointCounts"),
-            Command::AddPort { ifname, .. } => write!(f, "AddPort({ifname})"),
+            Command::AddPort { ifname, queue, .. } => write!(f, "AddPort({ifname}, {queue})"),
             Command::RemovePort { ifindex, .. } => write!(f, "RemovePort({ifindex})"),
         }
     }
@@ -294,6 +296,32 @@ impl Shared {
         self.ask_all(Command::TableStats, timeout)
     }
 
+    /// The statistics of worker `worker`'s sockets, one per (interface, queue) it serves;
+    /// `None` if it did not answer in `timeout`.
+    pub fn socket_stats_of(
+        &self,
+        worker: usize,
+        timeout: std::time::Duration,
+    ) -> Option<Vec<(String, crate::xsk::PortStats)>> {
+        let (rtx, rrx) = crossbeam::channel::bounded(1);
+        self.commands
+            .get(worker)?
+            .send(Command::SocketStats(rtx))
+            .ok()?;
+        rrx.recv_timeout(timeout).ok()
+    }
+
+    /// The statistics of every worker's sockets, one per (interface, queue).
+    pub fn socket_stats_per_queue(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Vec<(String, crate::xsk::PortStats)> {
+        self.ask_all(Command::SocketStats, timeout)
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
     /// The kernel's statistics of every worker's sockets, summed per interface.
     pub fn socket_stats(
         &self,
@@ -312,6 +340,7 @@ impl Shared {
                     a.rx_fill_ring_empty += st.rx_fill_ring_empty;
                     a.tx_invalid += st.tx_invalid;
                     a.tx_ring_empty += st.tx_ring_empty;
+                    a.rx_packets += st.rx_packets;
                 }
                 None => sum.push((ifname, st)),
             }
@@ -818,18 +847,16 @@ impl<'id> Worker<'id> {
             Command::AddPort {
                 ifname,
                 ifindex,
+                queue,
                 reply,
             } => {
                 let r = self
                     .io
-                    .add_port(&ifname, ifindex)
+                    .add_port(&ifname, ifindex, queue)
                     .map(|fd| {
-                        let port = self.io.port_of(ifindex);
-                        (
-                            fd,
-                            port.is_some_and(|p| self.io.zero_copy(p)),
-                            port.map_or(0, |p| self.io.tx_budget(p)),
-                        )
+                        // The new port is the last one.
+                        let port = self.io.port_count() - 1;
+                        (fd, self.io.zero_copy(port), self.io.tx_budget(port))
                     })
                     .map_err(|e| e.to_string());
                 self.ports_changed = true;

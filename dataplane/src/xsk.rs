@@ -1,6 +1,7 @@
-//! AF_XDP sockets of one worker (xsk-rs): one UMEM shared by a socket on each attached
-//! interface at the worker's queue, so a frame received on one interface can be sent on
-//! another without a copy.
+//! AF_XDP sockets of one worker (xsk-rs): one UMEM shared by a socket on each queue the
+//! worker serves of each attached interface (one per interface when there are no more
+//! queues than workers), so a frame received on one interface can be sent on another
+//! without a copy.
 //!
 //! Frame ownership is what makes AF_XDP sound: a frame is owned either by the kernel (on
 //! the fill or TX ring) or by userspace, never both. Here userspace ownership is a
@@ -153,6 +154,10 @@ pub enum XskError {
 struct Port {
     ifname: String,
     ifindex: u32,
+    /// The interface's receive queue the socket is bound to.
+    queue: u32,
+    /// Packets received on this socket since it was opened.
+    rx_packets: u64,
     tx: TxQueue,
     rx: RxQueue,
     fq: FillQueue,
@@ -182,9 +187,13 @@ struct Port {
     tx_kicks: u64,
 }
 
-/// Per-port socket statistics from the kernel.
+/// Per-port socket statistics from the kernel, and the port's queue and packets received.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PortStats {
+    /// The interface's receive queue the socket is bound to.
+    pub queue: u32,
+    /// Packets this socket received (counted by kxp).
+    pub rx_packets: u64,
     pub rx_dropped: u64,
     pub rx_ring_full: u64,
     pub rx_fill_ring_empty: u64,
@@ -418,21 +427,20 @@ impl WorkerIo<'static> {
         };
         for ifname in ifnames {
             let ifindex = crate::xdp::ifindex_of(ifname).unwrap_or(0);
-            io.add_port(ifname, ifindex)?;
+            io.add_port(ifname, ifindex, queue)?;
         }
         Ok(io)
     }
 }
 
 impl<'id> WorkerIo<'id> {
-    /// Opens a socket on `ifname` (index `ifindex`) at this worker's queue, on the shared
-    /// UMEM, gives it its share of receive frames, and returns its descriptor for the XDP
+    /// Opens a socket on `ifname` (index `ifindex`) at its receive queue `queue`, on the
+    /// shared UMEM, gives it its share of receive frames, and returns its descriptor for the XDP
     /// program's XSKMAP. The ports' most is computed again (`reshare`).
     ///
     /// # Errors
     /// The socket cannot be created or bound (no such queue, already bound, …).
-    pub fn add_port(&mut self, ifname: &str, ifindex: u32) -> Result<RawFd, XskError> {
-        let queue = self.queue;
+    pub fn add_port(&mut self, ifname: &str, ifindex: u32, queue: u32) -> Result<RawFd, XskError> {
         let sock_err = |reason: String| XskError::Socket {
             ifname: ifname.to_string(),
             queue,
@@ -480,6 +488,8 @@ impl<'id> WorkerIo<'id> {
         self.ports.push(Port {
             ifname: ifname.to_string(),
             ifindex,
+            queue,
+            rx_packets: 0,
             zero_copy,
             tx_budget,
             tx,
@@ -503,9 +513,10 @@ impl<'id> WorkerIo<'id> {
         Ok(fd)
     }
 
-    /// Closes the socket of the port on `ifindex` (its interface went away or no longer
-    /// matches) and takes back every frame its rings held. Returns whether there was
-    /// such a port.
+    /// Closes the sockets of the ports on `ifindex`, one per queue this worker serves
+    /// there (the interface went away, no longer matches, or changed its queue count),
+    /// and takes back every frame their rings held. Returns whether there was such a
+    /// port.
     ///
     /// A frame is marked with the port whose fill or TX ring it is put on, and unmarked
     /// when it comes back from the RX or completion ring: the frames of the removed port
@@ -515,17 +526,25 @@ impl<'id> WorkerIo<'id> {
     ///
     /// The first port (the UMEM's own socket) is never removed.
     pub fn remove_port(&mut self, ifindex: u32) -> bool {
-        let Some(i) = self.ports.iter().position(|p| p.ifindex == ifindex) else {
-            return false;
-        };
-        if i == 0 {
+        let mut removed = false;
+        // Not the first port (index 0).
+        while let Some(i) = self
+            .ports
+            .iter()
+            .skip(1)
+            .position(|p| p.ifindex == ifindex)
+            .map(|i| i + 1)
+        {
+            let mut p = self.ports.remove(i);
+            self.free.append(&mut p.tx_pending);
+            // Closing the socket first: the kernel stops using its rings, then what they
+            // held is userspace's again.
+            drop(p);
+            removed = true;
+        }
+        if !removed {
             return false;
         }
-        let mut p = self.ports.remove(i);
-        self.free.append(&mut p.tx_pending);
-        // Closing the socket first: the kernel stops using its rings, then what they
-        // held is userspace's again.
-        drop(p);
         for (n, owner) in self.ring_of.iter_mut().enumerate() {
             if *owner == ifindex {
                 *owner = 0;
@@ -629,6 +648,7 @@ impl<'id> WorkerIo<'id> {
         // (a multi-buffer piece) is copied and put in `free`, so none has two owners.
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
+        p.rx_packets += n as u64;
         p.received += n;
         p.window_received += n;
         let mut packets = 0;
@@ -930,13 +950,19 @@ impl<'id> WorkerIo<'id> {
     pub fn stats(&self, port: usize) -> PortStats {
         match self.ports[port].rx.fd().xdp_statistics() {
             Ok(s) => PortStats {
+                queue: self.ports[port].queue,
+                rx_packets: self.ports[port].rx_packets,
                 rx_dropped: s.rx_dropped(),
                 rx_ring_full: s.rx_ring_full(),
                 rx_fill_ring_empty: s.rx_fill_ring_empty_descs(),
                 tx_invalid: s.tx_invalid_descs(),
                 tx_ring_empty: s.tx_ring_empty_descs(),
             },
-            Err(_) => PortStats::default(),
+            Err(_) => PortStats {
+                queue: self.ports[port].queue,
+                rx_packets: self.ports[port].rx_packets,
+                ..PortStats::default()
+            },
         }
     }
 
@@ -992,7 +1018,7 @@ mod tests {
             sockets.with(|mut io| {
                 io.set_fill_limit(fill_limit);
                 let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-                io.add_port("pod", ifindex).unwrap();
+                io.add_port("pod", ifindex, 0).unwrap();
                 let port = io.port_of(ifindex).unwrap();
                 f(&mut io, port)
             })
@@ -1113,7 +1139,7 @@ mod tests {
                 sockets.with(|mut io| {
                     let before = io.free_frames();
                     let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-                    io.add_port("pod", ifindex).unwrap();
+                    io.add_port("pod", ifindex, 0).unwrap();
                     io.flush();
                     let during = io.free_frames();
                     assert!(io.remove_port(ifindex));

@@ -72,6 +72,9 @@ struct Opts<'a> {
     state: Option<String>,
     /// MTU of every link (both ends), set before kxp starts.
     mtu: Option<u32>,
+    /// Receive and transmit queues in use on every link (both ends, `ethtool -L`), of the
+    /// `queues` created, set before kxp starts.
+    active_queues: Option<u32>,
     /// Start kxp as a kube-proxy DaemonSet would: through a `kube-proxy` symlink, with
     /// only these arguments (`@KUBECONFIG@`, `@CONFIG@` and `@CLUSTER_CIDR@` replaced),
     /// no kxp flag and no `--interface`; with `@CONFIG@`, the config is kubeadm's.
@@ -99,6 +102,7 @@ impl Default for Opts<'_> {
             interfaces: None,
             state: None,
             mtu: None,
+            active_queues: None,
             kube_proxy_args: None,
             capabilities: None,
             kxp_args: &[],
@@ -122,6 +126,12 @@ impl Lab {
             if let Some(mtu) = o.mtu {
                 for (ns, dev, _) in [a, b] {
                     in_ns(ns, &["ip", "link", "set", dev, "mtu", &mtu.to_string()]).unwrap();
+                }
+            }
+            if let Some(n) = o.active_queues {
+                let n = n.to_string();
+                for (ns, dev, _) in [a, b] {
+                    in_ns(ns, &["ethtool", "-L", dev, "rx", &n, "tx", &n]).unwrap();
                 }
             }
         };
@@ -3836,4 +3846,133 @@ fn a_busy_uplink_beside_250_idle_pod_veths_on_one_worker_loses_nothing() {
     let m = node_http(&lab, 10249, "/metrics");
     let empty = r#"kxp_xsk_rx_drops_total{interface="n-client",reason="fill_ring_empty"}"#;
     assert_eq!(metric_value(&m, empty), 0.0, "{m}");
+}
+
+/// What a node's traffic through kxp needs from every receive queue, checked from the
+/// client: a ClusterIP over TCP and UDP (answers from the VIP), a NodePort, and UDP
+/// datagrams larger than the MTU (fragments both ways). Returns what failed.
+fn every_queue_carries(lab: &Lab, n: usize) -> Vec<String> {
+    let mut bad = Vec::new();
+    let (spread, _, failed) = lab.http_spread(vip(80), n);
+    if failed > 0 {
+        bad.push(format!("ClusterIP TCP: {failed} of {n} failed {spread:?}"));
+    }
+    let np: SocketAddr = "198.18.1.1:30080".parse().unwrap();
+    let (_, _, failed) = lab.http_spread(np, n / 2);
+    if failed > 0 {
+        bad.push(format!("NodePort TCP: {failed} of {} failed", n / 2));
+    }
+    let udp_bad = lab.in_client(move || {
+        let mut bad = Vec::new();
+        for i in 0..n as u32 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            // Every fourth datagram is larger than the MTU: fragments both ways.
+            let mut msg = vec![b'!'];
+            let len = if i % 4 == 0 { 3000 } else { 16 };
+            msg.extend((0..len).map(|j| (i + j) as u8));
+            s.send_to(&msg, vip(9)).unwrap();
+            let mut buf = vec![0u8; 8192];
+            match s.recv_from(&mut buf) {
+                Ok((m, from)) if from == vip(9) => {
+                    let text = &buf[..m];
+                    let colon = text.iter().position(|&b| b == b':').unwrap_or(0);
+                    if text[colon + 1..] != msg[..] {
+                        bad.push(format!("datagram {i} ({len} bytes): not its echo"));
+                    }
+                }
+                other => bad.push(format!("datagram {i} ({len} bytes): {other:?}")),
+            }
+        }
+        bad
+    });
+    bad.extend(udp_bad);
+    bad
+}
+
+/// Frames kxp received on each receive queue of `dev` (its per-queue counter).
+fn queue_packets(lab: &Lab, dev: &str, queues: u32) -> Vec<f64> {
+    std::thread::sleep(Duration::from_millis(1100));
+    let m = node_http(lab, 10249, "/metrics");
+    (0..queues)
+        .map(|q| {
+            metric_value(
+                &m,
+                &format!("kxp_xsk_rx_packets_total{{interface=\"{dev}\",queue=\"{q}\"}}"),
+            )
+        })
+        .collect()
+}
+
+/// The sockets kxp last said it opened on `dev` (its "attached" log line).
+fn sockets_on(lab: &Lab, dev: &str) -> Option<u32> {
+    let log = lab.log();
+    let line = log
+        .lines()
+        .rfind(|l| l.contains(&format!("attached interface={dev} ")))?;
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("sockets="))?
+        .parse()
+        .ok()
+}
+
+#[test]
+fn more_receive_queues_than_workers_are_all_served() {
+    // A server NIC has more queues than kxp has workers, and RSS spreads flows over all
+    // of them: a socket on every queue (queue q served by worker q % workers), none
+    // passing Service traffic untranslated.
+    for (prefix, queues, workers) in [("kxe41", 4, 1), ("kxe42", 8, 2)] {
+        let lab = Lab::new(Opts {
+            prefix,
+            queues,
+            workers,
+            ..Default::default()
+        });
+        let bad = every_queue_carries(&lab, 120);
+        assert!(
+            bad.is_empty(),
+            "{queues} queues, {workers} worker(s): {bad:?}\n{}",
+            lab.log()
+        );
+        let per_queue = queue_packets(&lab, "n-client", queues);
+        assert!(
+            per_queue.iter().all(|&n| n > 0.0),
+            "{queues} queues, {workers} worker(s): every queue receives: {per_queue:?}\n{}",
+            node_http(&lab, 10249, "/metrics")
+        );
+        assert_eq!(sockets_on(&lab, "n-client"), Some(queues), "{}", lab.log());
+    }
+
+    // The queue count grows while kxp runs (`ethtool -L`, both ends as an admin would; the
+    // kernel refuses to take away a queue an AF_XDP socket is bound to): kxp attaches
+    // again with a socket on every queue, and loses nothing after.
+    let lab = Lab::new(Opts {
+        prefix: "kxe43",
+        queues: 8,
+        active_queues: Some(2),
+        workers: 1,
+        ..Default::default()
+    });
+    assert_eq!(sockets_on(&lab, "n-client"), Some(2), "{}", lab.log());
+    for (ns, dev) in [(&lab.node, "n-client"), (&lab.client, "eth0")] {
+        in_ns(ns, &["ethtool", "-L", dev, "rx", "8", "tx", "8"]).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sockets_on(&lab, "n-client") != Some(8) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(sockets_on(&lab, "n-client"), Some(8), "{}", lab.log());
+    assert!(
+        lab.log().contains("receive queue count changed"),
+        "{}",
+        lab.log()
+    );
+    let bad = every_queue_carries(&lab, 120);
+    assert!(
+        bad.is_empty(),
+        "8 queues after ethtool -L: {bad:?}\n{}",
+        lab.log()
+    );
+    let per_queue = queue_packets(&lab, "n-client", 8);
+    assert!(per_queue.iter().all(|&n| n > 0.0), "{per_queue:?}");
 }
