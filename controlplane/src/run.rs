@@ -205,8 +205,10 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         .map(|p| crate::admin::AdminServer::start(&p, dp.shared.clone(), dp.node.clone()))
         .transpose()?;
     let mut generation = 1;
+    // The Node object gives the node's addresses (kube-proxy's way); the host's are the
+    // fallback when it gives none (followed as they change, below).
     if !explicit_node_ips {
-        settings.node_ips = host_addresses(&dp);
+        settings.fallback_ips = host_addresses(&dp);
         tracker.set_settings(settings.clone());
         generation += 1;
     }
@@ -300,6 +302,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut last_stats = Instant::now();
     let mut last_sync = Instant::now();
     let mut pending = false;
+    let mut last_host_check = Instant::now();
     let mut retry_at: Option<Instant> = None;
     let mut no_local = NoLocal::default();
     no_local.apply(&Update::full(dp.current()));
@@ -346,6 +349,22 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             pending = true;
             health.queued();
             metrics.set_queued_now();
+        }
+        // The host's addresses, the node's when nothing else gives them, followed as
+        // they change (an address added to or removed from a link).
+        if !explicit_node_ips && last_host_check.elapsed() >= Duration::from_secs(1) {
+            last_host_check = Instant::now();
+            let now = host_addresses(&dp);
+            if now != settings.fallback_ips {
+                tracing::info!(
+                    from = ?settings.fallback_ips,
+                    to = ?now,
+                    "the host's addresses changed"
+                );
+                settings.fallback_ips = now;
+                tracker.set_settings(settings.clone());
+                pending = true;
+            }
         }
         // kube-proxy's sync loop: changes are batched by minSyncPeriod, and the whole
         // state is re-synced every syncPeriod even without changes.

@@ -149,6 +149,7 @@ pub fn node_settings(
     Ok(NodeSettings {
         node_name,
         node_ips,
+        fallback_ips: Vec::new(),
         cluster_cidrs,
         detect_local,
         node_port_addresses: cfg.node_port_addresses.clone().unwrap_or_default(),

@@ -646,6 +646,73 @@ fn node_addresses_come_from_the_node_object_without_node_ips() {
 }
 
 #[test]
+fn the_hosts_addresses_are_the_fallback_when_the_node_object_gives_none() {
+    // kube-proxy 1.34: bindAddress / --node-ip, else the Node's InternalIP (then
+    // ExternalIP), else a fallback it warns about. The host's addresses (docker0's,
+    // flannel.1's and the InternalIP among them) are that fallback, never the first.
+    let cluster = etp_local().replace(
+        "externalTrafficPolicy: Local",
+        "externalTrafficPolicy: Cluster",
+    );
+    let node = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses: [{type: InternalIP, address: 192.0.2.7}]";
+    let mut st = settings();
+    st.node_ips.clear();
+    st.fallback_ips = vec![
+        "10.99.0.1".parse().unwrap(),
+        "10.244.0.0".parse().unwrap(),
+        "192.0.2.7".parse().unwrap(),
+    ];
+    let with_node = snap(&format!("{cluster}\n---\n{node}"), &st);
+    assert_eq!(
+        with_node.node.primary_v4,
+        Some("192.0.2.7".parse().unwrap())
+    );
+    assert_eq!(
+        tcp(&with_node, "203.0.113.1", "192.0.2.7", 30080),
+        dnat(&WEB_EPS, true)
+    );
+    assert_eq!(tcp(&with_node, "203.0.113.1", "10.99.0.1", 30080), V::Pass);
+
+    // No Node object: the host's addresses, the lowest primary, and a note that says
+    // what was missing and what to set.
+    let built = build(&state(&cluster), &st, 1).unwrap();
+    assert_eq!(
+        built.snapshot.node.primary_v4,
+        Some("10.99.0.1".parse().unwrap())
+    );
+    assert!(
+        built
+            .notes
+            .iter()
+            .any(|n| n.contains("no Node named \"node-a\"") && n.contains("bindAddress")),
+        "{:?}",
+        built.notes
+    );
+    // A Node without addresses: the same fallback, saying so.
+    let bare = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}";
+    let built = build(&state(&format!("{cluster}\n---\n{bare}")), &st, 1).unwrap();
+    assert_eq!(
+        built.snapshot.node.primary_v4,
+        Some("10.99.0.1".parse().unwrap())
+    );
+    assert!(
+        built
+            .notes
+            .iter()
+            .any(|n| n.contains("has no InternalIP or ExternalIP")),
+        "{:?}",
+        built.notes
+    );
+    // --node-ip / bindAddress win over both.
+    st.node_ips = vec!["192.0.2.99".parse().unwrap()];
+    let explicit = snap(&format!("{cluster}\n---\n{node}"), &st);
+    assert_eq!(
+        explicit.node.primary_v4,
+        Some("192.0.2.99".parse().unwrap())
+    );
+}
+
+#[test]
 fn node_cidr_detection() {
     let yaml = format!(
         "{WEB}\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nspec: {{podCIDRs: [10.1.0.0/24]}}"

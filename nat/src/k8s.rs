@@ -70,8 +70,13 @@ pub enum DetectLocalMode {
 pub struct NodeSettings {
     /// This node's name (`hostnameOverride` or the host name).
     pub node_name: String,
-    /// `--node-ip` values: when given, the node's local and primary addresses.
+    /// `--node-ip` values, or `bindAddress` when it is not `0.0.0.0`/`::`: when given,
+    /// the node's local and primary addresses.
     pub node_ips: Vec<IpAddr>,
+    /// The host's own addresses (lowest first): the node's addresses only when neither
+    /// `node_ips` nor this node's Node object (InternalIP, ExternalIP) gives any, as
+    /// kube-proxy falls back when it cannot find its node's IP (with a note saying so).
+    pub fallback_ips: Vec<IpAddr>,
     /// `clusterCIDR`, split on commas.
     pub cluster_cidrs: Vec<IpNet>,
     pub detect_local: DetectLocalMode,
@@ -192,8 +197,9 @@ pub(crate) fn node_context<'a>(
         .and_then(|l| l.get(LABEL_ZONE))
         .cloned();
 
-    // Local addresses: the --node-ip values, else every address of the Node object.
-    // Primary per family: the first --node-ip, else InternalIP before ExternalIP.
+    // Local addresses: the --node-ip / bindAddress values, else every address of the Node
+    // object, else the host's. Primary per family: the first --node-ip, else InternalIP
+    // before ExternalIP (kube-proxy 1.34), else the host's lowest address.
     let mut local = settings.node_ips.clone();
     let mut primary_v4 = local.iter().copied().find(IpAddr::is_ipv4);
     let mut primary_v6 = local.iter().copied().find(IpAddr::is_ipv6);
@@ -221,7 +227,30 @@ pub(crate) fn node_context<'a>(
             ranked.sort_by_key(|(r, _)| *r);
             primary_v4 = ranked.iter().map(|(_, ip)| *ip).find(IpAddr::is_ipv4);
             primary_v6 = ranked.iter().map(|(_, ip)| *ip).find(IpAddr::is_ipv6);
-        } else if !settings.node_name.is_empty() {
+        }
+        if local.is_empty() && !settings.fallback_ips.is_empty() {
+            let missing = match node {
+                Some(_) => format!(
+                    "the Node {:?} has no InternalIP or ExternalIP",
+                    settings.node_name
+                ),
+                None => format!("no Node named {:?}", settings.node_name),
+            };
+            notes.push(format!(
+                "{missing} and neither --node-ip nor bindAddress is set: the node's addresses \
+                 are taken from the host's ({}), the lowest of each family primary; set \
+                 bindAddress (or --node-ip) to the node's IP",
+                settings
+                    .fallback_ips
+                    .iter()
+                    .map(IpAddr::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            local = settings.fallback_ips.clone();
+            primary_v4 = local.iter().copied().filter(IpAddr::is_ipv4).min();
+            primary_v6 = local.iter().copied().filter(IpAddr::is_ipv6).min();
+        } else if local.is_empty() && !settings.node_name.is_empty() {
             notes.push(format!(
                 "no Node named {:?} and no --node-ip: the node has no local addresses \
                  (NodePorts and local-source rules match nothing)",

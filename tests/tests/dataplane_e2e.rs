@@ -75,6 +75,9 @@ struct Opts<'a> {
     /// Receive and transmit queues in use on every link (both ends, `ethtool -L`), of the
     /// `queues` created, set before kxp starts.
     active_queues: Option<u32>,
+    /// Commands run in the node's namespace before kxp starts (devices a node has
+    /// besides its uplink and pods' veths: docker0, an overlay device).
+    node_setup: &'a [&'a [&'a str]],
     /// Start kxp as a kube-proxy DaemonSet would: through a `kube-proxy` symlink, with
     /// only these arguments (`@KUBECONFIG@`, `@CONFIG@` and `@CLUSTER_CIDR@` replaced),
     /// no kxp flag and no `--interface`; with `@CONFIG@`, the config is kubeadm's.
@@ -103,6 +106,7 @@ impl Default for Opts<'_> {
             state: None,
             mtu: None,
             active_queues: None,
+            node_setup: &[],
             kube_proxy_args: None,
             capabilities: None,
             kxp_args: &[],
@@ -192,6 +196,9 @@ impl Lab {
                 .collect();
         }
         args.extend(o.kxp_args.iter().map(|a| a.to_string()));
+        for cmd in o.node_setup {
+            in_ns(&node, cmd).unwrap();
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let names = ["web-1", "web-2", "web-3"];
         let servers = backends
@@ -331,11 +338,12 @@ impl Lab {
 
     /// Rewrites the state file and waits until kxp applied it.
     fn set_endpoints(&mut self, eps: &[&str], extra_spec: &str) {
-        std::fs::write(
-            self.dir.join("state.yaml"),
-            state_yaml_with(eps, extra_spec),
-        )
-        .unwrap();
+        self.set_state(&state_yaml_with(eps, extra_spec));
+    }
+
+    /// Writes `text` as the state file and waits until kxp applied it.
+    fn set_state(&mut self, text: &str) {
+        std::fs::write(self.dir.join("state.yaml"), text).unwrap();
         self.generation += 1;
         let want = format!("(generation {}", self.generation);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -3975,4 +3983,105 @@ fn more_receive_queues_than_workers_are_all_served() {
     );
     let per_queue = queue_packets(&lab, "n-client", 8);
     assert!(per_queue.iter().all(|&n| n > 0.0), "{per_queue:?}");
+}
+
+/// `state_yaml_with(WEB)` plus this node's Node object with `internal_ip` as its
+/// InternalIP.
+fn state_with_node(internal_ip: &str) -> String {
+    format!(
+        "{}---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus:\n  addresses: [{{type: InternalIP, address: {internal_ip}}}, {{type: Hostname, address: node-a}}]\n",
+        state_yaml_with(&WEB, "")
+    )
+}
+
+/// How many of `n` TCP connections from the client to `addr` were answered.
+fn answered(lab: &Lab, addr: SocketAddr, n: usize) -> usize {
+    let (spread, _, _) = lab.http_spread(addr, n);
+    spread.values().sum()
+}
+
+#[test]
+fn the_node_objects_address_is_the_primary_whatever_else_the_host_holds() {
+    // A node also holds docker0's and the overlay's addresses, here lower than its
+    // InternalIP; no --node-ip (a DaemonSet has none): the Node object gives the primary
+    // IP, as kube-proxy takes it, and nftables mode serves NodePorts there only.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe44",
+        config_extra: "mode: nftables\n",
+        state: Some(state_with_node("198.18.1.1")),
+        node_setup: &[
+            &["ip", "link", "add", "docker0", "type", "bridge"],
+            &["ip", "addr", "add", "198.18.0.1/24", "dev", "docker0"],
+            &["ip", "link", "set", "docker0", "up"],
+            &[
+                "ip",
+                "link",
+                "add",
+                "flannel.1",
+                "type",
+                "vxlan",
+                "id",
+                "1",
+                "dstport",
+                "8472",
+            ],
+            &["ip", "addr", "add", "198.18.0.128/32", "dev", "flannel.1"],
+            &["ip", "link", "set", "flannel.1", "up"],
+        ],
+        ..Default::default()
+    });
+    assert!(!lab.args.iter().any(|a| a == "--node-ip"));
+    let on = |ip: &str| -> SocketAddr { format!("{ip}:30080").parse().unwrap() };
+    assert_eq!(answered(&lab, on("198.18.1.1"), 20), 20, "{}", lab.log());
+    assert_eq!(answered(&lab, on("198.18.0.1"), 5), 0, "docker0's address");
+    assert_eq!(
+        answered(&lab, on("198.18.0.128"), 5),
+        0,
+        "flannel.1's address"
+    );
+
+    // The Node's address changes while kxp runs: the NodePort moves with it.
+    lab.set_state(&state_with_node("198.18.2.1"));
+    assert_eq!(answered(&lab, on("198.18.2.1"), 20), 20, "{}", lab.log());
+    assert_eq!(answered(&lab, on("198.18.1.1"), 5), 0, "the old InternalIP");
+}
+
+#[test]
+fn without_a_node_object_the_hosts_addresses_are_followed_and_the_log_says_so() {
+    // No Node object and no --node-ip: the host's addresses, the lowest primary, with a
+    // warning that says what is missing; an address added later is followed.
+    let lab = Lab::new(Opts {
+        prefix: "kxe45",
+        config_extra: "mode: nftables\n",
+        ..Default::default()
+    });
+    assert!(
+        lab.log().contains("no Node named \"node-a\"") && lab.log().contains("bindAddress"),
+        "{}",
+        lab.log()
+    );
+    let np: SocketAddr = "198.18.1.1:30080".parse().unwrap();
+    assert_eq!(answered(&lab, np, 10), 10, "{}", lab.log());
+    // A lower address appears on the uplink: it becomes the primary within seconds.
+    in_ns(
+        &lab.node,
+        &["ip", "addr", "add", "198.18.0.9/24", "dev", "n-client"],
+    )
+    .unwrap();
+    let moved: SocketAddr = "198.18.0.9:30080".parse().unwrap();
+    in_ns(
+        &lab.client,
+        &["ip", "addr", "add", "198.18.0.10/24", "dev", "eth0"],
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while answered(&lab, moved, 1) == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(answered(&lab, moved, 10), 10, "{}", lab.log());
+    assert!(
+        lab.log().contains("the host's addresses changed"),
+        "{}",
+        lab.log()
+    );
 }
