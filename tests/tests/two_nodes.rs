@@ -16,9 +16,14 @@
 //!  ext 198.18.40.2 ─uplink──┘ 198.18.40.1
 //! ```
 //!
-//! Services: web-b (ClusterIP 198.19.0.10, NodePort 30080/30009) → web-b1 on node-b;
-//! web-a (198.19.0.11, NodePort 30081/30010) → web-a2 on node-a. Cluster CIDR
-//! 198.18.0.0/19: the pods and the nodes' wire addresses are inside, `ext` is not.
+//! Every link is dual-stack: 2001:db8:P::/64 beside 198.18.P.0, pods 2001:db8:10:1::2
+//! (a1), 2001:db8:10:2::2 (a2), 2001:db8:20:1::2 (b1), 2001:db8:20:2::2 (b2), the wire
+//! 2001:db8:30::1/::2, ext 2001:db8:40::2. Services (dual-stack): web-b (ClusterIPs
+//! 198.19.0.10 and 2001:db8:ffff::10, NodePort 30080/30009) → web-b1 on node-b; web-a
+//! (198.19.0.11, 2001:db8:ffff::11, NodePort 30081/30010) → web-a2 on node-a. Cluster
+//! CIDRs 198.18.0.0/19 and 2001:db8::/42: the pods and the nodes' wire addresses are
+//! inside, `ext` is not. No `--node-ip`: each kxp finds its node's addresses in its Node
+//! object (InternalIP, both families), as a DaemonSet's does.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -31,13 +36,47 @@ use std::time::Duration;
 use controlplane::demo::{Backend, KxpProcess, http_get, spawn_in, wait_healthy};
 use controlplane::netns::{Topology, in_ns};
 use kxp_tests::kxp_bin;
+use socket2::{Domain, Protocol, Socket, Type};
 
 const NODE_A_IP: &str = "198.18.30.1";
 const NODE_B_IP: &str = "198.18.30.2";
-const WEB_B1: &str = "198.18.20.2";
-const WEB_A2: &str = "198.18.10.6";
-const VIP_B: &str = "198.19.0.10";
-const VIP_A: &str = "198.19.0.11";
+
+/// The addresses one family gives the cluster.
+struct Plan {
+    node_a: &'static str,
+    node_b: &'static str,
+    a1: &'static str,
+    b2: &'static str,
+    ext: &'static str,
+    web_b1: &'static str,
+    web_a2: &'static str,
+    vip_b: &'static str,
+    vip_a: &'static str,
+}
+
+const V4: Plan = Plan {
+    node_a: NODE_A_IP,
+    node_b: NODE_B_IP,
+    a1: "198.18.10.2",
+    b2: "198.18.20.6",
+    ext: "198.18.40.2",
+    web_b1: "198.18.20.2",
+    web_a2: "198.18.10.6",
+    vip_b: "198.19.0.10",
+    vip_a: "198.19.0.11",
+};
+
+const V6: Plan = Plan {
+    node_a: "2001:db8:30::1",
+    node_b: "2001:db8:30::2",
+    a1: "2001:db8:10:1::2",
+    b2: "2001:db8:20:2::2",
+    ext: "2001:db8:40::2",
+    web_b1: "2001:db8:20:1::2",
+    web_a2: "2001:db8:10:2::2",
+    vip_b: "2001:db8:ffff::10",
+    vip_a: "2001:db8:ffff::11",
+};
 
 const STATE: &str = r#"apiVersion: v1
 kind: Service
@@ -45,8 +84,9 @@ metadata: {name: web-b, namespace: demo}
 spec:
   type: NodePort
   clusterIP: 198.19.0.10
-  clusterIPs: [198.19.0.10]
-  ipFamilies: [IPv4]
+  clusterIPs: [198.19.0.10, 2001:db8:ffff::10]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
   ports:
   - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}
   - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30009}
@@ -66,14 +106,30 @@ endpoints:
   nodeName: node-b
   conditions: {ready: true}
 ---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-b-6
+  namespace: demo
+  labels: {kubernetes.io/service-name: web-b}
+addressType: IPv6
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: sink, port: 9000, protocol: UDP}
+endpoints:
+- addresses: ["2001:db8:20:1::2"]
+  nodeName: node-b
+  conditions: {ready: true}
+---
 apiVersion: v1
 kind: Service
 metadata: {name: web-a, namespace: demo}
 spec:
   type: NodePort
   clusterIP: 198.19.0.11
-  clusterIPs: [198.19.0.11]
-  ipFamilies: [IPv4]
+  clusterIPs: [198.19.0.11, 2001:db8:ffff::11]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
   ports:
   - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30081}
   - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30010}
@@ -93,10 +149,37 @@ endpoints:
   nodeName: node-a
   conditions: {ready: true}
 ---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-a-6
+  namespace: demo
+  labels: {kubernetes.io/service-name: web-a}
+addressType: IPv6
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: sink, port: 9000, protocol: UDP}
+endpoints:
+- addresses: ["2001:db8:10:2::2"]
+  nodeName: node-a
+  conditions: {ready: true}
+---
 apiVersion: networking.k8s.io/v1
 kind: ServiceCIDR
 metadata: {name: kubernetes}
-spec: {cidrs: [198.19.0.0/16]}
+spec: {cidrs: [198.19.0.0/16, "2001:db8:ffff::/112"]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-a}
+status:
+  addresses: [{type: InternalIP, address: 198.18.30.1}, {type: InternalIP, address: "2001:db8:30::1"}, {type: Hostname, address: node-a}]
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-b}
+status:
+  addresses: [{type: InternalIP, address: 198.18.30.2}, {type: InternalIP, address: "2001:db8:30::2"}, {type: Hostname, address: node-b}]
 "#;
 
 /// The nftables forward chain of a node whose firewall drops conntrack-INVALID packets.
@@ -107,6 +190,7 @@ struct Cluster {
     // Field order = drop order: kxp first, then servers, then namespaces.
     kxp: Vec<KxpProcess>,
     servers: Vec<Backend>,
+    servers6: Vec<std::thread::JoinHandle<()>>,
     stop: Arc<AtomicBool>,
     topo: Topology,
     dir: PathBuf,
@@ -141,6 +225,8 @@ impl Cluster {
         for n in [&a, &b] {
             in_ns(n, &["ethtool", "-K", "wire0", "tx", "off"]).unwrap();
         }
+        add6(&a, "wire0", "2001:db8:30::1/64");
+        add6(&b, "wire0", "2001:db8:30::2/64");
         topo.link(
             (&a, "uplink", "198.18.40.1/24"),
             (&ext, "eth0", "198.18.40.2/24"),
@@ -151,23 +237,73 @@ impl Cluster {
             &["ip", "route", "add", "default", "via", "198.18.40.1"],
         )
         .unwrap();
+        add6(&a, "uplink", "2001:db8:40::1/64");
+        add6(&ext, "eth0", "2001:db8:40::2/64");
+        in_ns(
+            &ext,
+            &[
+                "ip",
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                "2001:db8:40::1",
+            ],
+        )
+        .unwrap();
         let mut pods = BTreeMap::new();
-        for (pod, node, dev, host, addr) in [
-            ("a1", &a, "vpa1", "198.18.10.1/30", "198.18.10.2/30"),
-            ("a2", &a, "vpa2", "198.18.10.5/30", "198.18.10.6/30"),
-            ("b1", &b, "vpb1", "198.18.20.1/30", "198.18.20.2/30"),
-            ("b2", &b, "vpb2", "198.18.20.5/30", "198.18.20.6/30"),
+        for (pod, node, dev, host, addr, net6) in [
+            (
+                "a1",
+                &a,
+                "vpa1",
+                "198.18.10.1/30",
+                "198.18.10.2/30",
+                "2001:db8:10:1",
+            ),
+            (
+                "a2",
+                &a,
+                "vpa2",
+                "198.18.10.5/30",
+                "198.18.10.6/30",
+                "2001:db8:10:2",
+            ),
+            (
+                "b1",
+                &b,
+                "vpb1",
+                "198.18.20.1/30",
+                "198.18.20.2/30",
+                "2001:db8:20:1",
+            ),
+            (
+                "b2",
+                &b,
+                "vpb2",
+                "198.18.20.5/30",
+                "198.18.20.6/30",
+                "2001:db8:20:2",
+            ),
         ] {
             let ns = topo.add_ns(&format!("pod-{pod}")).unwrap();
             topo.link((node, dev, host), (&ns, "eth0", addr)).unwrap();
             let gw = host.split('/').next().unwrap();
             in_ns(&ns, &["ip", "route", "add", "default", "via", gw]).unwrap();
+            add6(node, dev, &format!("{net6}::1/64"));
+            add6(&ns, "eth0", &format!("{net6}::2/64"));
+            let gw6 = format!("{net6}::1");
+            in_ns(&ns, &["ip", "-6", "route", "add", "default", "via", &gw6]).unwrap();
             pods.insert(pod, ns);
         }
         for (node, dst, via) in [
             (&a, "198.18.20.0/24", NODE_B_IP),
             (&b, "198.18.10.0/24", NODE_A_IP),
             (&b, "198.18.40.0/24", NODE_A_IP),
+            (&a, "2001:db8:20::/48", "2001:db8:30::2"),
+            (&b, "2001:db8:10::/48", "2001:db8:30::1"),
+            (&b, "2001:db8:40::/64", "2001:db8:30::1"),
         ] {
             in_ns(node, &["ip", "route", "add", dst, "via", via]).unwrap();
         }
@@ -176,21 +312,22 @@ impl Cluster {
             Backend::start(&pods["b1"], "web-b1", stop.clone()).unwrap(),
             Backend::start(&pods["a2"], "web-a2", stop.clone()).unwrap(),
         ];
+        let servers6 = vec![
+            V6Server::start(&pods["b1"], "web-b1", stop.clone()),
+            V6Server::start(&pods["a2"], "web-a2", stop.clone()),
+        ];
         let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let state = dir.join("state.yaml");
         std::fs::write(&state, STATE).unwrap();
         let mut kxp = Vec::new();
-        for (node, name, node_ip, pods_glob) in [
-            (&a, "node-a", NODE_A_IP, "vpa*"),
-            (&b, "node-b", NODE_B_IP, "vpb*"),
-        ] {
+        for (node, name, pods_glob) in [(&a, "node-a", "vpa*"), (&b, "node-b", "vpb*")] {
             let config = dir.join(format!("{name}.yaml"));
             std::fs::write(
                 &config,
                 format!(
                     "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-                     mode: nftables\nclusterCIDR: 198.18.0.0/19\nhostnameOverride: {name}\n"
+                     mode: nftables\nclusterCIDR: 198.18.0.0/19,2001:db8::/42\nhostnameOverride: {name}\n"
                 ),
             )
             .unwrap();
@@ -205,8 +342,6 @@ impl Cluster {
                 config.to_str().unwrap(),
                 "--healthz-bind-address",
                 "127.0.0.1:10256",
-                "--node-ip",
-                node_ip,
                 "--workers",
                 "1",
             ]
@@ -229,6 +364,7 @@ impl Cluster {
         Cluster {
             kxp,
             servers,
+            servers6,
             stop,
             topo,
             dir,
@@ -274,7 +410,8 @@ impl Cluster {
         spawn_in(from, move || {
             let mut ok = 0;
             for _ in 0..n {
-                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                let any = if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+                let s = UdpSocket::bind(any).unwrap();
                 s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
                 let _ = s.send_to(b"?", to);
                 let mut buf = [0u8; 64];
@@ -317,8 +454,72 @@ impl Drop for Cluster {
         for s in self.servers.drain(..) {
             s.join();
         }
+        for t in self.servers6.drain(..) {
+            let _ = t.join();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = &self.topo;
+    }
+}
+
+/// An IPv6 address on a device, without duplicate-address detection (usable at once).
+fn add6(ns: &str, dev: &str, cidr: &str) {
+    in_ns(ns, &["ip", "-6", "addr", "add", cidr, "dev", dev, "nodad"]).unwrap();
+}
+
+/// The IPv6 side of a pod's servers (the demo's `Backend` listens on IPv4): on
+/// [::]:8080 an HTTP answer `NAME PEER`, on [::]:9000 UDP `?` answered with `NAME`, both
+/// IPv6-only beside the IPv4 listeners on the same ports.
+struct V6Server;
+
+impl V6Server {
+    fn start(ns: &str, name: &'static str, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+        let ns = ns.to_string();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            dataplane::sys::enter_netns(&ns).unwrap();
+            let bind = |ty: Type, proto: Protocol| {
+                let s = Socket::new(Domain::IPV6, ty, Some(proto)).unwrap();
+                s.set_only_v6(true).unwrap();
+                s.set_reuse_address(true).unwrap();
+                let port = if ty == Type::STREAM { 8080 } else { 9000 };
+                s.bind(&SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)).into())
+                    .unwrap();
+                s
+            };
+            let tcp = bind(Type::STREAM, Protocol::TCP);
+            tcp.listen(128).unwrap();
+            let tcp: std::net::TcpListener = tcp.into();
+            tcp.set_nonblocking(true).unwrap();
+            let udp: UdpSocket = bind(Type::DGRAM, Protocol::UDP).into();
+            udp.set_read_timeout(Some(Duration::from_millis(5)))
+                .unwrap();
+            ready_tx.send(()).unwrap();
+            let mut buf = [0u8; 2048];
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok((mut c, peer)) = tcp.accept() {
+                    let _ = c.set_nonblocking(false);
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+                    let _ = c.read(&mut buf);
+                    let body = format!("{name} {}\n", peer.ip());
+                    let _ = write!(
+                        c,
+                        "HTTP/1.0 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                }
+                if let Ok((n, peer)) = udp.recv_from(&mut buf)
+                    && n > 0
+                    && buf[0] == b'?'
+                {
+                    let _ = udp.send_to(name.as_bytes(), peer);
+                }
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the IPv6 servers started");
+        h
     }
 }
 
@@ -334,99 +535,97 @@ fn sa(ip: &str, port: u16) -> SocketAddr {
     SocketAddr::new(ip.parse().unwrap(), port)
 }
 
-/// Every kind of traffic a node carries, through both kxp: (what, answered, sent).
+/// Every kind of traffic a node carries, through both kxp, in both families: (what,
+/// answered, sent).
 fn every_kind_of_traffic(c: &Cluster) -> Vec<(String, usize, usize)> {
     let (a1, b2, ext) = (&c.pods["a1"], &c.pods["b2"], &c.ext);
     let node_a = &c.nodes[0];
     let mut out = Vec::new();
-    let mut tcp = |what: &str, from: &str, to: SocketAddr, peer: Option<&str>| {
-        let (ok, peers) = c.http(from, to, 20);
-        let seen_ok = peer.is_none_or(|p| peers.iter().all(|x| x == p));
-        out.push((
-            format!("{what} (TCP {to}, peers {:?})", dedup(&peers)),
-            if seen_ok { ok } else { 0 },
-            20,
-        ));
-    };
-    // Service traffic between nodes, both directions, not masqueraded: the endpoint
-    // sees the client pod.
-    tcp(
-        "pod a1 -> ClusterIP -> web-b1 on node-b",
-        a1,
-        sa(VIP_B, 80),
-        Some("198.18.10.2"),
-    );
-    tcp(
-        "pod b2 -> ClusterIP -> web-a2 on node-a",
-        b2,
-        sa(VIP_A, 80),
-        Some("198.18.20.6"),
-    );
-    // From outside the cluster: masqueraded by node-a.
-    tcp(
-        "ext -> ClusterIP via node-a -> web-b1",
-        ext,
-        sa(VIP_B, 80),
-        Some(NODE_A_IP),
-    );
-    tcp(
-        "ext -> NodePort on node-a -> web-b1 on node-b",
-        ext,
-        sa(NODE_A_IP, 30080),
-        Some(NODE_A_IP),
-    );
-    // Straight to the pods, while they serve the Services.
-    tcp(
-        "pod a1 -> web-b1 directly (other node)",
-        a1,
-        sa(WEB_B1, 8080),
-        Some("198.18.10.2"),
-    );
-    tcp(
-        "pod a1 -> web-a2 directly (same node)",
-        a1,
-        sa(WEB_A2, 8080),
-        Some("198.18.10.2"),
-    );
-    tcp(
-        "ext -> web-a2 directly",
-        ext,
-        sa(WEB_A2, 8080),
-        Some("198.18.40.2"),
-    );
-    tcp(
-        "ext -> web-b1 directly (through node-a)",
-        ext,
-        sa(WEB_B1, 8080),
-        Some("198.18.40.2"),
-    );
-    tcp(
-        "node-a itself -> web-a2 directly",
-        node_a,
-        sa(WEB_A2, 8080),
-        None,
-    );
-    tcp(
-        "node-a itself -> web-b1 directly",
-        node_a,
-        sa(WEB_B1, 8080),
-        None,
-    );
-    let mut udp = |what: &str, from: &str, to: SocketAddr| {
-        let ok = c.udp(from, to, 10);
-        out.push((format!("{what} (UDP {to})"), ok, 10));
-    };
-    udp("pod a1 -> ClusterIP -> web-b1", a1, sa(VIP_B, 9));
-    udp("pod b2 -> ClusterIP -> web-a2", b2, sa(VIP_A, 9));
-    udp(
-        "ext -> NodePort on node-a -> web-b1",
-        ext,
-        sa(NODE_A_IP, 30009),
-    );
-    udp("pod a1 -> web-b1 directly", a1, sa(WEB_B1, 9000));
-    udp("pod a1 -> web-a2 directly", a1, sa(WEB_A2, 9000));
-    udp("ext -> web-b1 directly", ext, sa(WEB_B1, 9000));
-    udp("ext -> web-a2 directly", ext, sa(WEB_A2, 9000));
+    for (family, p) in [("IPv4", &V4), ("IPv6", &V6)] {
+        let mut tcp = |what: &str, from: &str, to: SocketAddr, peer: Option<&str>| {
+            let (ok, peers) = c.http(from, to, 20);
+            let seen_ok = peer.is_none_or(|p| peers.iter().all(|x| x == p));
+            out.push((
+                format!("{family} {what} (TCP {to}, peers {:?})", dedup(&peers)),
+                if seen_ok { ok } else { 0 },
+                20,
+            ));
+        };
+        // Service traffic between nodes, both directions, not masqueraded: the endpoint
+        // sees the client pod.
+        let (vip_a, vip_b) = (sa(p.vip_a, 80), sa(p.vip_b, 80));
+        tcp(
+            "pod a1 -> ClusterIP -> web-b1 on node-b",
+            a1,
+            vip_b,
+            Some(p.a1),
+        );
+        tcp(
+            "pod b2 -> ClusterIP -> web-a2 on node-a",
+            b2,
+            vip_a,
+            Some(p.b2),
+        );
+        // From outside the cluster: masqueraded by node-a.
+        tcp(
+            "ext -> ClusterIP via node-a -> web-b1",
+            ext,
+            vip_b,
+            Some(p.node_a),
+        );
+        let np = sa(p.node_a, 30080);
+        tcp(
+            "ext -> NodePort on node-a -> web-b1 on node-b",
+            ext,
+            np,
+            Some(p.node_a),
+        );
+        let np_b = sa(p.node_b, 30081);
+        tcp(
+            "pod b2 -> NodePort on node-b -> web-a2 on node-a",
+            b2,
+            np_b,
+            None,
+        );
+        // Straight to the pods, while they serve the Services.
+        let (web_b1, web_a2) = (sa(p.web_b1, 8080), sa(p.web_a2, 8080));
+        tcp(
+            "pod a1 -> web-b1 directly (other node)",
+            a1,
+            web_b1,
+            Some(p.a1),
+        );
+        tcp(
+            "pod a1 -> web-a2 directly (same node)",
+            a1,
+            web_a2,
+            Some(p.a1),
+        );
+        tcp("ext -> web-a2 directly", ext, web_a2, Some(p.ext));
+        tcp(
+            "ext -> web-b1 directly (through node-a)",
+            ext,
+            web_b1,
+            Some(p.ext),
+        );
+        tcp("node-a itself -> web-a2 directly", node_a, web_a2, None);
+        tcp("node-a itself -> web-b1 directly", node_a, web_b1, None);
+        let mut udp = |what: &str, from: &str, to: SocketAddr| {
+            let ok = c.udp(from, to, 10);
+            out.push((format!("{family} {what} (UDP {to})"), ok, 10));
+        };
+        udp("pod a1 -> ClusterIP -> web-b1", a1, sa(p.vip_b, 9));
+        udp("pod b2 -> ClusterIP -> web-a2", b2, sa(p.vip_a, 9));
+        udp(
+            "ext -> NodePort on node-a -> web-b1",
+            ext,
+            sa(p.node_a, 30009),
+        );
+        udp("pod a1 -> web-b1 directly", a1, sa(p.web_b1, 9000));
+        udp("pod a1 -> web-a2 directly", a1, sa(p.web_a2, 9000));
+        udp("ext -> web-b1 directly", ext, sa(p.web_b1, 9000));
+        udp("ext -> web-a2 directly", ext, sa(p.web_a2, 9000));
+    }
     out
 }
 
