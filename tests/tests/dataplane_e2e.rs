@@ -2033,7 +2033,7 @@ fn client_ip_affinity_holds_across_two_workers() {
     // 30 connections of one client land on both workers (ownership follows the client
     // port); the node's one affinity memory sends them all to one endpoint.
     let mut lab = Lab::new(Opts {
-        prefix: "kxe19",
+        prefix: "kxe30",
         queues: 2,
         workers: 2,
         extra_spec: "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 30}}\n",
@@ -2057,7 +2057,7 @@ fn connections_from_ports_inside_the_snat_range_are_all_answered_with_two_worker
     // and an outside client (masqueraded) both use source ports 61000-61039, inside
     // kxp's SNAT range: each reply must reach the worker that owns its flow.
     let lab = Lab::new(Opts {
-        prefix: "kxe20",
+        prefix: "kxe33",
         queues: 2,
         workers: 2,
         ..Default::default()
@@ -2285,7 +2285,7 @@ fn connections_survive_kill_restart_and_binary_replacement() {
     // (masqueraded: the client is outside the cluster CIDR), a UDP stream and the
     // client's affinity must come through every kind of restart unchanged.
     let mut lab = Lab::new(Opts {
-        prefix: "kxe21",
+        prefix: "kxe36",
         queues: 2,
         workers: 2,
         extra_spec: "  sessionAffinity: ClientIP\n",
@@ -2824,7 +2824,7 @@ fn json_of(text: &str) -> serde_json::Value {
 #[test]
 fn the_admin_socket_shows_services_and_flows_and_deletes_them() {
     let mut lab = Lab::new(Opts {
-        prefix: "kxe22",
+        prefix: "kxe37",
         ..Default::default()
     });
     // 10 open TCP connections through the ClusterIP's echo port (masqueraded: the
@@ -3072,7 +3072,7 @@ fn trace_live_names_the_endpoint_a_hash_or_affinity_would_pick() {
         json_of(&out)
     };
     let lab = Lab::new(Opts {
-        prefix: "kxe23",
+        prefix: "kxe38",
         config_extra: "kxp:\n  scheduler: maglev\n",
         ..Default::default()
     });
@@ -3095,7 +3095,7 @@ fn trace_live_names_the_endpoint_a_hash_or_affinity_would_pick() {
     drop(lab);
 
     let lab = Lab::new(Opts {
-        prefix: "kxe24",
+        prefix: "kxe39",
         extra_spec: "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 30}}\n",
         ..Default::default()
     });
@@ -3140,7 +3140,7 @@ fn trace_live_names_the_endpoint_a_hash_or_affinity_would_pick() {
 #[test]
 fn slow_clients_do_not_delay_health_metrics_or_load_balancer_probes() {
     let lab = Lab::new(Opts {
-        prefix: "kxe25",
+        prefix: "kxe46",
         extra_spec: "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n",
         ..Default::default()
     });
