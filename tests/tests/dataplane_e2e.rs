@@ -9,6 +9,10 @@
 //!                                                    198.18.2.5 ──veth── 198.18.2.6 web-2
 //!                                                    198.18.2.9 ──veth── 198.18.2.10 web-3
 //! ```
+//!
+//! As a node has them: the uplink (`n-client`) has 4 queues (more than the workers), the
+//! node also holds docker0 (198.18.250.1) and flannel.1 (198.18.251.0), and kxp runs
+//! without `--node-ip`: the state's Node object gives the InternalIP, 198.18.1.1.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -26,6 +30,47 @@ use controlplane::demo::{
 use controlplane::netns::{Topology, in_ns};
 
 const WEB: [&str; 3] = ["198.18.2.2", "198.18.2.6", "198.18.2.10"];
+/// Receive queues of the default node's uplink (`n-client`): more than the workers.
+const UPLINK_QUEUES: u32 = 4;
+
+/// What the default node holds besides its uplink and pods: docker0 and an overlay
+/// device with addresses of their own (above the InternalIP, 198.18.1.1, which the Node
+/// object gives).
+const OTHER_LINKS: &[&[&str]] = &[
+    &["ip", "link", "add", "docker0", "type", "bridge"],
+    &["ip", "addr", "add", "198.18.250.1/24", "dev", "docker0"],
+    &["ip", "link", "set", "docker0", "up"],
+    &[
+        "ip",
+        "link",
+        "add",
+        "flannel.1",
+        "type",
+        "vxlan",
+        "id",
+        "1",
+        "dstport",
+        "8472",
+    ],
+    &["ip", "addr", "add", "198.18.251.0/32", "dev", "flannel.1"],
+    &["ip", "link", "set", "flannel.1", "up"],
+];
+
+/// The demo's state for `endpoints` plus this node's Node object (InternalIP 198.18.1.1):
+/// the node's addresses come from it, as on a cluster (no `--node-ip`).
+fn node_state(endpoints: &[&str], extra_spec: &str) -> String {
+    node_state_at("198.18.1.1", endpoints, extra_spec)
+}
+
+/// The demo's state for `endpoints` plus this node's Node object with `internal_ip` as
+/// its InternalIP.
+fn node_state_at(internal_ip: &str, endpoints: &[&str], extra_spec: &str) -> String {
+    format!(
+        "{}---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus:\n  addresses: [{{type: InternalIP, address: {internal_ip}}}, {{type: Hostname, address: node-a}}]\n",
+        state_yaml_with(endpoints, extra_spec)
+    )
+}
+
 const NODE_SIDE: [&str; 3] = ["198.18.2.1/30", "198.18.2.5/30", "198.18.2.9/30"];
 const POD_SIDE: [&str; 3] = ["198.18.2.2/30", "198.18.2.6/30", "198.18.2.10/30"];
 
@@ -106,7 +151,7 @@ impl Default for Opts<'_> {
             state: None,
             mtu: None,
             active_queues: None,
-            node_setup: &[],
+            node_setup: OTHER_LINKS,
             kube_proxy_args: None,
             capabilities: None,
             kxp_args: &[],
@@ -121,9 +166,9 @@ impl Lab {
         let client = topo.add_ns("client").unwrap();
         let node = topo.add_ns("node").unwrap();
         topo.forwarding(&node).unwrap();
-        let link = |topo: &Topology, a: (&str, &str, &str), b: (&str, &str, &str)| {
-            if o.queues > 1 {
-                topo.link_multiqueue(a, b, o.queues).unwrap()
+        let link = |topo: &Topology, queues: u32, a: (&str, &str, &str), b: (&str, &str, &str)| {
+            if queues > 1 {
+                topo.link_multiqueue(a, b, queues).unwrap()
             } else {
                 topo.link(a, b).unwrap()
             }
@@ -139,8 +184,11 @@ impl Lab {
                 }
             }
         };
+        // The uplink has more queues than kxp has workers, as a server NIC has (RSS
+        // spreads the client's flows over them).
         link(
             &topo,
+            UPLINK_QUEUES.max(o.queues),
             (&node, "n-client", "198.18.1.1/24"),
             (&client, "eth0", "198.18.1.2/24"),
         );
@@ -174,6 +222,7 @@ impl Lab {
             let dev = format!("n-web{}", i + 1);
             link(
                 &topo,
+                o.queues,
                 (&node, &dev, NODE_SIDE[i]),
                 (&ns, "eth0", POD_SIDE[i]),
             );
@@ -212,7 +261,7 @@ impl Lab {
         let state = dir.join("state.yaml");
         let text = match (&o.ipv6_state, &o.state) {
             (Some(t), _) | (None, Some(t)) => t.clone(),
-            (None, None) => state_yaml_with(&WEB[..o.endpoints], o.extra_spec),
+            (None, None) => node_state(&WEB[..o.endpoints], o.extra_spec),
         };
         std::fs::write(&state, text).unwrap();
         let config = dir.join("kube-proxy.yaml");
@@ -338,7 +387,7 @@ impl Lab {
 
     /// Rewrites the state file and waits until kxp applied it.
     fn set_endpoints(&mut self, eps: &[&str], extra_spec: &str) {
-        self.set_state(&state_yaml_with(eps, extra_spec));
+        self.set_state(&node_state(eps, extra_spec));
     }
 
     /// Writes `text` as the state file and waits until kxp applied it.
@@ -3985,15 +4034,6 @@ fn more_receive_queues_than_workers_are_all_served() {
     assert!(per_queue.iter().all(|&n| n > 0.0), "{per_queue:?}");
 }
 
-/// `state_yaml_with(WEB)` plus this node's Node object with `internal_ip` as its
-/// InternalIP.
-fn state_with_node(internal_ip: &str) -> String {
-    format!(
-        "{}---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus:\n  addresses: [{{type: InternalIP, address: {internal_ip}}}, {{type: Hostname, address: node-a}}]\n",
-        state_yaml_with(&WEB, "")
-    )
-}
-
 /// How many of `n` TCP connections from the client to `addr` were answered.
 fn answered(lab: &Lab, addr: SocketAddr, n: usize) -> usize {
     let (spread, _, _) = lab.http_spread(addr, n);
@@ -4008,7 +4048,7 @@ fn the_node_objects_address_is_the_primary_whatever_else_the_host_holds() {
     let mut lab = Lab::new(Opts {
         prefix: "kxe44",
         config_extra: "mode: nftables\n",
-        state: Some(state_with_node("198.18.1.1")),
+        state: Some(node_state_at("198.18.1.1", &WEB, "")),
         node_setup: &[
             &["ip", "link", "add", "docker0", "type", "bridge"],
             &["ip", "addr", "add", "198.18.0.1/24", "dev", "docker0"],
@@ -4041,7 +4081,7 @@ fn the_node_objects_address_is_the_primary_whatever_else_the_host_holds() {
     );
 
     // The Node's address changes while kxp runs: the NodePort moves with it.
-    lab.set_state(&state_with_node("198.18.2.1"));
+    lab.set_state(&node_state_at("198.18.2.1", &WEB, ""));
     assert_eq!(answered(&lab, on("198.18.2.1"), 20), 20, "{}", lab.log());
     assert_eq!(answered(&lab, on("198.18.1.1"), 5), 0, "the old InternalIP");
 }
@@ -4053,6 +4093,7 @@ fn without_a_node_object_the_hosts_addresses_are_followed_and_the_log_says_so() 
     let lab = Lab::new(Opts {
         prefix: "kxe45",
         config_extra: "mode: nftables\n",
+        state: Some(state_yaml_with(&WEB, "")),
         ..Default::default()
     });
     assert!(

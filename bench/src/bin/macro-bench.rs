@@ -196,7 +196,12 @@ enum Case {
     Kxp1mBase,
     /// Kxp10k with the --kxp-baseline binary.
     Kxp10kBase,
+    /// kxp with 110 idle pod veths attached beside its two links (a kubelet's pods).
+    KxpPods,
 }
+
+/// Idle pod veths of the `kxp-110pods` case.
+const IDLE_PODS: usize = 110;
 
 /// Services of the scale cases.
 const SCALE_SERVICES: u32 = 10_000;
@@ -205,7 +210,7 @@ const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     /// Every case, in the order the error message lists them.
-    const ALL: [Case; 13] = [
+    const ALL: [Case; 14] = [
         Case::Plain,
         Case::Nft,
         Case::Ipt,
@@ -219,6 +224,7 @@ impl Case {
         Case::Kxp10kBase,
         Case::Kxp1m,
         Case::Kxp1mBase,
+        Case::KxpPods,
     ];
 
     fn parse(s: &str) -> anyhow::Result<Case> {
@@ -246,6 +252,7 @@ impl Case {
             Case::Kxp1m => "kxp-1m",
             Case::Kxp1mBase => "kxp-1m-base",
             Case::Kxp10kBase => "kxp-10k-base",
+            Case::KxpPods => "kxp-110pods",
         }
     }
     /// The router the case sets up (the scale cases are their router's at scale).
@@ -253,7 +260,9 @@ impl Case {
         match self {
             Case::Nft10k => Case::Nft,
             Case::Ipt10k => Case::Ipt,
-            Case::Kxp10k | Case::Kxp10kBase | Case::Kxp1m | Case::Kxp1mBase => Case::Kxp,
+            Case::Kxp10k | Case::Kxp10kBase | Case::Kxp1m | Case::Kxp1mBase | Case::KxpPods => {
+                Case::Kxp
+            }
             c => c,
         }
     }
@@ -293,6 +302,7 @@ impl Case {
             Case::Kxp1m => "kxp, 1,000,000 established flows (table sized 1.2M)",
             Case::Kxp1mBase => "kxp-1m with the --kxp-baseline binary (before)",
             Case::Kxp10kBase => "kxp-10k with the --kxp-baseline binary (before)",
+            Case::KxpPods => "kxp with 110 idle pod veths attached beside its two links",
         }
     }
     fn is_kxp(self) -> bool {
@@ -306,6 +316,7 @@ impl Case {
                 | Case::Kxp1m
                 | Case::Kxp1mBase
                 | Case::Kxp10kBase
+                | Case::KxpPods
         )
     }
     /// A case of the --kxp-baseline binary.
@@ -453,6 +464,34 @@ fn mac_of(ns: &str, dev: &str) -> anyhow::Result<String> {
 }
 
 impl Lab {
+    /// Creates (or deletes) the `kxp-110pods` case's idle pod veths in the router's
+    /// namespace: `vpN`, as a CNI creates them (kernel defaults), their peers `vqN` up
+    /// beside them, no address, no traffic.
+    fn idle_pods(&self, create: bool) -> anyhow::Result<()> {
+        let batch = self.dir.join("idle-pods.batch");
+        let text: String = (0..IDLE_PODS)
+            .map(|i| {
+                if create {
+                    format!("link add vp{i} type veth peer name vq{i}\nlink set vp{i} up\nlink set vq{i} up\n")
+                } else {
+                    format!("link del vp{i}\n")
+                }
+            })
+            .collect();
+        std::fs::write(&batch, text)?;
+        let r = ip(&[
+            "-n",
+            &self.router,
+            "-force",
+            "-batch",
+            &batch.display().to_string(),
+        ]);
+        if create {
+            r.context("creating the idle pod veths")?;
+        }
+        Ok(())
+    }
+
     fn new(stop: Stop, keep: bool, backend_rps: bool) -> anyhow::Result<Lab> {
         let pid = std::process::id();
         let mut topo = Topology::new("kxm");
@@ -1211,6 +1250,10 @@ impl<'a> Router<'a> {
                 if case == Case::KxpBusyPoll {
                     args.extend(["--busy-poll".into(), busy_poll.to_string()]);
                 }
+                if case == Case::KxpPods {
+                    lab.idle_pods(true)?;
+                    args.extend(["--interface".into(), "vp*".into()]);
+                }
                 if !case.is_base() {
                     args.extend(KXP_ARGS.get().into_iter().flatten().cloned());
                 }
@@ -1297,6 +1340,9 @@ impl Drop for Router<'_> {
             _ => {
                 if let Some(mut p) = self.kxp.take() {
                     p.stop(libc::SIGTERM, Duration::from_secs(10));
+                }
+                if self.case == Case::KxpPods {
+                    let _ = lab.idle_pods(false);
                 }
                 // A stopped kxp keeps its steering and connections for the next one: the
                 // next case or mode starts afresh instead.
