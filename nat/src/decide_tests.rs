@@ -680,14 +680,15 @@ fn the_hosts_addresses_are_the_fallback_when_the_node_object_gives_none() {
         built.snapshot.node.primary_v4,
         Some("10.99.0.1".parse().unwrap())
     );
-    assert!(
-        built
-            .notes
-            .iter()
-            .any(|n| n.contains("no Node named \"node-a\"") && n.contains("bindAddress")),
-        "{:?}",
-        built.notes
-    );
+    let noted = |notes: &[String], what: &str| {
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains(what) && n.contains("bindAddress")),
+            "{notes:?}"
+        );
+    };
+    noted(&built.notes, "no Node named \"node-a\"");
     // A Node without addresses: the same fallback, saying so.
     let bare = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}";
     let built = build(&state(&format!("{cluster}\n---\n{bare}")), &st, 1).unwrap();
@@ -695,14 +696,7 @@ fn the_hosts_addresses_are_the_fallback_when_the_node_object_gives_none() {
         built.snapshot.node.primary_v4,
         Some("10.99.0.1".parse().unwrap())
     );
-    assert!(
-        built
-            .notes
-            .iter()
-            .any(|n| n.contains("has no InternalIP or ExternalIP")),
-        "{:?}",
-        built.notes
-    );
+    noted(&built.notes, "has no InternalIP or ExternalIP");
     // --node-ip / bindAddress win over both.
     st.node_ips = vec!["192.0.2.99".parse().unwrap()];
     let explicit = snap(&format!("{cluster}\n---\n{node}"), &st);

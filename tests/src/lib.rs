@@ -22,3 +22,29 @@ pub fn kxp_bin() -> PathBuf {
     );
     bin
 }
+
+/// An IPv6 address on a device in namespace `ns`, without duplicate-address detection
+/// (usable at once).
+///
+/// # Panics
+/// When `ip` fails (the test cannot go on without the address).
+pub fn add6(ns: &str, dev: &str, cidr: &str) {
+    let out = std::process::Command::new("ip")
+        .args(["-n", ns, "-6", "addr", "add", cidr, "dev", dev, "nodad"])
+        .output()
+        .expect("running ip (iproute2)");
+    assert!(
+        out.status.success(),
+        "ip -n {ns} -6 addr add {cidr} dev {dev}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The value of the metric line of an OpenMetrics text that starts with `name_and_labels`
+/// (e.g. `kxp_xdp_packets_total{interface="eth0",outcome="redirected"}`); 0 when absent.
+pub fn metric(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::PathBuf;
 
-use kxp_tests::kxp_bin;
+use kxp_tests::{add6, kxp_bin, metric};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
@@ -33,28 +33,9 @@ const WEB: [&str; 3] = ["198.18.2.2", "198.18.2.6", "198.18.2.10"];
 /// Receive queues of the default node's uplink (`n-client`): more than the workers.
 const UPLINK_QUEUES: u32 = 4;
 
-/// What the default node holds besides its uplink and pods: docker0 and an overlay
-/// device with addresses of their own (above the InternalIP, 198.18.1.1, which the Node
-/// object gives).
-const OTHER_LINKS: &[&[&str]] = &[
-    &["ip", "link", "add", "docker0", "type", "bridge"],
-    &["ip", "addr", "add", "198.18.250.1/24", "dev", "docker0"],
-    &["ip", "link", "set", "docker0", "up"],
-    &[
-        "ip",
-        "link",
-        "add",
-        "flannel.1",
-        "type",
-        "vxlan",
-        "id",
-        "1",
-        "dstport",
-        "8472",
-    ],
-    &["ip", "addr", "add", "198.18.251.0/32", "dev", "flannel.1"],
-    &["ip", "link", "set", "flannel.1", "up"],
-];
+/// The addresses of what the default node holds besides its uplink and pods: docker0 and
+/// an overlay device (above the InternalIP, 198.18.1.1, which the Node object gives).
+const OTHER_LINKS: (&str, &str) = ("198.18.250.1/24", "198.18.251.0/32");
 
 /// The demo's state for `endpoints` plus this node's Node object (InternalIP 198.18.1.1):
 /// the node's addresses come from it, as on a cluster (no `--node-ip`).
@@ -120,9 +101,9 @@ struct Opts<'a> {
     /// Receive and transmit queues in use on every link (both ends, `ethtool -L`), of the
     /// `queues` created, set before kxp starts.
     active_queues: Option<u32>,
-    /// Commands run in the node's namespace before kxp starts (devices a node has
-    /// besides its uplink and pods' veths: docker0, an overlay device).
-    node_setup: &'a [&'a [&'a str]],
+    /// The addresses of docker0 (a bridge) and flannel.1 (a VXLAN device), which the
+    /// node holds besides its uplink and pods' veths; made before kxp starts.
+    other_links: (&'a str, &'a str),
     /// Start kxp as a kube-proxy DaemonSet would: through a `kube-proxy` symlink, with
     /// only these arguments (`@KUBECONFIG@`, `@CONFIG@` and `@CLUSTER_CIDR@` replaced),
     /// no kxp flag and no `--interface`; with `@CONFIG@`, the config is kubeadm's.
@@ -151,7 +132,7 @@ impl Default for Opts<'_> {
             state: None,
             mtu: None,
             active_queues: None,
-            node_setup: OTHER_LINKS,
+            other_links: OTHER_LINKS,
             kube_proxy_args: None,
             capabilities: None,
             kxp_args: &[],
@@ -245,7 +226,26 @@ impl Lab {
                 .collect();
         }
         args.extend(o.kxp_args.iter().map(|a| a.to_string()));
-        for cmd in o.node_setup {
+        let (docker0, flannel) = o.other_links;
+        for cmd in [
+            &["ip", "link", "add", "docker0", "type", "bridge"][..],
+            &["ip", "addr", "add", docker0, "dev", "docker0"],
+            &["ip", "link", "set", "docker0", "up"],
+            &[
+                "ip",
+                "link",
+                "add",
+                "flannel.1",
+                "type",
+                "vxlan",
+                "id",
+                "1",
+                "dstport",
+                "8472",
+            ],
+            &["ip", "addr", "add", flannel, "dev", "flannel.1"],
+            &["ip", "link", "set", "flannel.1", "up"],
+        ] {
             in_ns(&node, cmd).unwrap();
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -431,11 +431,6 @@ impl Lab {
             (spread, peers, failed)
         })
     }
-}
-
-/// An IPv6 address on a device, without duplicate-address detection (usable at once).
-fn add6(ns: &str, dev: &str, cidr: &str) {
-    in_ns(ns, &["ip", "-6", "addr", "add", cidr, "dev", dev, "nodad"]).unwrap();
 }
 
 impl Drop for Lab {
@@ -3836,14 +3831,6 @@ fn memory_only_state_leaves_nothing_behind_at_exit() {
     lab.kxp = None;
 }
 
-/// The value of the metric line that starts with `want` (0 when absent).
-fn metric_value(metrics: &str, want: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(want)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[test]
 fn a_busy_uplink_beside_250_idle_pod_veths_on_one_worker_loses_nothing() {
     // A node with 250 pods (more than a kubelet's 110) and one worker: the pods' veths
@@ -3902,7 +3889,7 @@ fn a_busy_uplink_beside_250_idle_pod_veths_on_one_worker_loses_nothing() {
     std::thread::sleep(Duration::from_millis(1100));
     let m = node_http(&lab, 10249, "/metrics");
     let empty = r#"kxp_xsk_rx_drops_total{interface="n-client",reason="fill_ring_empty"}"#;
-    assert_eq!(metric_value(&m, empty), 0.0, "{m}");
+    assert_eq!(metric(&m, empty), 0.0, "{m}");
 }
 
 /// What a node's traffic through kxp needs from every receive queue, checked from the
@@ -3953,7 +3940,7 @@ fn queue_packets(lab: &Lab, dev: &str, queues: u32) -> Vec<f64> {
     let m = node_http(lab, 10249, "/metrics");
     (0..queues)
         .map(|q| {
-            metric_value(
+            metric(
                 &m,
                 &format!("kxp_xsk_rx_packets_total{{interface=\"{dev}\",queue=\"{q}\"}}"),
             )
@@ -4049,25 +4036,7 @@ fn the_node_objects_address_is_the_primary_whatever_else_the_host_holds() {
         prefix: "kxe44",
         config_extra: "mode: nftables\n",
         state: Some(node_state_at("198.18.1.1", &WEB, "")),
-        node_setup: &[
-            &["ip", "link", "add", "docker0", "type", "bridge"],
-            &["ip", "addr", "add", "198.18.0.1/24", "dev", "docker0"],
-            &["ip", "link", "set", "docker0", "up"],
-            &[
-                "ip",
-                "link",
-                "add",
-                "flannel.1",
-                "type",
-                "vxlan",
-                "id",
-                "1",
-                "dstport",
-                "8472",
-            ],
-            &["ip", "addr", "add", "198.18.0.128/32", "dev", "flannel.1"],
-            &["ip", "link", "set", "flannel.1", "up"],
-        ],
+        other_links: ("198.18.0.1/24", "198.18.0.128/32"),
         ..Default::default()
     });
     assert!(!lab.args.iter().any(|a| a == "--node-ip"));

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use controlplane::demo::{Backend, KxpProcess, http_get, spawn_in, wait_healthy};
 use controlplane::netns::{Topology, in_ns};
-use kxp_tests::kxp_bin;
+use kxp_tests::{add6, kxp_bin, metric};
 use socket2::{Domain, Protocol, Socket, Type};
 
 const NODE_A_IP: &str = "198.18.30.1";
@@ -78,109 +78,64 @@ const V6: Plan = Plan {
     vip_a: "2001:db8:ffff::11",
 };
 
-const STATE: &str = r#"apiVersion: v1
-kind: Service
-metadata: {name: web-b, namespace: demo}
-spec:
-  type: NodePort
-  clusterIP: 198.19.0.10
-  clusterIPs: [198.19.0.10, 2001:db8:ffff::10]
-  ipFamilies: [IPv4, IPv6]
-  ipFamilyPolicy: RequireDualStack
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}
-  - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30009}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-b-1
-  namespace: demo
-  labels: {kubernetes.io/service-name: web-b}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-- {name: sink, port: 9000, protocol: UDP}
-endpoints:
-- addresses: [198.18.20.2]
-  nodeName: node-b
-  conditions: {ready: true}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-b-6
-  namespace: demo
-  labels: {kubernetes.io/service-name: web-b}
-addressType: IPv6
-ports:
-- {name: http, port: 8080, protocol: TCP}
-- {name: sink, port: 9000, protocol: UDP}
-endpoints:
-- addresses: ["2001:db8:20:1::2"]
-  nodeName: node-b
-  conditions: {ready: true}
----
-apiVersion: v1
-kind: Service
-metadata: {name: web-a, namespace: demo}
-spec:
-  type: NodePort
-  clusterIP: 198.19.0.11
-  clusterIPs: [198.19.0.11, 2001:db8:ffff::11]
-  ipFamilies: [IPv4, IPv6]
-  ipFamilyPolicy: RequireDualStack
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30081}
-  - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30010}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-a-1
-  namespace: demo
-  labels: {kubernetes.io/service-name: web-a}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-- {name: sink, port: 9000, protocol: UDP}
-endpoints:
-- addresses: [198.18.10.6]
-  nodeName: node-a
-  conditions: {ready: true}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-a-6
-  namespace: demo
-  labels: {kubernetes.io/service-name: web-a}
-addressType: IPv6
-ports:
-- {name: http, port: 8080, protocol: TCP}
-- {name: sink, port: 9000, protocol: UDP}
-endpoints:
-- addresses: ["2001:db8:10:2::2"]
-  nodeName: node-a
-  conditions: {ready: true}
----
-apiVersion: networking.k8s.io/v1
-kind: ServiceCIDR
-metadata: {name: kubernetes}
-spec: {cidrs: [198.19.0.0/16, "2001:db8:ffff::/112"]}
----
-apiVersion: v1
-kind: Node
-metadata: {name: node-a}
-status:
-  addresses: [{type: InternalIP, address: 198.18.30.1}, {type: InternalIP, address: "2001:db8:30::1"}, {type: Hostname, address: node-a}]
----
-apiVersion: v1
-kind: Node
-metadata: {name: node-b}
-status:
-  addresses: [{type: InternalIP, address: 198.18.30.2}, {type: InternalIP, address: "2001:db8:30::2"}, {type: Hostname, address: node-b}]
-"#;
+/// One dual-stack NodePort Service `name` (ClusterIPs `vip4`, `vip6`; port 80 → 8080 TCP
+/// on NodePort `np`, 9 → 9000 UDP on NodePort `np` - 71) with one endpoint pod on `node`, as
+/// the API has it: a Service and an EndpointSlice per family.
+fn service(
+    name: &str,
+    vip4: &str,
+    vip6: &str,
+    np: u16,
+    ep4: &str,
+    ep6: &str,
+    node: &str,
+) -> String {
+    let sink = np - 71;
+    let slice = |family: &str, suffix: &str, ep: &str| {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-{suffix}\n  \
+             namespace: demo\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: {family}\n\
+             ports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: sink, port: 9000, protocol: UDP}}\n\
+             endpoints:\n- addresses: [\"{ep}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n---\n"
+        )
+    };
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec:\n  type: NodePort\n  \
+         clusterIP: {vip4}\n  clusterIPs: [{vip4}, \"{vip6}\"]\n  ipFamilies: [IPv4, IPv6]\n  \
+         ipFamilyPolicy: RequireDualStack\n  ports:\n  \
+         - {{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {np}}}\n  \
+         - {{name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: {sink}}}\n---\n{}{}",
+        slice("IPv4", "1", ep4),
+        slice("IPv6", "6", ep6)
+    )
+}
+
+/// The Node object of `name` with its two InternalIPs.
+fn node(name: &str, v4: &str, v6: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {name}}}\nstatus:\n  addresses: \
+         [{{type: InternalIP, address: {v4}}}, {{type: InternalIP, address: \"{v6}\"}}, \
+         {{type: Hostname, address: {name}}}]\n---\n"
+    )
+}
+
+/// The cluster's objects: web-b and web-a, the ServiceCIDRs, both Nodes.
+fn cluster_state() -> String {
+    [
+        service(
+            "web-b", V4.vip_b, V6.vip_b, 30080, V4.web_b1, V6.web_b1, "node-b",
+        ),
+        service(
+            "web-a", V4.vip_a, V6.vip_a, 30081, V4.web_a2, V6.web_a2, "node-a",
+        ),
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\n\
+         spec: {cidrs: [198.19.0.0/16, \"2001:db8:ffff::/112\"]}\n---\n"
+            .to_string(),
+        node("node-a", V4.node_a, V6.node_a),
+        node("node-b", V4.node_b, V6.node_b),
+    ]
+    .concat()
+}
 
 /// The nftables forward chain of a node whose firewall drops conntrack-INVALID packets.
 const CT_INVALID_DROP: &str = "add table inet kxp-test-fw; add chain inet kxp-test-fw forward \
@@ -319,7 +274,7 @@ impl Cluster {
         let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let state = dir.join("state.yaml");
-        std::fs::write(&state, STATE).unwrap();
+        std::fs::write(&state, cluster_state()).unwrap();
         let mut kxp = Vec::new();
         for (node, name, pods_glob) in [(&a, "node-a", "vpa*"), (&b, "node-b", "vpb*")] {
             let config = dir.join(format!("{name}.yaml"));
@@ -462,11 +417,6 @@ impl Drop for Cluster {
     }
 }
 
-/// An IPv6 address on a device, without duplicate-address detection (usable at once).
-fn add6(ns: &str, dev: &str, cidr: &str) {
-    in_ns(ns, &["ip", "-6", "addr", "add", cidr, "dev", dev, "nodad"]).unwrap();
-}
-
 /// The IPv6 side of a pod's servers (the demo's `Backend` listens on IPv4): on
 /// [::]:8080 an HTTP answer `NAME PEER`, on [::]:9000 UDP `?` answered with `NAME`, both
 /// IPv6-only beside the IPv4 listeners on the same ports.
@@ -521,14 +471,6 @@ impl V6Server {
             .expect("the IPv6 servers started");
         h
     }
-}
-
-/// The value of a counter line `name{labels} value` of a metrics text (0 when absent).
-fn counter(metrics: &str, name_and_labels: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 fn sa(ip: &str, port: u16) -> SocketAddr {
@@ -659,9 +601,9 @@ fn two_nodes_running_kxp_carry_service_and_direct_pod_traffic_with_and_without_c
     assert_all_answered(&c, "conntrack off", &results);
     let kernel_flow = r#"kxp_xdp_packets_total{interface="vpb1",outcome="kernel_flow"}"#;
     let m = c.metrics(1);
-    assert_eq!(counter(&m, kernel_flow), 0.0, "{m}");
+    assert_eq!(metric(&m, kernel_flow), 0.0, "{m}");
     assert!(
-        counter(&m, "kxp_pass_checksums_completed_total") > 0.0,
+        metric(&m, "kxp_pass_checksums_completed_total") > 0.0,
         "node-b's kxp completed no partial checksum on its pass path:\n{m}"
     );
 
@@ -675,7 +617,7 @@ fn two_nodes_running_kxp_carry_service_and_direct_pod_traffic_with_and_without_c
     assert_all_answered(&c, "ct state invalid drop", &results);
     let m = c.metrics(1);
     assert!(
-        counter(&m, kernel_flow) > 0.0,
+        metric(&m, kernel_flow) > 0.0,
         "node-b left no answer of web-b1 to its kernel:\n{m}"
     );
     let ruleset = in_ns(
