@@ -168,6 +168,9 @@ struct Port {
     tx_budget: u32,
     /// Frames waiting for room on the TX ring.
     tx_pending: Vec<FrameDesc>,
+    /// Frames on the TX ring not yet back on the completion ring: `reap` reads the
+    /// completion ring only of ports that have some.
+    tx_in_flight: usize,
     /// A multi-buffer packet being received (its first descriptors came in an earlier
     /// batch).
     partial: Option<Vec<u8>>,
@@ -497,6 +500,7 @@ impl<'id> WorkerIo<'id> {
             fq,
             cq,
             tx_pending: Vec::with_capacity(BATCH),
+            tx_in_flight: 0,
             partial: None,
             in_fill: 0,
             received: 0,
@@ -845,6 +849,7 @@ impl<'id> WorkerIo<'id> {
             // ring or in use: each came out of a token consumed by value, is in no
             // other list, and leaves `tx_pending` only once the ring took it (`drain`).
             let done = unsafe { p.tx.produce(&p.tx_pending[..n]) };
+            p.tx_in_flight += done;
             for d in p.tx_pending.drain(..done) {
                 if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
                     *o = p.ifindex;
@@ -876,12 +881,19 @@ impl<'id> WorkerIo<'id> {
         }
         self.reap();
         for i in 0..self.ports.len() {
+            // A port that received nothing, asks for nothing more and holds its idle
+            // floor (a pod's idle veth) has nothing to refill: not looked at.
+            let p = &self.ports[i];
+            if i > 0 && p.received == 0 && p.demand == 0 && p.hold == 0 && p.in_fill >= IDLE_FILL
+            {
+                continue;
+            }
             self.refill(i);
         }
     }
 
     fn reap(&mut self) {
-        for p in &mut self.ports {
+        for p in self.ports.iter_mut().filter(|p| p.tx_in_flight > 0) {
             loop {
                 // SAFETY: `CompQueue::consume` requires the descriptors to be used with
                 // the UMEM the queue is tied to: `p.cq` was created on `self.umem`, and
@@ -891,6 +903,7 @@ impl<'id> WorkerIo<'id> {
                 if n == 0 {
                     break;
                 }
+                p.tx_in_flight = p.tx_in_flight.saturating_sub(n);
                 for d in &self.scratch[..n] {
                     if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
                         *o = 0;
@@ -907,7 +920,7 @@ impl<'id> WorkerIo<'id> {
         let p = &mut self.ports[port];
         // Fill depth follows traffic: frames in an idle port's fill ring are out of use
         // until it receives, so no port hoards the UMEM that ports attached later need.
-        p.demand = (p.demand - p.demand / 8).max(p.received * 64);
+        p.demand = (p.demand - p.demand.div_ceil(8)).max(p.received * 64);
         p.received = 0;
         let target = if port == 0 {
             FIRST_PORT_FILL
