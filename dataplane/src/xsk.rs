@@ -884,8 +884,7 @@ impl<'id> WorkerIo<'id> {
             // A port that received nothing, asks for nothing more and holds its idle
             // floor (a pod's idle veth) has nothing to refill: not looked at.
             let p = &self.ports[i];
-            if i > 0 && p.received == 0 && p.demand == 0 && p.hold == 0 && p.in_fill >= IDLE_FILL
-            {
+            if i > 0 && p.received == 0 && p.demand == 0 && p.hold == 0 && p.in_fill >= IDLE_FILL {
                 continue;
             }
             self.refill(i);
