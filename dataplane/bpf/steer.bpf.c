@@ -11,6 +11,8 @@
  *  (c) (src, sport, proto) is an endpoint and dst is not a node address
  *      (replies of DNAT-only flows)                               [endpoints]
  *  (d) an ICMP/ICMPv6 error quoting a packet of a flow above
+ *  (f) a later fragment (no ports) of a datagram whose first fragment a rule above
+ *      took (kxp_frags), or to a Service address or from an endpoint
  *  (e) any other TCP/UDP/SCTP packet to a ClusterIP (any port) or to an
  *      address inside a Service CIDR: kxp rejects the first (no Service on
  *      that port) and drops the second (unallocated), as kube-proxy does
@@ -136,6 +138,7 @@ enum {
 	ST_UNPARSED, /* IPv4/IPv6 whose headers cannot be read (passed: the kernel drops it) */
 	ST_VLAN, /* 802.1Q/802.1ad-tagged, not looked inside (passed) */
 	ST_KERNEL_FLOW, /* a reply rule matched, but the kernel tracks the flow (passed) */
+	ST_FRAGMENT, /* rule (f): a later fragment of a datagram whose first was taken */
 	ST_MAX,
 };
 
@@ -215,6 +218,15 @@ struct {
 	__type(key, struct frag_key);
 	__type(value, __u8);
 } kernel_frags SEC(".maps");
+
+/* A datagram whose first fragment a rule redirected to kxp: its later fragments, which
+ * carry no ports (a NodePort's, a masqueraded reply's), follow it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct frag_key);
+	__type(value, __u8);
+} kxp_frags SEC(".maps");
 
 struct vlan_hdr {
 	__be16 tci;
@@ -481,10 +493,12 @@ static __always_inline __u32 match_fragment(struct tuple *t)
 
 	t->src.port = 0;
 	t->dst.port = 0;
+	frag_key_of(&k, t);
+	if (bpf_map_lookup_elem(&kxp_frags, &k))
+		return ST_FRAGMENT;
 	if (bpf_map_lookup_elem(&frontends, &t->dst))
 		return ST_FRONTEND;
 	if (bpf_map_lookup_elem(&endpoints, &t->src)) {
-		frag_key_of(&k, t);
 		if (bpf_map_lookup_elem(&kernel_frags, &k))
 			return ST_KERNEL_FLOW;
 		return ST_DNAT_REPLY;
@@ -599,6 +613,14 @@ int kxp_steer(struct xdp_md *ctx)
 	if (reason == ST_KERNEL_FLOW) {
 		count(reason);
 		goto pass;
+	}
+	if (t.frag && !later) {
+		/* A first fragment taken: its later fragments follow (rule (f)). */
+		struct frag_key k = {};
+		__u8 one = 1;
+
+		frag_key_of(&k, &t);
+		bpf_map_update_elem(&kxp_frags, &k, &one, BPF_ANY);
 	}
 
 	count(reason);

@@ -1112,6 +1112,12 @@ impl<'id> Worker<'id> {
                         return;
                     }
                 };
+                // The datagram's later fragments (steered here too, as from an endpoint)
+                // follow it unchanged.
+                if let Some(key) = first_fragment {
+                    self.learn_fragments(&mut f, key, now);
+                }
+                let l3 = &mut self.io.bytes(&mut f)[ETH_HLEN..];
                 match rewrite::decrement_ttl(l3) {
                     Ok(true) => self.route_out_checked(f, dst, from, answer),
                     _ => self.io.recycle(f),

@@ -360,21 +360,34 @@ impl Cluster {
     }
 
     /// `n` UDP datagrams from namespace `from` to `to`, each from a new socket: how many
-    /// were answered from `to` itself.
-    fn udp(&self, from: &str, to: SocketAddr, n: usize) -> usize {
+    /// were answered from `to` itself. With `echo` bytes, each datagram is `!` and that
+    /// many bytes (3,000: fragments both ways on 1,500-MTU links), and its answer must be
+    /// the server's name, `:`, and the datagram.
+    fn udp(&self, from: &str, to: SocketAddr, n: usize, echo: usize) -> usize {
         spawn_in(from, move || {
             let mut ok = 0;
-            for _ in 0..n {
+            for i in 0..n {
                 let any = if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
                 let s = UdpSocket::bind(any).unwrap();
                 s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-                let _ = s.send_to(b"?", to);
-                let mut buf = [0u8; 64];
+                let msg: Vec<u8> = if echo == 0 {
+                    b"?".to_vec()
+                } else {
+                    std::iter::once(b'!')
+                        .chain((0..echo).map(|j| (i + j) as u8))
+                        .collect()
+                };
+                let _ = s.send_to(&msg, to);
+                let mut buf = vec![0u8; 8192];
                 if let Ok((len, peer)) = s.recv_from(&mut buf)
                     && peer == to
                     && len > 0
                 {
-                    ok += 1;
+                    let answer = &buf[..len];
+                    let colon = answer.iter().position(|&b| b == b':');
+                    if echo == 0 || colon.is_some_and(|c| answer[c + 1..] == msg[..]) {
+                        ok += 1;
+                    }
                 }
             }
             ok
@@ -445,7 +458,7 @@ impl V6Server {
             udp.set_read_timeout(Some(Duration::from_millis(5)))
                 .unwrap();
             ready_tx.send(()).unwrap();
-            let mut buf = [0u8; 2048];
+            let mut buf = [0u8; 8192];
             while !stop.load(Ordering::Relaxed) {
                 if let Ok((mut c, peer)) = tcp.accept() {
                     let _ = c.set_nonblocking(false);
@@ -460,9 +473,15 @@ impl V6Server {
                 }
                 if let Ok((n, peer)) = udp.recv_from(&mut buf)
                     && n > 0
-                    && buf[0] == b'?'
                 {
-                    let _ = udp.send_to(name.as_bytes(), peer);
+                    if buf[0] == b'?' {
+                        let _ = udp.send_to(name.as_bytes(), peer);
+                    } else if buf[0] == b'!' {
+                        // Echo, behind the name (large datagrams come back large).
+                        let mut reply = format!("{name}:").into_bytes();
+                        reply.extend_from_slice(&buf[..n]);
+                        let _ = udp.send_to(&reply, peer);
+                    }
                 }
             }
         });
@@ -553,8 +572,12 @@ fn every_kind_of_traffic(c: &Cluster) -> Vec<(String, usize, usize)> {
         tcp("node-a itself -> web-a2 directly", node_a, web_a2, None);
         tcp("node-a itself -> web-b1 directly", node_a, web_b1, None);
         let mut udp = |what: &str, from: &str, to: SocketAddr| {
-            let ok = c.udp(from, to, 10);
+            let ok = c.udp(from, to, 10, 0);
             out.push((format!("{family} {what} (UDP {to})"), ok, 10));
+            // 3,000-byte datagrams: fragments both ways (the answers' later fragments
+            // follow their first fragment's path, the kernel's or kxp's).
+            let ok = c.udp(from, to, 5, 3000);
+            out.push((format!("{family} {what} (UDP {to}, 3,000 bytes)"), ok, 5));
         };
         udp("pod a1 -> ClusterIP -> web-b1", a1, sa(p.vip_b, 9));
         udp("pod b2 -> ClusterIP -> web-a2", b2, sa(p.vip_a, 9));

@@ -8,7 +8,7 @@ use super::XdpError;
 /// The program's counters, summed over CPUs. `seen == redirected + passed + held`, where
 /// `held` are the `no_socket` packets dropped while kxp restarts (see
 /// [`super::Steering::set_hold`]); a packet that matched a rule counts once in exactly
-/// one of the five rule counters, and in `no_socket` too if the queue had no socket (it
+/// one of the rule counters (or in `kernel_flow`, passed), and in `no_socket` too if the queue had no socket (it
 /// was then passed, or held).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SteerStats {
@@ -39,6 +39,8 @@ pub struct SteerStats {
     /// kernel's conntrack tracks the flow: the kernel's own connection (traffic straight
     /// to a pod, Service traffic another node translated), passed to it.
     pub kernel_flow: u64,
+    /// Rule (f): a later fragment of a datagram whose first fragment a rule took.
+    pub fragment: u64,
 }
 
 impl SteerStats {
@@ -57,13 +59,14 @@ impl SteerStats {
             unparsed: self.unparsed.saturating_sub(earlier.unparsed),
             vlan: self.vlan.saturating_sub(earlier.vlan),
             kernel_flow: self.kernel_flow.saturating_sub(earlier.kernel_flow),
+            fragment: self.fragment.saturating_sub(earlier.fragment),
         }
     }
 }
 
 /// Reads and sums every counter of the `stats` map.
 pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
-    let mut c = [0u64; 12];
+    let mut c = [0u64; 13];
     for (idx, slot) in (0u32..).zip(c.iter_mut()) {
         let per_cpu = stats
             .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
@@ -93,6 +96,7 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         unparsed,
         vlan,
         kernel_flow,
+        fragment,
     ] = c;
     Ok(SteerStats {
         seen,
@@ -107,5 +111,6 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         unparsed,
         vlan,
         kernel_flow,
+        fragment,
     })
 }

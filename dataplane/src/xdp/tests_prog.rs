@@ -343,6 +343,9 @@ fn only_first_fragments_carry_ports() {
     f[20..22].copy_from_slice(&0x2000u16.to_be_bytes()); // MF, offset 0
     assert_eq!(classify(&s, &f), Some(Rule::Frontend), "first fragment");
     f[20..22].copy_from_slice(&0x2010u16.to_be_bytes()); // MF, offset 128 bytes
+    assert_eq!(classify(&s, &f), Some(Rule::Fragment), "its next fragment");
+    // Another datagram's later fragments: what looks like ports there is payload.
+    f[18..20].copy_from_slice(&0x0badu16.to_be_bytes()); // another id
     assert_eq!(classify(&s, &f), None, "non-first fragment");
     f[20..22].copy_from_slice(&0x0010u16.to_be_bytes()); // last fragment
     assert_eq!(classify(&s, &f), None, "last fragment");
@@ -358,7 +361,51 @@ fn only_first_fragments_carry_ports() {
     );
     let mut later = first.clone();
     later[42..44].copy_from_slice(&(16u16 << 3 | 1).to_be_bytes()); // offset 16, M
+    assert_eq!(
+        classify(&s, &eth_ip(&later)),
+        Some(Rule::Fragment),
+        "its v6 next fragment"
+    );
+    later[44..48].copy_from_slice(&0x0badu32.to_be_bytes()); // another identification
     assert_eq!(classify(&s, &eth_ip(&later)), None, "v6 non-first fragment");
+}
+
+#[test]
+fn later_fragments_follow_a_first_fragment_that_was_taken() {
+    // A NodePort's datagram in fragments: only the first carries the port, the others
+    // follow it (they are not to a Service address nor from an endpoint).
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_frontends(&set([key(port(e.node, 30009), Protocol::Udp)]))
+        .unwrap();
+    let mut first = frame(&tuple(e.client, port(e.node, 30009), Protocol::Udp));
+    first[14 + 4..14 + 6].copy_from_slice(&0x1234u16.to_be_bytes()); // id
+    first[14 + 6..14 + 8].copy_from_slice(&0x2000u16.to_be_bytes()); // MF
+    let first = eth_ip(&fixed_ipv4(&first[14..]));
+    let mut later = first.clone();
+    later[14 + 6..14 + 8].copy_from_slice(&0x0010u16.to_be_bytes()); // offset 128
+    let later = eth_ip(&fixed_ipv4(&later[14..]));
+    assert_eq!(classify(&s, &later), None, "no first fragment seen yet");
+    assert_eq!(classify(&s, &first), Some(Rule::Frontend));
+    assert_eq!(classify(&s, &later), Some(Rule::Fragment));
+    let mut other = later.clone();
+    other[14 + 4..14 + 6].copy_from_slice(&0x1235u16.to_be_bytes());
+    let other = eth_ip(&fixed_ipv4(&other[14..]));
+    assert_eq!(classify(&s, &other), None, "another datagram");
+    // IPv6: the fragment header's identification.
+    let e6 = Endpoints::v6();
+    s.sync_frontends(&set([key(port(e6.node, 30009), Protocol::Udp)]))
+        .unwrap();
+    let first6 = pkt::insert_v6_ext(
+        &pkt::build_tuple(&tuple(e6.client, port(e6.node, 30009), Protocol::Udp), b"x"),
+        &[44],
+    );
+    let mut first6 = first6;
+    first6[42..44].copy_from_slice(&1u16.to_be_bytes()); // offset 0, M
+    assert_eq!(classify(&s, &eth_ip(&first6)), Some(Rule::Frontend));
+    let mut later6 = first6.clone();
+    later6[42..44].copy_from_slice(&(16u16 << 3).to_be_bytes()); // offset 16, last
+    assert_eq!(classify(&s, &eth_ip(&later6)), Some(Rule::Fragment));
 }
 
 #[test]

@@ -64,6 +64,8 @@ pub enum Rule {
     ClusterIp,
     /// A reply rule matched, but the kernel's conntrack tracks the flow: passed.
     KernelFlow,
+    /// A later fragment of a datagram whose first fragment a rule took.
+    Fragment,
 }
 
 /// Runs `frame` through the program (no socket in `xsks`) and returns the rule that
@@ -84,6 +86,7 @@ pub fn classify(s: &Steering, frame: &[u8]) -> Option<Rule> {
         (d.icmp_error, Rule::IcmpError),
         (d.cluster_ip, Rule::ClusterIp),
         (d.kernel_flow, Rule::KernelFlow),
+        (d.fragment, Rule::Fragment),
     ]
     .into_iter()
     .filter(|(n, _)| *n > 0)
