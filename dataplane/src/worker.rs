@@ -123,6 +123,9 @@ const RETIRED_MAX: usize = 65_536;
 /// rounds (microseconds; a few tens of µs at saturation).
 const QUIET_ROUNDS: u32 = 256;
 const QUIET_EVERY: u64 = 4;
+/// Quiet ports are skipped only from this many ports (a node with pods' veths): with a
+/// few, every port is looked at every round.
+const QUIET_FROM_PORTS: usize = 16;
 
 /// The expiry clock hand goes over a worker's whole table once a second, however fast
 /// the loop turns, and at most `EXPIRE_MAX_PER_ROUND` slots in one poll round.
@@ -632,7 +635,9 @@ impl<'id> Worker<'id> {
             if self.busy_poll {
                 self.io.busy_poll_kick();
             }
-            let look_at_quiet = woke || iterations.is_multiple_of(QUIET_EVERY);
+            let look_at_quiet = woke
+                || iterations.is_multiple_of(QUIET_EVERY)
+                || self.io.port_count() < QUIET_FROM_PORTS;
             for port in 0..self.io.port_count() {
                 let rounds = quiet.get(port).copied().unwrap_or(0);
                 if rounds >= QUIET_ROUNDS && !look_at_quiet {

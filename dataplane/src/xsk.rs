@@ -177,7 +177,7 @@ struct Port {
     /// Frames this port's fill ring holds (given, not yet received back).
     in_fill: usize,
     /// Descriptors received since the last refill, and the fill depth that traffic
-    /// asks for (decaying): an idle port keeps [`IDLE_FILL`] frames, a busy one more.
+    /// asks for (decaying): an idle port keeps its floor (`idle_fill`), a busy one more.
     received: usize,
     demand: usize,
     /// Descriptors received since the last [`WorkerIo::hold_for`], and the fill depth
@@ -235,6 +235,8 @@ pub struct WorkerIo<'id> {
     /// reserve and every other port's idle floor, so that no interface starves the others
     /// of receive buffers.
     fill_target: usize,
+    /// Receive frames an idle port keeps (see `reshare`).
+    idle_fill: usize,
     /// See [`WorkerIo::set_fill_limit`].
     fill_limit: usize,
     frame_capacity: usize,
@@ -318,6 +320,7 @@ impl Sockets {
             scratch,
             reserve,
             fill_target,
+            idle_fill,
             fill_limit,
             frame_capacity,
             _brand,
@@ -337,6 +340,7 @@ impl Sockets {
             scratch,
             reserve,
             fill_target,
+            idle_fill,
             fill_limit,
             frame_capacity,
             _brand: PhantomData,
@@ -364,10 +368,13 @@ pub const BATCH: usize = 64;
 pub const KERNEL_TX_BUDGET: u32 = 32;
 /// Receive frames kept on the first port's fill ring (kxp's service device).
 const FIRST_PORT_FILL: usize = 256;
-/// Receive frames an idle port's fill ring keeps (every port but the first): a new
-/// connection's first packets; from its first round of traffic a port is given what it
-/// receives (`refill`). 250 idle pod veths hold 4,000 frames of the default 8,192.
+/// Receive frames an idle port's fill ring keeps (every port but the first), at least and
+/// at most: a burst of a new connection's first packets; from its first round of traffic
+/// a port is given what it receives (`refill`). The floor is half the UMEM's pool shared
+/// between the ports, within these: 64 with a few ports, 16 with 250 (which then hold
+/// 4,000 frames of the default 8,192).
 pub const IDLE_FILL: usize = 16;
+pub const IDLE_FILL_MAX: usize = BATCH;
 
 impl WorkerIo<'static> {
     /// See [`Sockets::open`] (the only caller: a `WorkerIo<'static>` never leaves
@@ -421,6 +428,7 @@ impl WorkerIo<'static> {
             frames_total,
             ring_size: cfg.ring_size as usize,
             fill_target: 0,
+            idle_fill: IDLE_FILL_MAX,
             fill_limit: usize::MAX,
             reserve,
             free: descs,
@@ -561,17 +569,20 @@ impl<'id> WorkerIo<'id> {
 
     /// The most a port's fill ring is given: the UMEM less the reserve, the first port's
     /// [`FIRST_PORT_FILL`] (kxp's own service device) and every other port's
-    /// [`IDLE_FILL`], within its ring. Each port's depth follows its traffic (`refill`):
-    /// an idle port (a pod's veth between connections) holds [`IDLE_FILL`] frames, a busy
+    /// floor, within its ring. Each port's depth follows its traffic (`refill`):
+    /// an idle port (a pod's veth between connections) holds its floor, a busy
     /// one what it receives, so frames go where the traffic is, however many ports there
     /// are, instead of an even share that starves a busy uplink beside a hundred idle
     /// pod veths.
     fn reshare(&mut self) {
-        let others = self.ports.len().saturating_sub(2);
+        let others = self.ports.len().saturating_sub(1);
         let pool = self
             .frames_total
-            .saturating_sub(self.reserve + FIRST_PORT_FILL + IDLE_FILL * others);
-        self.fill_target = pool.clamp(IDLE_FILL, self.ring_size);
+            .saturating_sub(self.reserve + FIRST_PORT_FILL);
+        self.idle_fill = (pool / (2 * others.max(1))).clamp(IDLE_FILL, IDLE_FILL_MAX);
+        self.fill_target = pool
+            .saturating_sub(self.idle_fill * others.saturating_sub(1))
+            .clamp(self.idle_fill, self.ring_size);
     }
 
     /// Bounds every port's fill ring (but the first's, kxp's service device) to `frames`
@@ -884,7 +895,12 @@ impl<'id> WorkerIo<'id> {
             // A port that received nothing, asks for nothing more and holds its idle
             // floor (a pod's idle veth) has nothing to refill: not looked at.
             let p = &self.ports[i];
-            if i > 0 && p.received == 0 && p.demand == 0 && p.hold == 0 && p.in_fill >= IDLE_FILL {
+            if i > 0
+                && p.received == 0
+                && p.demand == 0
+                && p.hold == 0
+                && p.in_fill >= self.idle_fill
+            {
                 continue;
             }
             self.refill(i);
@@ -924,7 +940,7 @@ impl<'id> WorkerIo<'id> {
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            (IDLE_FILL + p.demand)
+            (self.idle_fill + p.demand)
                 .max(p.hold)
                 .min(cap)
                 .min(self.fill_limit)
@@ -1090,7 +1106,7 @@ mod tests {
         });
         assert_eq!(held, (800, 800));
         assert_eq!(limited, (800, 300), "the fill limit holds");
-        assert_eq!(idle, (0, IDLE_FILL), "an idle port keeps its floor");
+        assert_eq!(idle, (0, IDLE_FILL_MAX), "an idle port keeps its floor");
     }
 
     /// In copy mode one sendto() sends a whole batch (the TX budget is the ring, not the

@@ -358,6 +358,33 @@ impl Lab {
             &mut kxp,
         )
         .unwrap();
+        // A node carries traffic straight to its pods beside the Services': the client
+        // reaches web-1 directly (TCP and UDP) in every topology, before the test's own
+        // traffic through the Services.
+        let direct = spawn_in(&client, || {
+            let web1 = |port: u16| SocketAddr::new(WEB[0].parse().unwrap(), port);
+            let tcp = http_get(web1(8080), Duration::from_secs(3));
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s.send_to(b"?", web1(9000)).unwrap();
+            let mut buf = [0u8; 64];
+            let udp = s
+                .recv_from(&mut buf)
+                .map(|(n, from)| (String::from_utf8_lossy(&buf[..n]).into_owned(), from));
+            (tcp, udp)
+        })
+        .join()
+        .unwrap()
+        .unwrap();
+        assert!(
+            direct.0.as_ref().is_ok_and(|b| b.starts_with("web-1"))
+                && direct
+                    .1
+                    .as_ref()
+                    .is_ok_and(|(b, from)| b == "web-1" && from.ip().to_string() == WEB[0]),
+            "the client reaches web-1 directly: {direct:?}\n{}",
+            kxp.log_text()
+        );
         Lab {
             kxp: Some(kxp),
             api,
