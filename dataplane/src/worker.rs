@@ -118,14 +118,6 @@ pub struct EndpointTotals {
 /// Endpoints whose gone flows' totals a worker remembers before it forgets those no
 /// longer in any Service.
 const RETIRED_MAX: usize = 65_536;
-/// Rounds without a packet after which a port is quiet (looked at every [`QUIET_EVERY`]
-/// rounds), and that period: the first packet on a quiet port waits at most that many
-/// rounds (microseconds; a few tens of µs at saturation).
-const QUIET_ROUNDS: u32 = 256;
-const QUIET_EVERY: u64 = 4;
-/// Quiet ports are skipped only from this many ports (a node with pods' veths): with a
-/// few, every port is looked at every round.
-const QUIET_FROM_PORTS: usize = 16;
 
 /// The expiry clock hand goes over a worker's whole table once a second, however fast
 /// the loop turns, and at most `EXPIRE_MAX_PER_ROUND` slots in one poll round.
@@ -538,10 +530,6 @@ impl<'id> Worker<'id> {
         // The previous round ended in a sleep (no traffic): the gap to this one is not a
         // stall.
         let mut slept = true;
-        // Rounds since each port last received: a quiet port (a pod's idle veth) is
-        // looked at every QUIET_EVERY rounds only, and on the round after a sleep, so that
-        // a hundred idle ports do not cost every round a ring read and a port's lines each.
-        let mut quiet: Vec<u32> = vec![0; self.io.port_count()];
         while !self.shared.stop.load(Ordering::Relaxed) {
             let snap = self.shared.snapshot.load();
             if snap.generation != generation {
@@ -576,7 +564,6 @@ impl<'id> Worker<'id> {
                     .stalls
                     .note(now.saturating_sub(prev_start), parts);
             }
-            let woke = slept;
             slept = false;
             if prev_work > 0 {
                 busy_ns += now.saturating_sub(prev_start);
@@ -605,7 +592,6 @@ impl<'id> Worker<'id> {
                 self.port_names = (0..self.io.port_count())
                     .map(|p| self.io.ifname(p).to_string())
                     .collect();
-                quiet = vec![0; self.io.port_count()];
             }
             for _ in 0..256 {
                 let Some(h) = self.shared.inbox[self.id].pop() else {
@@ -635,19 +621,9 @@ impl<'id> Worker<'id> {
             if self.busy_poll {
                 self.io.busy_poll_kick();
             }
-            let look_at_quiet = woke
-                || iterations.is_multiple_of(QUIET_EVERY)
-                || self.io.port_count() < QUIET_FROM_PORTS;
             for port in 0..self.io.port_count() {
-                let rounds = quiet.get(port).copied().unwrap_or(0);
-                if rounds >= QUIET_ROUNDS && !look_at_quiet {
-                    continue;
-                }
                 batch.clear();
                 let n = self.io.recv(port, &mut batch);
-                if let Some(q) = quiet.get_mut(port) {
-                    *q = if n == 0 { q.saturating_add(1) } else { 0 };
-                }
                 work += n;
                 if n > 1 {
                     self.prefetch_frames(&mut batch);
