@@ -350,7 +350,8 @@ fn answer(
                         .collect();
                     json!({
                         "worker": i,
-                        "rx_packets": g(&w.rx_packets),
+                        // Acquire, before the verdicts (see `Worker::publish`).
+                        "rx_packets": w.rx_packets.load(Ordering::Acquire),
                         "tx_packets": g(&w.tx_packets),
                         "forwarded": g(&w.forwarded),
                         "new_flows": g(&w.new_flows),

@@ -726,8 +726,18 @@ impl<'id> Worker<'id> {
     fn publish(&self, iterations: u64, busy: u64, generation: u64) {
         let s = &self.shared.stats[self.id];
         let l = self.local;
+        // The verdicts first, the packets received last (Release, paired with the
+        // Acquire load of `rx_packets` in a reader that reads it before the verdicts):
+        // a reader that sees a round's packets sees their verdicts too.
+        let c = &self.engine.counters;
+        s.forwarded.store(c.forwarded, Ordering::Relaxed);
+        s.forwarded_bytes
+            .store(c.forwarded_bytes, Ordering::Relaxed);
+        s.new_flows.store(c.new_flows, Ordering::Relaxed);
+        s.rejected.store(c.rejected, Ordering::Relaxed);
+        s.passed.store(c.passed, Ordering::Relaxed);
+        s.dropped.store(c.dropped(), Ordering::Relaxed);
         for (a, v) in [
-            (&s.rx_packets, l.rx_packets),
             (&s.rx_bytes, l.rx_bytes),
             (&s.tx_packets, l.tx_packets),
             (&s.handoffs_out, l.handoffs_out),
@@ -743,14 +753,7 @@ impl<'id> Worker<'id> {
         ] {
             a.store(v, Ordering::Relaxed);
         }
-        let c = &self.engine.counters;
-        s.forwarded.store(c.forwarded, Ordering::Relaxed);
-        s.forwarded_bytes
-            .store(c.forwarded_bytes, Ordering::Relaxed);
-        s.new_flows.store(c.new_flows, Ordering::Relaxed);
-        s.rejected.store(c.rejected, Ordering::Relaxed);
-        s.passed.store(c.passed, Ordering::Relaxed);
-        s.dropped.store(c.dropped(), Ordering::Relaxed);
+        s.rx_packets.store(l.rx_packets, Ordering::Release);
         s.conntrack_entries
             .store(self.engine.table.len() as u64, Ordering::Relaxed);
         let st = self.engine.table.stats();
