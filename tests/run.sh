@@ -22,6 +22,14 @@ status=${PIPESTATUS[0]}
 passed=$(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')
 failed=$(grep -Eo '[0-9]+ failed;' "$log" | awk '{s += $1} END {print s + 0}')
 set -e
+[ "$status" -eq 0 ] || { echo "tests: ${passed} passed, ${failed} failed"; exit "$status"; }
+echo "== cargo test: the tests run alone (ignored in the parallel run)"
+set +e
+cargo test -p kxp-tests --test dataplane_e2e -- --ignored --test-threads=1 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+passed=$((passed + $(grep -Eo '^test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')))
+failed=$((failed + $(grep -Eo '[0-9]+ failed;' "$log" | awk '{s += $1} END {print s + 0}')))
+set -e
 echo "tests: ${passed} passed, ${failed} failed"
 [ "$status" -eq 0 ] || exit "$status"
 echo "== fuzzing: every target for ${FUZZ_SECONDS:-60}s (fuzz/run)"

@@ -3859,6 +3859,8 @@ fn memory_only_state_leaves_nothing_behind_at_exit() {
 }
 
 #[test]
+#[ignore = "run alone by tests/run.sh: among 43 parallel tests on 2 CPUs, 2-4 of its 300 \
+            connections timed out in 2 of 5 CI runs (issue 32 note)"]
 fn a_busy_uplink_beside_250_idle_pod_veths_on_one_worker_loses_nothing() {
     // A node with 250 pods (more than a kubelet's 110) and one worker: the pods' veths
     // sit idle while the uplink carries Service traffic. Their receive frames come from
