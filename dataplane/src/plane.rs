@@ -548,6 +548,9 @@ fn matching_links(patterns: &[String]) -> Vec<(String, usize)> {
         .collect()
 }
 
+/// The most receive queues of one interface kxp serves (its XSKMAP's size).
+const MAX_QUEUES: usize = crate::xdp::MAX_QUEUES as usize;
+
 fn rx_queues(ifname: &str) -> Option<usize> {
     let dir = std::fs::read_dir(format!("/sys/class/net/{ifname}/queues")).ok()?;
     Some(
@@ -1168,7 +1171,9 @@ impl LinkCtl {
                 .filter_map(|s| {
                     let name = s.ifname()?.to_string();
                     let had = *prog.queues.get(&s.ifindex())?;
-                    let now = rx_queues(&name)?.max(1);
+                    // As `attach` counts them (within what the XSKMAP holds), or an
+                    // interface with more would be attached again every second.
+                    let now = rx_queues(&name)?.clamp(1, MAX_QUEUES);
                     (now != had).then_some((s.ifindex(), name, had, now))
                 })
                 .collect();
@@ -1241,7 +1246,6 @@ impl LinkCtl {
         prog: &mut Programming,
         link: &LinkInfo,
     ) -> Result<(usize, &'static str, u32), DataplaneError> {
-        const MAX_QUEUES: usize = crate::xdp::MAX_QUEUES as usize;
         let queues = rx_queues(&link.name).unwrap_or(1).max(1);
         if queues > MAX_QUEUES {
             tracing::warn!(
