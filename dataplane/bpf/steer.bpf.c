@@ -33,7 +33,12 @@
  * a small trie) is not; every other packet pays the compare only. A ClusterIP's
  * packets then count under (e).
  * If no socket sits on the queue, bpf_redirect_map falls back to XDP_PASS
- * (fail-open), or the packet is dropped with CFG_HOLD (kxp restarting, see below).
+ * (fail-open), or the packet is dropped with IF_HOLD (kxp restarting, see below).
+ * One loaded program serves every interface kxp attaches to: the maps are shared, and
+ * what differs per interface is in ifaces[ingress ifindex] -- its slot (its sockets are
+ * xsks[slot * MAX_QUEUES + queue], its counters stats[slot * ST_MAX + ...]) and its
+ * flags (service device, hold). An interface with no entry uses ifaces[0] if there is
+ * one (a program run by BPF_PROG_TEST_RUN), else slot 0: counted, no socket.
  * Userspace (dataplane::xdp) mirrors every layout below.
  */
 #include <linux/bpf.h>
@@ -93,18 +98,26 @@ struct steer_config {
 #define COVER4_EXACT 1
 #define COVER6_EXACT 2
 #define CFG_STEER_VLAN (1u << 0) /* look inside one 802.1Q/802.1ad tag */
+
+/* ifaces[ifindex]: the interface's slot and IF_* flags (host byte order). */
+struct iface {
+	__u32 slot;
+	__u32 flags;
+};
+#define MAX_QUEUES 256 /* receive queues per interface with a socket slot */
+#define MAX_SLOTS 1024 /* interfaces one program serves (slot 0: none) */
 /* kxp's service device: everything on it was routed there by the node for kxp; what
  * kxp does not take (no rule matched, or no socket) is dropped, never handed back to
  * the kernel, which would route it into the device again -- unless it is for a node
  * address, which the kernel delivers. */
-#define CFG_SERVICE_DEVICE (1u << 1)
+#define IF_SERVICE_DEVICE (1u << 1)
 /* Hold: a packet kxp must translate is dropped, not passed, when no socket sits on its
  * queue (kxp restarting: the peer retransmits and the new process translates it, instead
  * of the kernel answering an endpoint's segment with a RST) -- for the queues kxp
  * serves, the first (flags >> 16) of them; on the others the kernel's path (through
  * the service device) stays the fallback. */
-#define CFG_HOLD (1u << 2)
-#define CFG_HOLD_QUEUES(f) ((f) >> 16)
+#define IF_HOLD (1u << 2)
+#define IF_HOLD_QUEUES(f) ((f) >> 16)
 
 /* The kernel's conntrack, looked up from XDP (net/netfilter/nf_conntrack_bpf.c, 6.0+).
  * Weak: on a kernel without them the program loads all the same and does not ask. */
@@ -144,7 +157,7 @@ enum {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_XSKMAP);
-	__uint(max_entries, 256);
+	__uint(max_entries, MAX_SLOTS * MAX_QUEUES);
 	__type(key, __u32);
 	__type(value, __u32);
 } xsks SEC(".maps");
@@ -197,10 +210,17 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, ST_MAX);
+	__uint(max_entries, MAX_SLOTS * ST_MAX);
 	__type(key, __u32);
 	__type(value, __u64);
 } stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32);
+	__type(value, struct iface);
+} ifaces SEC(".maps");
 
 /* A datagram whose first fragment was left to the kernel (its flow is the kernel's):
  * addresses as in addr_key, IPv4's 16-bit or IPv6's 32-bit identification, protocol. */
@@ -249,9 +269,10 @@ struct tuple {
 	__u8 frag; /* a fragment (first or later) */
 };
 
-static __always_inline void count(__u32 idx)
+static __always_inline void count(__u32 base, __u32 idx)
 {
-	__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+	__u32 at = base + idx;
+	__u64 *v = bpf_map_lookup_elem(&stats, &at);
 
 	if (v)
 		*v += 1;
@@ -442,12 +463,12 @@ static __always_inline void frag_key_of(struct frag_key *k, const struct tuple *
 /* Whether a reply rule's match is the kernel's flow instead (see the top): a first
  * fragment's datagram is then remembered for its later fragments. */
 static __always_inline int leave_to_kernel(struct xdp_md *ctx, const struct tuple *t, int v6,
-					   const struct steer_config *cfg)
+					   __u32 iflags)
 {
 	struct frag_key k = {};
 	__u8 one = 1;
 
-	if (cfg && (cfg->flags & CFG_SERVICE_DEVICE))
+	if (iflags & IF_SERVICE_DEVICE)
 		return 0;
 	if (!kernel_tracks(ctx, t, v6))
 		return 0;
@@ -460,7 +481,7 @@ static __always_inline int leave_to_kernel(struct xdp_md *ctx, const struct tupl
 
 /* Rules (a)-(c) and (e); returns the stats index of the rule, or 0. */
 static __always_inline __u32 match_flow(struct xdp_md *ctx, struct tuple *t,
-					const struct steer_config *cfg, int v6)
+					const struct steer_config *cfg, __u32 iflags, int v6)
 {
 	struct lpm_key cidr = { .prefixlen = 128 };
 	int dst_local;
@@ -476,9 +497,9 @@ static __always_inline __u32 match_flow(struct xdp_md *ctx, struct tuple *t,
 		return ST_FRONTEND;
 	dst_local = bpf_map_lookup_elem(&local_addrs, t->dst.addr) != NULL;
 	if (dst_local && in_snat_range(cfg, t->dst.port))
-		return leave_to_kernel(ctx, t, v6, cfg) ? ST_KERNEL_FLOW : ST_MASQ_REPLY;
+		return leave_to_kernel(ctx, t, v6, iflags) ? ST_KERNEL_FLOW : ST_MASQ_REPLY;
 	if (!dst_local && bpf_map_lookup_elem(&endpoints, &t->src))
-		return leave_to_kernel(ctx, t, v6, cfg) ? ST_KERNEL_FLOW : ST_DNAT_REPLY;
+		return leave_to_kernel(ctx, t, v6, iflags) ? ST_KERNEL_FLOW : ST_DNAT_REPLY;
 	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
 		return ST_CLUSTER_IP;
 	return 0;
@@ -511,7 +532,7 @@ static __always_inline __u32 match_fragment(struct tuple *t)
 /* Rule (d): an ICMP error whose quoted packet (IP header + 8 bytes) is of a
  * masqueraded flow, a DNAT-only flow, or a reply kxp sent from a frontend. */
 static __always_inline __u32 match_icmp(struct xdp_md *ctx, void *l4, void *end, int v6,
-					const struct steer_config *cfg)
+					const struct steer_config *cfg, __u32 iflags)
 {
 	__u8 *icmp = l4;
 	struct tuple in = {};
@@ -536,7 +557,7 @@ static __always_inline __u32 match_icmp(struct xdp_md *ctx, void *l4, void *end,
 	in.frag = 0;
 	if ((bpf_map_lookup_elem(&local_addrs, in.src.addr) && in_snat_range(cfg, in.src.port)) ||
 	    bpf_map_lookup_elem(&endpoints, &in.dst))
-		return leave_to_kernel(ctx, &in, v6, cfg) ? ST_KERNEL_FLOW : ST_ICMP_ERROR;
+		return leave_to_kernel(ctx, &in, v6, iflags) ? ST_KERNEL_FLOW : ST_ICMP_ERROR;
 	if (bpf_map_lookup_elem(&frontends, &in.src))
 		return ST_ICMP_ERROR;
 	return 0;
@@ -552,14 +573,24 @@ int kxp_steer(struct xdp_md *ctx)
 	void *end = (void *)(long)ctx->data_end;
 	struct ethhdr *eth = data;
 	const struct steer_config *cfg;
+	const struct iface *ifc;
 	struct tuple t = {};
-	__u32 zero = 0, reason;
+	__u32 zero = 0, reason, base = 0, iflags = 0, ifindex = ctx->ingress_ifindex;
 	__be16 h_proto;
 	void *l3, *l4;
 	int v6, later = 0;
 	long act;
 
-	count(ST_SEEN);
+	ifc = bpf_map_lookup_elem(&ifaces, &ifindex);
+	if (!ifc)
+		ifc = bpf_map_lookup_elem(&ifaces, &zero);
+	if (ifc && ifc->slot < MAX_SLOTS) {
+		base = ifc->slot * ST_MAX;
+		iflags = ifc->flags;
+	} else {
+		ifc = 0;
+	}
+	count(base, ST_SEEN);
 	cfg = bpf_map_lookup_elem(&config, &zero);
 	if ((void *)(eth + 1) > end)
 		goto pass;
@@ -569,7 +600,7 @@ int kxp_steer(struct xdp_md *ctx)
 		struct vlan_hdr *vh = l3;
 
 		if (!cfg || !(cfg->flags & CFG_STEER_VLAN) || (void *)(vh + 1) > end) {
-			count(ST_VLAN);
+			count(base, ST_VLAN);
 			goto pass;
 		}
 		h_proto = vh->encap_proto;
@@ -586,7 +617,7 @@ int kxp_steer(struct xdp_md *ctx)
 		goto pass; /* ARP, LLDP, ... */
 	}
 	if (!l4) {
-		count(ST_UNPARSED);
+		count(base, ST_UNPARSED);
 		goto pass;
 	}
 
@@ -598,20 +629,20 @@ int kxp_steer(struct xdp_md *ctx)
 		reason = match_fragment(&t);
 	} else if (is_translated_proto(t.src.proto)) {
 		if (parse_ports(l4, end, &t)) {
-			count(ST_UNPARSED);
+			count(base, ST_UNPARSED);
 			goto pass;
 		}
-		reason = match_flow(ctx, &t, cfg, v6);
+		reason = match_flow(ctx, &t, cfg, iflags, v6);
 	} else if ((!v6 && t.src.proto == IPPROTO_ICMP) ||
 		   (v6 && t.src.proto == IPPROTO_ICMPV6_)) {
-		reason = match_icmp(ctx, l4, end, v6, cfg);
+		reason = match_icmp(ctx, l4, end, v6, cfg, iflags);
 	} else {
 		goto pass;
 	}
 	if (!reason)
 		goto pass;
 	if (reason == ST_KERNEL_FLOW) {
-		count(reason);
+		count(base, reason);
 		goto pass;
 	}
 	if (t.frag && !later) {
@@ -623,24 +654,26 @@ int kxp_steer(struct xdp_md *ctx)
 		bpf_map_update_elem(&kxp_frags, &k, &one, BPF_ANY);
 	}
 
-	count(reason);
-	act = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
+	count(base, reason);
+	act = XDP_PASS;
+	if (ifc && ctx->rx_queue_index < MAX_QUEUES)
+		act = bpf_redirect_map(&xsks, ifc->slot * MAX_QUEUES + ctx->rx_queue_index,
+				       XDP_PASS);
 	if (act == XDP_REDIRECT) {
-		count(ST_REDIRECTED);
+		count(base, ST_REDIRECTED);
 		return XDP_REDIRECT;
 	}
-	count(ST_NO_SOCKET);
-	if (cfg && (cfg->flags & CFG_HOLD) &&
-	    ctx->rx_queue_index < CFG_HOLD_QUEUES(cfg->flags))
+	count(base, ST_NO_SOCKET);
+	if ((iflags & IF_HOLD) && ctx->rx_queue_index < IF_HOLD_QUEUES(iflags))
 		return XDP_DROP;
 pass:
 	/* On the service device only a packet for a node address goes to the kernel (the
 	 * node's own connection to a port of its own that is no NodePort: delivered
 	 * locally); the rest would be routed back into the device. */
-	if (cfg && (cfg->flags & CFG_SERVICE_DEVICE) &&
+	if ((iflags & IF_SERVICE_DEVICE) &&
 	    !bpf_map_lookup_elem(&local_addrs, t.dst.addr))
 		return XDP_DROP;
-	count(ST_PASSED);
+	count(base, ST_PASSED);
 	return XDP_PASS;
 }
 

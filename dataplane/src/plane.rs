@@ -656,8 +656,16 @@ impl Dataplane {
 
         // The node's own traffic: a program on the service device's kxp side, and
         // routes of the Service addresses into its host side (see crate::servicedev).
+        // The steering program is loaded (and verified) once, here: every interface
+        // attached later shares it and its maps (see crate::xdp).
+        let loading = Instant::now();
         let mut service_prog = Steering::load()?;
-        service_prog.prepare_for(&service.dp, service.dp_ifindex);
+        tracing::info!(
+            took_ms = loading.elapsed().as_millis() as u64,
+            prog_id = service_prog.prog_id(),
+            "steering program loaded"
+        );
+        service_prog.prepare_for(&service.dp, service.dp_ifindex)?;
         service_prog.set_snat_range(lo, hi)?;
         service_prog.set_service_device()?;
         if keep {
@@ -1273,13 +1281,20 @@ impl LinkCtl {
                 self.frame_mtu
             );
         }
-        let mut s = Steering::load()?;
-        s.prepare_for(&link.name, link.ifindex);
-        s.set_snat_range(self.snat.0, self.snat.1)?;
+        // The service device's program, shared: its maps already hold what is wanted.
+        let mut s = match &prog.service {
+            Some(root) => root.share()?,
+            None => {
+                let mut s = Steering::load()?;
+                s.set_snat_range(self.snat.0, self.snat.1)?;
+                prog.fill(&mut s)?;
+                s
+            }
+        };
+        s.prepare_for(&link.name, link.ifindex)?;
         if self.keep {
             s.set_hold(queues as u32)?;
         }
-        prog.fill(&mut s)?;
         let mut opened = Vec::new();
         let mut zero_copy = Vec::new();
         let mut tx_budget = u32::MAX;
@@ -1419,7 +1434,14 @@ impl Programming {
                 first_err.get_or_insert(e);
             }
         };
-        for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
+        // Every handle of one program shares its maps: written once, through the first.
+        let mut programs: Vec<&mut Steering> = Vec::new();
+        for s in self.service.iter_mut().chain(self.steering.iter_mut()) {
+            if !programs.iter().any(|p| p.prog_id() == s.prog_id()) {
+                programs.push(s);
+            }
+        }
+        for s in programs.iter_mut() {
             note(s.sync_local_addrs(&local));
             note(s.sync_service_cidrs(&service_cidrs));
         }
@@ -1435,7 +1457,7 @@ impl Programming {
             let frontends: HashSet<SteerKey> = self.wanted.frontends.keys().copied().collect();
             let endpoints: HashSet<SteerKey> = self.wanted.endpoints.keys().copied().collect();
             let cluster_ips: HashSet<IpAddr> = self.wanted.cluster_ips.keys().copied().collect();
-            for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
+            for s in programs.iter_mut() {
                 note(s.sync_frontends(&frontends));
                 note(s.sync_endpoints(&endpoints));
                 note(s.sync_cluster_ips(&cluster_ips));
@@ -1463,7 +1485,7 @@ impl Programming {
             let (ca, cr) = self.wanted.cluster_ips.changes();
             let _ = self.wanted.routed.changes();
             let _ = self.wanted.node_ports.changes();
-            for s in self.steering.iter_mut().chain(self.service.iter_mut()) {
+            for s in programs.iter_mut() {
                 note(s.change_frontends(&fa, &fr));
                 note(s.change_endpoints(&ea, &er));
                 note(s.change_cluster_ips(&ca, &cr));

@@ -30,10 +30,15 @@
 //! 183-202).
 //!
 //! It is fail-open: with no socket in `xsks` for the queue (kxp starting, restarting or
-//! gone), matching packets go to the kernel too. Each [`Steering`] is its own program
-//! instance with its own maps, so several interfaces with the same queue numbers work;
-//! the control plane feeds each one the same sets through the incremental `sync_*`
-//! methods (only the difference reaches the kernel).
+//! gone), matching packets go to the kernel too. The program is loaded (and verified)
+//! once: [`Steering::load`] makes the first handle, [`Steering::share`] one more for
+//! another interface, with the same program and maps. What differs per interface is in
+//! the `ifaces` map, keyed by interface index: its slot, which holds its sockets
+//! (`xsks[slot * MAX_QUEUES + queue]`) and counters, and its flags (service device,
+//! hold). So attaching one more interface costs a netlink call and its sockets, not a
+//! program load (120 ms with the verifier), and the control plane writes a Service
+//! change once, through any handle, with the incremental `sync_*` methods (only the
+//! difference reaches the kernel).
 //!
 //! [`AttachMode::Link`] (the default) attaches through a bpf_link, which the kernel
 //! removes when its fd closes, so a crashed kxp leaves nothing behind. The netlink modes
@@ -61,6 +66,7 @@ use std::fmt;
 use std::io;
 use std::net::IpAddr;
 use std::os::fd::{AsFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
 
 use ipnet::IpNet;
 use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, Object, Program};
@@ -75,8 +81,11 @@ use sync::SyncedMap;
 
 /// The program's name in the kernel (`bpftool prog`, [`cleanup_interface`]).
 pub const PROG_NAME: &str = "kxp_steer";
-/// Receive queues per interface the program can redirect (`xsks` entries).
+/// Receive queues per interface the program can redirect (`xsks` entries per slot).
 pub const MAX_QUEUES: u32 = 256;
+/// Interface slots of one loaded program (slot 0 is for packets of no interface of
+/// kxp's): at most `MAX_SLOTS - 1` interfaces attached at once.
+pub const MAX_SLOTS: u32 = 1024;
 /// Capacity of `frontends`.
 pub const MAX_FRONTENDS: usize = 262_144;
 /// Capacity of `endpoints`.
@@ -96,10 +105,11 @@ pub const XDP_REDIRECT: u32 = 4;
 /// `config.flags` bit: look inside one 802.1Q / 802.1ad tag (off by default: the
 /// workers must then handle tagged frames).
 const CFG_STEER_VLAN: u32 = 1;
-/// `config.flags` bit: this is kxp's service device; drop instead of passing.
-const CFG_SERVICE_DEVICE: u32 = 2;
-/// `config.flags` bit: drop, do not pass, a matching packet with no socket on its queue.
-const CFG_HOLD: u32 = 4;
+/// `ifaces[..].flags` bit: this is kxp's service device; drop instead of passing.
+const IF_SERVICE_DEVICE: u32 = 2;
+/// `ifaces[..].flags` bit: drop, do not pass, a matching packet with no socket on its
+/// queue (the first `flags >> 16` queues).
+const IF_HOLD: u32 = 4;
 /// Size of `struct steer_config`.
 const CONFIG_LEN: usize = 32;
 /// `config.cover4_len` / `cover6_len`: the family has no Service CIDR.
@@ -149,24 +159,22 @@ struct Attachment {
     link: Option<OwnedFd>,
 }
 
-/// One loaded instance of the steering program (its own maps), attached to at most one
-/// interface. Detaches on drop (best effort; see [`Steering::detach`] for errors).
-///
-/// Interface names resolve, and netlink attach/detach happen, in the network namespace of
-/// the calling thread: attach and detach (or drop) a netlink-mode instance from the same
-/// namespace. (A detach from elsewhere removes nothing: it only ever removes this very
-/// program.) Map updates work from any thread.
-pub struct Steering {
-    prog: OwnedFd,
-    prog_id: u32,
-    attachment: Option<Attachment>,
-    /// The interface an instance not attached yet is being filled for (name, index).
-    intended: Option<(String, u32)>,
-    /// Not detached on drop (see [`Steering::keep_attached`]).
-    keep: bool,
+/// The loaded program and its maps, shared by the [`Steering`] handles of every
+/// interface.
+struct SharedProgram {
+    fd: OwnedFd,
+    id: u32,
     xsks: MapHandle,
     config: MapHandle,
     stats: MapHandle,
+    ifaces: MapHandle,
+    sets: Mutex<Sets>,
+    /// Slots in use (slot 0 never handed out).
+    slots: Mutex<Vec<bool>>,
+}
+
+/// The key sets the control plane mirrors into the shared maps.
+struct Sets {
     frontends: SyncedMap<SteerKey>,
     endpoints: SyncedMap<SteerKey>,
     local_addrs: SyncedMap<IpAddr>,
@@ -174,10 +182,35 @@ pub struct Steering {
     service_cidrs: SyncedMap<IpNet>,
 }
 
+/// The steering program as seen from one interface: the shared program and maps, this
+/// interface's slot and flags, and its attachment (at most one interface). Detaches on
+/// drop (best effort; see [`Steering::detach`] for errors).
+///
+/// Interface names resolve, and netlink attach/detach happen, in the network namespace of
+/// the calling thread: attach and detach (or drop) a netlink-mode instance from the same
+/// namespace. (A detach from elsewhere removes nothing: it only ever removes this very
+/// program.) Map updates work from any thread.
+pub struct Steering {
+    program: Arc<SharedProgram>,
+    /// This interface's slot (sockets, counters).
+    slot: u32,
+    /// This interface's `IF_*` flags.
+    flags: u32,
+    /// The `ifaces` key this handle's entry is written under: its interface's index, or
+    /// 0 for the first handle before it has one (BPF_PROG_TEST_RUN runs find it there).
+    key: Option<u32>,
+    attachment: Option<Attachment>,
+    /// The interface an instance not attached yet is being filled for (name, index).
+    intended: Option<(String, u32)>,
+    /// Not detached on drop (see [`Steering::keep_attached`]).
+    keep: bool,
+}
+
 impl fmt::Debug for Steering {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Steering")
-            .field("prog_id", &self.prog_id)
+            .field("prog_id", &self.program.id)
+            .field("slot", &self.slot)
             .field("attachment", &self.attachment)
             .finish_non_exhaustive()
     }
@@ -185,10 +218,11 @@ impl fmt::Debug for Steering {
 
 struct Loaded {
     prog: OwnedFd,
-    maps: [MapHandle; 8],
+    maps: [MapHandle; 9],
 }
 
-const MAP_NAMES: [&str; 8] = [
+const MAP_NAMES: [&str; 9] = [
+    "ifaces",
     "xsks",
     "config",
     "stats",
@@ -224,14 +258,16 @@ fn take_parts(obj: &Object) -> Result<Loaded, XdpError> {
             source,
         })
     };
-    let [a, b, c, d, e, f, g, h] = MAP_NAMES.map(dup);
-    let maps = [a?, b?, c?, d?, e?, f?, g?, h?];
+    let [a, b, c, d, e, f, g, h, i] = MAP_NAMES.map(dup);
+    let maps = [a?, b?, c?, d?, e?, f?, g?, h?, i?];
     Ok(Loaded { prog, maps })
 }
 
 impl Steering {
-    /// Loads a fresh instance of the program (new, empty maps) without attaching it:
-    /// for tests and for checking that the kernel accepts it.
+    /// Loads the program (new, empty maps) and returns its first handle, not attached to
+    /// any interface yet; [`Steering::share`] makes more. Until it is prepared for or
+    /// attached to an interface, the handle's entry is `ifaces[0]`, which the program
+    /// uses for packets of an interface it has no entry for (BPF_PROG_TEST_RUN's).
     ///
     /// # Errors
     /// [`XdpError::NeedsPrivileges`] without root, [`XdpError::Verifier`] (with the tail
@@ -256,6 +292,7 @@ impl Steering {
         let prog_id = Program::id_from_fd(loaded.prog.as_fd())
             .map_err(|source| XdpError::ProgInfo { source })?;
         let [
+            ifaces,
             xsks,
             config,
             stats,
@@ -265,21 +302,109 @@ impl Steering {
             cluster_ips,
             service_cidrs,
         ] = loaded.maps;
-        Ok(Steering {
-            prog: loaded.prog,
-            prog_id,
-            attachment: None,
-            intended: None,
-            keep: false,
+        let mut slots = vec![false; MAX_SLOTS as usize];
+        slots[0] = true;
+        let program = Arc::new(SharedProgram {
+            fd: loaded.prog,
+            id: prog_id,
             xsks,
             config,
             stats,
-            frontends: SyncedMap::new(frontends, "frontends"),
-            endpoints: SyncedMap::new(endpoints, "endpoints"),
-            local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
-            cluster_ips: SyncedMap::new(cluster_ips, "cluster_ips"),
-            service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
+            ifaces,
+            sets: Mutex::new(Sets {
+                frontends: SyncedMap::new(frontends, "frontends"),
+                endpoints: SyncedMap::new(endpoints, "endpoints"),
+                local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
+                cluster_ips: SyncedMap::new(cluster_ips, "cluster_ips"),
+                service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
+            }),
+            slots: Mutex::new(slots),
+        });
+        let mut s = Steering::with_slot(program)?;
+        s.register(0)?;
+        Ok(s)
+    }
+
+    /// One more handle on this handle's program, for another interface: the same maps
+    /// (Services, endpoints, node addresses, configuration), its own slot, flags and
+    /// attachment. Costs no program load.
+    ///
+    /// # Errors
+    /// [`XdpError::TooManyInterfaces`] when every slot is taken.
+    pub fn share(&self) -> Result<Steering, XdpError> {
+        Steering::with_slot(self.program.clone())
+    }
+
+    fn with_slot(program: Arc<SharedProgram>) -> Result<Steering, XdpError> {
+        let slot = {
+            let mut slots = program.slots.lock().unwrap_or_else(|p| p.into_inner());
+            let free = slots
+                .iter()
+                .position(|used| !used)
+                .ok_or(XdpError::TooManyInterfaces {
+                    capacity: MAX_SLOTS - 1,
+                })?;
+            slots[free] = true;
+            free as u32
+        };
+        Ok(Steering {
+            program,
+            slot,
+            flags: 0,
+            key: None,
+            attachment: None,
+            intended: None,
+            keep: false,
         })
+    }
+
+    /// Writes this handle's entry (slot, flags) under `ifindex` in `ifaces`, and removes
+    /// the one it had under another key.
+    fn register(&mut self, ifindex: u32) -> Result<(), XdpError> {
+        let mut value = [0u8; 8];
+        value[..4].copy_from_slice(&self.slot.to_ne_bytes());
+        value[4..].copy_from_slice(&self.flags.to_ne_bytes());
+        self.program
+            .ifaces
+            .update(&ifindex.to_ne_bytes(), &value, MapFlags::ANY)
+            .map_err(|source| XdpError::Map {
+                map: "ifaces",
+                op: "update",
+                key: Some(format!("interface {ifindex}")),
+                source,
+            })?;
+        if let Some(old) = self.key.replace(ifindex)
+            && old != ifindex
+        {
+            self.unregister(old);
+        }
+        Ok(())
+    }
+
+    /// Removes the entry under `key` if it is still this handle's.
+    fn unregister(&self, key: u32) {
+        let k = key.to_ne_bytes();
+        let ours = matches!(
+            self.program.ifaces.lookup(&k, MapFlags::ANY),
+            Ok(Some(v)) if v.get(..4) == Some(&self.slot.to_ne_bytes()[..])
+        );
+        if ours {
+            let _ = self.program.ifaces.delete(&k);
+        }
+    }
+
+    /// Rewrites this handle's entry after a flag changed (nothing before it has one).
+    fn update_flags(&mut self, flags: u32) -> Result<(), XdpError> {
+        self.flags = flags;
+        match self.key {
+            Some(k) => self.register(k),
+            None => Ok(()),
+        }
+    }
+
+    /// The shared key sets (tests read the maps behind them).
+    fn sets(&self) -> std::sync::MutexGuard<'_, Sets> {
+        self.program.sets.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Loads a fresh instance and attaches it to `ifname` (in the calling thread's network
@@ -309,7 +434,9 @@ impl Steering {
         replace: bool,
     ) -> Result<(), XdpError> {
         let ifindex = resolve_ifindex(ifname)?;
-        let prog = self.prog.as_fd();
+        self.register(ifindex)?;
+        let program = self.program.clone();
+        let prog = program.fd.as_fd();
         let attach_err = |source: io::Error| XdpError::Attach {
             ifname: ifname.to_owned(),
             mode,
@@ -360,7 +487,7 @@ impl Steering {
         // CAP_SYS_ADMIN (see `pins`).
         if replace
             && netlink_mode
-            && let Err(e) = pins::pin(ifindex, self.prog.as_fd())
+            && let Err(e) = pins::pin(ifindex, self.program.fd.as_fd())
         {
             crate::warn_limited!(
                 "xdp-pin",
@@ -411,10 +538,15 @@ impl Steering {
         }
     }
 
-    /// Names the interface this unattached instance is filled for, before
-    /// [`Steering::attach`] (which then takes it over).
-    pub fn prepare_for(&mut self, ifname: &str, ifindex: u32) {
+    /// Names the interface this unattached handle is filled for, before
+    /// [`Steering::attach`] (which then takes it over), and writes its entry in
+    /// `ifaces`.
+    ///
+    /// # Errors
+    /// [`XdpError::Map`].
+    pub fn prepare_for(&mut self, ifname: &str, ifindex: u32) -> Result<(), XdpError> {
         self.intended = Some((ifname.to_owned(), ifindex));
+        self.register(ifindex)
     }
 
     /// Whether the program is attached (not just prepared).
@@ -422,9 +554,15 @@ impl Steering {
         self.attachment.is_some()
     }
 
-    /// The kernel's id of this program instance (`bpftool prog show id N`).
+    /// The kernel's id of the program (`bpftool prog show id N`), the same for every
+    /// handle [`Steering::share`] made.
     pub fn prog_id(&self) -> u32 {
-        self.prog_id
+        self.program.id
+    }
+
+    /// This handle's slot in the program's maps.
+    pub fn slot(&self) -> u32 {
+        self.slot
     }
 
     /// Where the kernel runs this program on its interface, `None` if it is not attached
@@ -440,9 +578,9 @@ impl Steering {
             ifname: a.ifname.clone(),
             source,
         })?;
-        Ok(if q.drv_prog_id == self.prog_id {
+        Ok(if q.drv_prog_id == self.program.id {
             Some(AttachedAs::Native)
-        } else if q.skb_prog_id == self.prog_id {
+        } else if q.skb_prog_id == self.program.id {
             Some(AttachedAs::Generic)
         } else {
             None
@@ -458,8 +596,9 @@ impl Steering {
     pub fn set_socket(&self, queue: u32, xsk_fd: RawFd) -> Result<(), XdpError> {
         self.check_queue(queue)?;
         let fd = u32::try_from(xsk_fd).map_err(|_| XdpError::BadSocketFd { fd: xsk_fd })?;
-        self.xsks
-            .update(&queue.to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+        self.program
+            .xsks
+            .update(&self.xsk_key(queue), &fd.to_ne_bytes(), MapFlags::ANY)
             .map_err(|source| XdpError::Map {
                 map: "xsks",
                 op: "update",
@@ -475,7 +614,7 @@ impl Steering {
     /// [`XdpError::QueueOutOfRange`], or [`XdpError::Map`].
     pub fn clear_socket(&self, queue: u32) -> Result<(), XdpError> {
         self.check_queue(queue)?;
-        match self.xsks.delete(&queue.to_ne_bytes()) {
+        match self.program.xsks.delete(&self.xsk_key(queue)) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
             Err(source) => Err(XdpError::Map {
@@ -488,11 +627,17 @@ impl Steering {
     }
 
     fn check_queue(&self, queue: u32) -> Result<(), XdpError> {
-        let capacity = self.xsks.max_entries();
-        if queue >= capacity {
-            return Err(XdpError::QueueOutOfRange { queue, capacity });
+        if queue >= MAX_QUEUES {
+            return Err(XdpError::QueueOutOfRange {
+                queue,
+                capacity: MAX_QUEUES,
+            });
         }
         Ok(())
+    }
+
+    fn xsk_key(&self, queue: u32) -> [u8; 4] {
+        (self.slot * MAX_QUEUES + queue).to_ne_bytes()
     }
 
     /// Sets the masquerade source port range (inclusive) used by rules (b) and (d).
@@ -527,17 +672,14 @@ impl Steering {
         })
     }
 
-    /// Marks this instance as the one on kxp's service device: frames no rule takes (or
+    /// Marks this handle's interface as kxp's service device: frames no rule takes (or
     /// with no socket to take them) are dropped instead of passed to the kernel, which
     /// would route them back into the device.
     ///
     /// # Errors
     /// [`XdpError::Map`].
-    pub fn set_service_device(&self) -> Result<(), XdpError> {
-        self.update_config(|c| {
-            let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) | CFG_SERVICE_DEVICE;
-            c[4..8].copy_from_slice(&flags.to_ne_bytes());
-        })
+    pub fn set_service_device(&mut self) -> Result<(), XdpError> {
+        self.update_flags(self.flags | IF_SERVICE_DEVICE)
     }
 
     /// Holds kxp's packets while no socket is there to take them (a restart): on the
@@ -547,13 +689,8 @@ impl Steering {
     ///
     /// # Errors
     /// [`XdpError::Map`].
-    pub fn set_hold(&self, queues: u32) -> Result<(), XdpError> {
-        self.update_config(|c| {
-            let flags = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]) & 0xffff
-                | CFG_HOLD
-                | queues.min(0xffff) << 16;
-            c[4..8].copy_from_slice(&flags.to_ne_bytes());
-        })
+    pub fn set_hold(&mut self, queues: u32) -> Result<(), XdpError> {
+        self.update_flags(self.flags & 0xffff | IF_HOLD | queues.min(0xffff) << 16)
     }
 
     /// Read-modify-write of `config[0]` (`struct steer_config`, [`CONFIG_LEN`] bytes).
@@ -566,6 +703,7 @@ impl Steering {
             source,
         };
         let current = self
+            .program
             .config
             .lookup(&key, MapFlags::ANY)
             .map_err(|e| map_err("lookup", e))?;
@@ -575,7 +713,8 @@ impl Steering {
             value[..n].copy_from_slice(&v[..n]);
         }
         change(&mut value);
-        self.config
+        self.program
+            .config
             .update(&key, &value, MapFlags::ANY)
             .map_err(|e| map_err("update", e))
     }
@@ -587,7 +726,7 @@ impl Steering {
     /// [`XdpError::MapFull`] (nothing changed) or [`XdpError::Map`]; after an error the
     /// next sync finishes the job.
     pub fn sync_frontends(&mut self, want: &HashSet<SteerKey>) -> Result<SyncStats, XdpError> {
-        self.frontends.sync(want)
+        self.sets().frontends.sync(want)
     }
 
     /// Adds and removes frontends (rule (a)) when the caller knows the change; keys
@@ -600,7 +739,7 @@ impl Steering {
         add: &[SteerKey],
         remove: &[SteerKey],
     ) -> Result<SyncStats, XdpError> {
-        self.frontends.change(add, remove)
+        self.sets().frontends.change(add, remove)
     }
 
     /// As [`Steering::change_frontends`], for endpoints (rules (c), (d)).
@@ -612,7 +751,7 @@ impl Steering {
         add: &[SteerKey],
         remove: &[SteerKey],
     ) -> Result<SyncStats, XdpError> {
-        self.endpoints.change(add, remove)
+        self.sets().endpoints.change(add, remove)
     }
 
     /// As [`Steering::change_frontends`], for ClusterIPs (rule (e)).
@@ -625,7 +764,7 @@ impl Steering {
         remove: &[IpAddr],
     ) -> Result<SyncStats, XdpError> {
         let c = |v: &[IpAddr]| v.iter().map(|a| a.to_canonical()).collect::<Vec<_>>();
-        self.cluster_ips.change(&c(add), &c(remove))
+        self.sets().cluster_ips.change(&c(add), &c(remove))
     }
 
     /// Makes `endpoints` hold exactly `want` (rules (c), (d)); incremental, as
@@ -634,7 +773,7 @@ impl Steering {
     /// # Errors
     /// As [`Steering::sync_frontends`].
     pub fn sync_endpoints(&mut self, want: &HashSet<SteerKey>) -> Result<SyncStats, XdpError> {
-        self.endpoints.sync(want)
+        self.sets().endpoints.sync(want)
     }
 
     /// Makes `local_addrs` hold exactly the node addresses `want` (rules (b)-(d));
@@ -645,7 +784,7 @@ impl Steering {
     /// As [`Steering::sync_frontends`].
     pub fn sync_local_addrs(&mut self, want: &HashSet<IpAddr>) -> Result<SyncStats, XdpError> {
         let canonical: HashSet<IpAddr> = want.iter().map(|a| a.to_canonical()).collect();
-        self.local_addrs.sync(&canonical)
+        self.sets().local_addrs.sync(&canonical)
     }
 
     /// Makes `cluster_ips` hold exactly the ClusterIPs `want` (rule (e): TCP, UDP and SCTP
@@ -657,7 +796,7 @@ impl Steering {
     /// As [`Steering::sync_frontends`].
     pub fn sync_cluster_ips(&mut self, want: &HashSet<IpAddr>) -> Result<SyncStats, XdpError> {
         let canonical: HashSet<IpAddr> = want.iter().map(|a| a.to_canonical()).collect();
-        self.cluster_ips.sync(&canonical)
+        self.sets().cluster_ips.sync(&canonical)
     }
 
     /// Makes `service_cidrs` hold exactly the Service CIDRs `want` (rule (e): TCP, UDP
@@ -675,7 +814,9 @@ impl Steering {
         // The program looks a destination up only inside the cover of the CIDRs, so the
         // cover holds every CIDR in the map at every moment: widened to the old and the
         // new ones first, narrowed to what the map holds after.
-        let both: Vec<IpNet> = self
+        let program = self.program.clone();
+        let mut sets = program.sets.lock().unwrap_or_else(|p| p.into_inner());
+        let both: Vec<IpNet> = sets
             .service_cidrs
             .installed()
             .iter()
@@ -683,8 +824,8 @@ impl Steering {
             .copied()
             .collect();
         self.set_cidr_cover(&both, false)?;
-        let synced = self.service_cidrs.sync(&canonical);
-        let held: Vec<IpNet> = self.service_cidrs.installed().iter().copied().collect();
+        let synced = sets.service_cidrs.sync(&canonical);
+        let held: Vec<IpNet> = sets.service_cidrs.installed().iter().copied().collect();
         self.set_cidr_cover(&held, true)?;
         synced
     }
@@ -712,12 +853,12 @@ impl Steering {
         })
     }
 
-    /// The counters, summed over CPUs.
+    /// This handle's interface's counters, summed over CPUs.
     ///
     /// # Errors
     /// [`XdpError::Map`] if the kernel read fails.
     pub fn stats(&self) -> Result<SteerStats, XdpError> {
-        stats::read(&self.stats)
+        stats::read(&self.program.stats, self.slot)
     }
 
     /// Runs the program once on `frame` (an Ethernet frame) with BPF_PROG_TEST_RUN, as if
@@ -741,7 +882,8 @@ impl Steering {
         if frame.len() < 14 {
             return Err(XdpError::TestRunFrameSize { len: frame.len() });
         }
-        sys::prog_test_run(self.prog.as_fd(), frame).map_err(|source| XdpError::TestRun { source })
+        sys::prog_test_run(self.program.fd.as_fd(), frame)
+            .map_err(|source| XdpError::TestRun { source })
     }
 
     /// Detaches the program from its interface (no-op if not attached). In link mode this
@@ -766,8 +908,8 @@ impl Steering {
             AttachMode::Native => sys::XDP_FLAGS_DRV_MODE,
             AttachMode::Generic => sys::XDP_FLAGS_SKB_MODE,
         };
-        pins::unpin(a.ifindex, self.prog_id);
-        match sys::xdp_detach_expected(a.ifindex, flags, self.prog.as_fd()) {
+        pins::unpin(a.ifindex, self.program.id);
+        match sys::xdp_detach_expected(a.ifindex, flags, self.program.fd.as_fd()) {
             Ok(()) => Ok(()),
             // gone with its interface, or replaced by someone else's program
             Err(e)
@@ -791,11 +933,24 @@ impl Steering {
 impl Drop for Steering {
     fn drop(&mut self) {
         if self.keep {
+            // Left steering (and holding) for the next kxp: the entry and slot stay.
             return;
         }
         // Best effort: a netlink-attached program left behind is fail-open (its sockets
         // are gone) and `kxp cleanup` removes it.
         let _ = self.detach_inner();
+        // The slot goes back clean: no entry, no socket, counters at zero.
+        if let Some(k) = self.key.take() {
+            self.unregister(k);
+        }
+        for queue in 0..MAX_QUEUES {
+            let _ = self.program.xsks.delete(&self.xsk_key(queue));
+        }
+        let _ = stats::clear(&self.program.stats, self.slot);
+        let mut slots = self.program.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(used) = slots.get_mut(self.slot as usize) {
+            *used = false;
+        }
     }
 }
 

@@ -120,6 +120,11 @@ pub enum XdpError {
     )]
     QueueOutOfRange { queue: u32, capacity: u32 },
 
+    #[error(
+        "the steering program serves at most {capacity} interfaces at once: detach some (fewer --interface matches)"
+    )]
+    TooManyInterfaces { capacity: u32 },
+
     #[error("{fd} is not a valid file descriptor for an AF_XDP socket")]
     BadSocketFd { fd: i32 },
 

@@ -146,18 +146,18 @@ mod tests {
         assert!(dir().is_some(), "bpffs is not mounted at {BPFFS}");
         // An interface index no test namespace has.
         let ifindex = 0x7fff_0000 + std::process::id() % 0xffff;
-        pin(ifindex, s.prog.as_fd()).unwrap();
-        let fd = get(ifindex, s.prog_id).expect("found by its id");
-        assert_eq!(Program::id_from_fd(fd.as_fd()).unwrap(), s.prog_id);
-        assert!(get(ifindex, s.prog_id + 1).is_none(), "another id");
+        pin(ifindex, s.program.fd.as_fd()).unwrap();
+        let fd = get(ifindex, s.prog_id()).expect("found by its id");
+        assert_eq!(Program::id_from_fd(fd.as_fd()).unwrap(), s.prog_id());
+        assert!(get(ifindex, s.prog_id() + 1).is_none(), "another id");
         // Pinning again replaces it.
         let t = crate::xdp::testutil::steering();
-        pin(ifindex, t.prog.as_fd()).unwrap();
-        assert!(get(ifindex, s.prog_id).is_none());
-        unpin(ifindex, s.prog_id); // not its pin any more: stays
-        assert!(get(ifindex, t.prog_id).is_some());
-        unpin(ifindex, t.prog_id);
-        assert!(get(ifindex, t.prog_id).is_none());
+        pin(ifindex, t.program.fd.as_fd()).unwrap();
+        assert!(get(ifindex, s.prog_id()).is_none());
+        unpin(ifindex, s.prog_id()); // not its pin any more: stays
+        assert!(get(ifindex, t.prog_id()).is_some());
+        unpin(ifindex, t.prog_id());
+        assert!(get(ifindex, t.prog_id()).is_none());
         assert!(!pin_path(&dir().unwrap(), ifindex).exists());
         let _ = std::fs::remove_dir(dir().unwrap()); // if no kxp uses it
     }

@@ -64,10 +64,13 @@ impl SteerStats {
     }
 }
 
-/// Reads and sums every counter of the `stats` map.
-pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
-    let mut c = [0u64; 13];
-    for (idx, slot) in (0u32..).zip(c.iter_mut()) {
+/// Counters per interface slot (`ST_MAX`).
+pub(super) const PER_SLOT: u32 = 13;
+
+/// Reads and sums the counters of interface slot `slot` in the `stats` map.
+pub(super) fn read(stats: &MapHandle, slot: u32) -> Result<SteerStats, XdpError> {
+    let mut c = [0u64; PER_SLOT as usize];
+    for (idx, counter) in (slot * PER_SLOT..).zip(c.iter_mut()) {
         let per_cpu = stats
             .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
             .map_err(|source| XdpError::Map {
@@ -77,7 +80,7 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
                 source,
             })?
             .unwrap_or_default();
-        *slot = per_cpu
+        *counter = per_cpu
             .iter()
             .filter_map(|v| v.get(..8).and_then(|b| b.try_into().ok()))
             .map(u64::from_ne_bytes)
@@ -113,4 +116,27 @@ pub(super) fn read(stats: &MapHandle) -> Result<SteerStats, XdpError> {
         kernel_flow,
         fragment,
     })
+}
+
+/// Sets the counters of `slot` to zero on every CPU (a slot given to another interface
+/// starts from zero).
+pub(super) fn clear(stats: &MapHandle, slot: u32) -> Result<(), XdpError> {
+    let cpus = libbpf_rs::num_possible_cpus().map_err(|source| XdpError::Map {
+        map: "stats",
+        op: "count CPUs",
+        key: None,
+        source,
+    })?;
+    let zeros = vec![vec![0u8; 8]; cpus];
+    for idx in slot * PER_SLOT..(slot + 1) * PER_SLOT {
+        stats
+            .update_percpu(&idx.to_ne_bytes(), &zeros, MapFlags::ANY)
+            .map_err(|source| XdpError::Map {
+                map: "stats",
+                op: "update",
+                key: Some(format!("counter {idx}")),
+                source,
+            })?;
+    }
+    Ok(())
 }

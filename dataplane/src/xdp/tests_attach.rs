@@ -112,7 +112,7 @@ fn cleanup_removes_leftovers_but_not_a_live_link() {
         for flags in [sys::XDP_FLAGS_DRV_MODE, sys::XDP_FLAGS_SKB_MODE] {
             // what a killed kxp leaves: a netlink-attached program nobody holds
             let s = Steering::load().unwrap();
-            sys::xdp_attach(ifindex, s.prog.as_fd(), flags).unwrap();
+            sys::xdp_attach(ifindex, s.program.fd.as_fd(), flags).unwrap();
             drop(s);
             assert_ne!(query(IF), NONE);
             assert!(cleanup_interface(IF).unwrap(), "flags {flags}");
@@ -285,4 +285,128 @@ fn steered_packets_reach_the_socket_and_the_rest_the_kernel() {
         })
         .unwrap();
     }
+}
+
+#[test]
+fn one_program_serves_several_interfaces_each_with_its_sockets_counters_and_flags() {
+    require_root();
+    let mut lab = Topology::new(LAB);
+    let (a, b) = (
+        lab.add_ns_unique("sa").unwrap(),
+        lab.add_ns_unique("sb").unwrap(),
+    );
+    lab.link((&a, "kxa", "198.18.0.1/24"), (&b, "kxb", "198.18.0.2/24"))
+        .unwrap();
+    lab.link((&a, "kxc", "198.18.1.1/24"), (&b, "kxd", "198.18.1.2/24"))
+        .unwrap();
+    let send = |to: &'static str, n: usize| {
+        lab.run_in(&a, move || {
+            let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
+            for _ in 0..n {
+                sock.send_to(b"kxp", (to, 9000)).unwrap();
+            }
+        })
+        .unwrap()
+    };
+    // Neighbours resolved first: the counters below see only the test's datagrams.
+    for to in ["198.18.0.2", "198.18.1.2"] {
+        ip_stdout(&["netns", "exec", &a, "ping", "-c1", "-W2", to]);
+    }
+    let wait = |s: &Steering, before: &SteerStats, matched: u64| {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let d = s.stats().unwrap().since(before);
+            if d.frontend >= matched || Instant::now() > deadline {
+                return d;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    lab.run_in(&b, || {
+        let first = Steering::load_and_attach("kxb", AttachMode::Link).unwrap();
+        let mut second = first.share().unwrap();
+        second.attach("kxd", AttachMode::Link, false).unwrap();
+        assert_eq!(first.prog_id(), second.prog_id(), "one program");
+        assert_ne!(first.slot(), second.slot());
+        // Written once, through either handle: both interfaces steer both frontends.
+        let keys = ["198.18.0.2", "198.18.1.2"]
+            .map(|ip| SteerKey::new(ip.parse().unwrap(), 9000, Protocol::Udp));
+        second.sync_frontends(&HashSet::from(keys)).unwrap();
+
+        // The same queue number on each interface, each its own socket.
+        let mut xb = TestXsk::open("kxb");
+        let mut xd = TestXsk::open("kxd");
+        first.set_socket(0, xb.fd()).unwrap();
+        second.set_socket(0, xd.fd()).unwrap();
+        let (b0, d0) = (first.stats().unwrap(), second.stats().unwrap());
+        send("198.18.0.2", 3);
+        send("198.18.1.2", 5);
+        assert_eq!(xb.recv(3, Duration::from_secs(3)).len(), 3);
+        assert_eq!(xd.recv(5, Duration::from_secs(3)).len(), 5);
+        assert!(xb.recv(1, Duration::from_millis(200)).is_empty(), "kxd's");
+        let (db, dd) = (wait(&first, &b0, 3), wait(&second, &d0, 5));
+        assert_eq!(
+            (db.frontend, db.redirected),
+            (3, 3),
+            "kxb's counters: {db:?}"
+        );
+        assert_eq!(
+            (dd.frontend, dd.redirected),
+            (5, 5),
+            "kxd's counters: {dd:?}"
+        );
+
+        // Flags are the interface's: hold on kxd drops its matches without a socket,
+        // kxb passes them to the kernel as before.
+        first.clear_socket(0).unwrap();
+        second.clear_socket(0).unwrap();
+        second.set_hold(1).unwrap();
+        let kernel = UdpSocket::bind("0.0.0.0:9000").unwrap();
+        kernel
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        let (b0, d0) = (first.stats().unwrap(), second.stats().unwrap());
+        send("198.18.0.2", 2);
+        send("198.18.1.2", 2);
+        let (db, dd) = (wait(&first, &b0, 2), wait(&second, &d0, 2));
+        assert_eq!((db.frontend, db.no_socket), (2, 2), "{db:?}");
+        assert_eq!((dd.frontend, dd.no_socket), (2, 2), "{dd:?}");
+        let mut buf = [0u8; 64];
+        let mut from_kernel = Vec::new();
+        while let Ok((_, from)) = kernel.recv_from(&mut buf) {
+            from_kernel.push(from.ip());
+        }
+        assert_eq!(
+            from_kernel,
+            ["198.18.0.1".parse::<std::net::IpAddr>().unwrap(); 2],
+            "kxb's two reach the kernel, kxd's are held"
+        );
+
+        // A handle dropped gives its slot back clean: the next one starts from zero and
+        // holds no socket of the old one.
+        let slot = second.slot();
+        second.set_socket(0, xd.fd()).unwrap();
+        drop(second);
+        let mut third = first.share().unwrap();
+        assert_eq!(third.slot(), slot);
+        assert_eq!(third.stats().unwrap(), SteerStats::default());
+        third.attach("kxd", AttachMode::Link, false).unwrap();
+        let d0 = third.stats().unwrap();
+        send("198.18.1.2", 2);
+        let dd = wait(&third, &d0, 2);
+        assert_eq!(
+            (dd.frontend, dd.no_socket, dd.redirected),
+            (2, 2, 0),
+            "{dd:?}"
+        );
+        assert!(xd.recv(1, Duration::from_millis(200)).is_empty());
+        let mut n = 0;
+        while kernel.recv_from(&mut buf).is_ok() {
+            n += 1;
+        }
+        assert_eq!(n, 2, "not held any more: passed to the kernel");
+        drop(third);
+        first.detach().unwrap();
+    })
+    .unwrap();
 }

@@ -582,7 +582,7 @@ fn cluster_ips_are_steered_on_every_port_but_pings_pass() {
     let e = Endpoints::v4();
     let mapped: IpAddr = "::ffff:198.19.0.10".parse().unwrap();
     s.sync_cluster_ips(&set([mapped, e.vip.ip()])).unwrap();
-    assert_eq!(s.cluster_ips.map().keys().count(), 1);
+    assert_eq!(s.sets().cluster_ips.map().keys().count(), 1);
     let t = tuple(e.client, port(e.vip, 81), Protocol::Tcp);
     assert_eq!(classify(&s, &frame(&t)), Some(Rule::ClusterIp));
 }
@@ -651,7 +651,10 @@ fn service_cidrs_are_looked_up_first_inside_their_cover_only() {
     let v6 = sock("[2001:db8::1]:40000");
     let to = |client, dst: &str| frame(&tuple(client, sock(dst), Protocol::Tcp));
     // Before kxp writes a cover (all zero): every address is looked up.
-    s.service_cidrs.sync(&set([net("203.0.113.0/24")])).unwrap();
+    s.sets()
+        .service_cidrs
+        .sync(&set([net("203.0.113.0/24")]))
+        .unwrap();
     assert_eq!(
         classify(&s, &to(v4, "203.0.113.5:80")),
         Some(Rule::ClusterIp)
@@ -790,7 +793,7 @@ fn cluster_ip_and_service_cidr_sync_is_incremental_and_canonical() {
     let mut want_key = [0u8; 20];
     want_key[..4].copy_from_slice(&(16u32 + 96).to_ne_bytes());
     want_key[14..18].copy_from_slice(&[0xff, 0xff, 198, 19]);
-    let in_kernel: HashSet<Vec<u8>> = s.service_cidrs.map().keys().collect();
+    let in_kernel: HashSet<Vec<u8>> = s.sets().service_cidrs.map().keys().collect();
     assert_eq!(in_kernel.len(), 3);
     assert!(in_kernel.contains(&want_key[..]), "{in_kernel:?}");
 
@@ -823,14 +826,18 @@ fn cluster_ip_and_service_cidr_sync_is_incremental_and_canonical() {
         ),
         "{err}"
     );
-    assert_eq!(s.service_cidrs.map().keys().count(), 2, "nothing touched");
+    assert_eq!(
+        s.sets().service_cidrs.map().keys().count(),
+        2,
+        "nothing touched"
+    );
     let exactly = set(too_many.into_iter().take(MAX_SERVICE_CIDRS));
     let st = s.sync_service_cidrs(&exactly).unwrap();
     assert_eq!((st.added, st.removed), (256, 2));
     assert_eq!(classify(&s, &to("10.0.7.7:80")), Some(Rule::ClusterIp));
     assert_eq!(classify(&s, &to("198.19.5.1:80")), None);
     assert_eq!(s.sync_service_cidrs(&HashSet::new()).unwrap().removed, 256);
-    assert_eq!(s.service_cidrs.map().keys().count(), 0);
+    assert_eq!(s.sets().service_cidrs.map().keys().count(), 0);
     assert_eq!(classify(&s, &to("10.0.7.7:80")), None);
 
     // cluster_ips: only the difference
@@ -847,12 +854,15 @@ fn cluster_ip_and_service_cidr_sync_is_incremental_and_canonical() {
             unchanged: 2
         }
     );
-    assert_eq!(s.cluster_ips.map().keys().count(), 3);
+    assert_eq!(s.sets().cluster_ips.map().keys().count(), 3);
     assert_eq!(classify(&s, &to("198.19.0.2:8080")), Some(Rule::ClusterIp));
     assert_eq!(classify(&s, &to("198.19.0.3:8080")), None);
-    assert_eq!(s.cluster_ips.map().max_entries() as usize, MAX_CLUSTER_IPS);
     assert_eq!(
-        s.service_cidrs.map().max_entries() as usize,
+        s.sets().cluster_ips.map().max_entries() as usize,
+        MAX_CLUSTER_IPS
+    );
+    assert_eq!(
+        s.sets().service_cidrs.map().max_entries() as usize,
         MAX_SERVICE_CIDRS
     );
 }
@@ -898,7 +908,7 @@ fn sync_touches_only_the_difference() {
             unchanged: 999
         }
     );
-    let in_kernel: HashSet<Vec<u8>> = s.frontends.map().keys().collect();
+    let in_kernel: HashSet<Vec<u8>> = s.sets().frontends.map().keys().collect();
     assert_eq!(
         in_kernel,
         want.iter().map(|k| k.to_bytes().to_vec()).collect()
@@ -908,12 +918,12 @@ fn sync_touches_only_the_difference() {
     let other = SteerKey::new("198.19.200.2".parse().unwrap(), 443, Protocol::Tcp);
     let st = s.change_frontends(&[other, new], &[new, keys[3]]).unwrap();
     assert_eq!((st.added, st.removed, st.unchanged), (2, 2, 998));
-    let in_kernel: HashSet<Vec<u8>> = s.frontends.map().keys().collect();
+    let in_kernel: HashSet<Vec<u8>> = s.sets().frontends.map().keys().collect();
     assert!(in_kernel.contains(other.to_bytes().as_slice()));
     assert!(in_kernel.contains(new.to_bytes().as_slice()));
     assert!(!in_kernel.contains(keys[3].to_bytes().as_slice()));
     s.change_frontends(&[keys[3]], &[other]).unwrap();
-    let in_kernel: HashSet<Vec<u8>> = s.frontends.map().keys().collect();
+    let in_kernel: HashSet<Vec<u8>> = s.sets().frontends.map().keys().collect();
     assert_eq!(
         in_kernel,
         want.iter().map(|k| k.to_bytes().to_vec()).collect()
@@ -939,7 +949,7 @@ fn sync_touches_only_the_difference() {
             unchanged: 0
         }
     );
-    assert_eq!(s.frontends.map().keys().count(), 0);
+    assert_eq!(s.sets().frontends.map().keys().count(), 0);
 }
 
 #[test]
@@ -965,12 +975,25 @@ fn local_addrs_are_canonical_and_capacity_is_checked_first() {
         ),
         "{err}"
     );
-    assert_eq!(s.local_addrs.map().keys().count(), 1, "nothing touched");
+    assert_eq!(
+        s.sets().local_addrs.map().keys().count(),
+        1,
+        "nothing touched"
+    );
 
-    assert_eq!(s.endpoints.map().max_entries() as usize, MAX_ENDPOINTS);
-    assert_eq!(s.frontends.map().max_entries() as usize, MAX_FRONTENDS);
-    assert_eq!(s.local_addrs.map().max_entries() as usize, MAX_LOCAL_ADDRS);
-    assert_eq!(s.xsks.max_entries(), MAX_QUEUES);
+    assert_eq!(
+        s.sets().endpoints.map().max_entries() as usize,
+        MAX_ENDPOINTS
+    );
+    assert_eq!(
+        s.sets().frontends.map().max_entries() as usize,
+        MAX_FRONTENDS
+    );
+    assert_eq!(
+        s.sets().local_addrs.map().max_entries() as usize,
+        MAX_LOCAL_ADDRS
+    );
+    assert_eq!(s.program.xsks.max_entries(), MAX_QUEUES * MAX_SLOTS);
     assert!(s.sync_endpoints(&HashSet::new()).is_ok());
 }
 
