@@ -1301,14 +1301,28 @@ impl LinkCtl {
         let mut result = Ok(());
         for queue in 0..queues {
             let worker = queue % self.workers;
-            let (rtx, rrx) = crossbeam::channel::bounded(1);
-            let _ = self.shared.commands[worker].send(Command::AddPort {
-                ifname: link.name.clone(),
-                ifindex: link.ifindex,
-                queue: queue as u32,
-                reply: rtx,
-            });
-            let r = match rrx.recv_timeout(WORKER_REPLY) {
+            let open = || {
+                let (rtx, rrx) = crossbeam::channel::bounded(1);
+                let _ = self.shared.commands[worker].send(Command::AddPort {
+                    ifname: link.name.clone(),
+                    ifindex: link.ifindex,
+                    queue: queue as u32,
+                    reply: rtx,
+                });
+                rrx.recv_timeout(WORKER_REPLY)
+            };
+            // A socket closed on this queue a moment ago (attaching again after a queue
+            // count change) may still hold it (see XskError::is_busy): tried again for
+            // up to a second.
+            let mut reply = open();
+            let busy_since = Instant::now();
+            while matches!(&reply, Ok(Err(e)) if e.is_busy())
+                && busy_since.elapsed() < Duration::from_secs(1)
+            {
+                std::thread::sleep(Duration::from_millis(10));
+                reply = open();
+            }
+            let r = match reply {
                 Ok(Ok((fd, zc, budget))) => {
                     if !opened.contains(&worker) {
                         opened.push(worker);
@@ -1317,7 +1331,7 @@ impl LinkCtl {
                     tx_budget = tx_budget.min(budget);
                     s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
                 }
-                Ok(Err(reason)) => Err(DataplaneError::Config(reason)),
+                Ok(Err(e)) => Err(DataplaneError::Config(e.to_string())),
                 Err(_) => Err(DataplaneError::Config(format!(
                     "worker {worker} did not open its socket on {} queue {queue}",
                     link.name

@@ -92,7 +92,9 @@ pub enum Command {
         queue: u32,
         /// The socket's descriptor, whether it is in zero-copy mode, and its TX budget
         /// per sendto() ([`crate::xsk::WorkerIo::tx_budget`]).
-        reply: crossbeam::channel::Sender<Result<(std::os::fd::RawFd, bool, u32), String>>,
+        reply: crossbeam::channel::Sender<
+            Result<(std::os::fd::RawFd, bool, u32), crate::xsk::XskError>,
+        >,
     },
     /// Close the socket on an interface that went away (or no longer matches), taking
     /// back the frames its rings held; answers when done.
@@ -853,15 +855,11 @@ impl<'id> Worker<'id> {
                 queue,
                 reply,
             } => {
-                let r = self
-                    .io
-                    .add_port(&ifname, ifindex, queue)
-                    .map(|fd| {
-                        // The new port is the last one.
-                        let port = self.io.port_count() - 1;
-                        (fd, self.io.zero_copy(port), self.io.tx_budget(port))
-                    })
-                    .map_err(|e| e.to_string());
+                let r = self.io.add_port(&ifname, ifindex, queue).map(|fd| {
+                    // The new port is the last one.
+                    let port = self.io.port_count() - 1;
+                    (fd, self.io.zero_copy(port), self.io.tx_budget(port))
+                });
                 self.ports_changed = true;
                 let _ = reply.send(r);
             }

@@ -105,6 +105,15 @@ pub struct XskConfig {
     pub multi_buffer: bool,
 }
 
+impl XskError {
+    /// The queue is still bound: a socket closed on it a moment ago is released by the
+    /// kernel in the background (its memory pool is let go from a work queue), so a new
+    /// socket on the same queue right after can find it busy. Worth trying again.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, XskError::Socket { errno: Some(e), .. } if *e == libc::EBUSY)
+    }
+}
+
 impl Default for XskConfig {
     fn default() -> Self {
         XskConfig {
@@ -140,6 +149,8 @@ pub enum XskError {
         ifname: String,
         queue: u32,
         reason: String,
+        /// The kernel's error number, when it gave one.
+        errno: Option<i32>,
     },
     #[error("invalid AF_XDP configuration: {0}")]
     Config(String),
@@ -370,9 +381,14 @@ pub const KERNEL_TX_BUDGET: u32 = 32;
 const FIRST_PORT_FILL: usize = 256;
 /// Receive frames an idle port's fill ring keeps (every port but the first), at least and
 /// at most: a burst of a new connection's first packets; from its first round of traffic
-/// a port is given what it receives (`refill`). The floor is half the UMEM's pool shared
-/// between the ports, within these: 64 with a few ports, 16 with 250 (which then hold
-/// 4,000 frames of the default 8,192).
+/// a port is given what it receives (`refill`). A port that never received (a pod's veth
+/// that only ever idles) keeps `IDLE_FILL`; one that has received keeps half the UMEM's
+/// pool shared between the ports, within these: 64 with a few ports, 16 with 250 (which
+/// then hold 4,000 frames of the default 8,192). Frames on a fill ring come back only
+/// as the port receives: a port that never does would keep, for good, the floor it was
+/// given when it was attached, and the ports attached first (at start, one after
+/// another) were given more than the floor of the final count (140 ports attached one
+/// by one took 6,300 frames, the uplink's queues then ran out).
 pub const IDLE_FILL: usize = 16;
 pub const IDLE_FILL_MAX: usize = BATCH;
 
@@ -456,6 +472,7 @@ impl<'id> WorkerIo<'id> {
             ifname: ifname.to_string(),
             queue,
             reason,
+            errno: None,
         };
         let iface: Interface = ifname
             .parse()
@@ -467,8 +484,21 @@ impl<'id> WorkerIo<'id> {
         // its own XDP program), so it holds on every call, bound pair or not (a bound
         // pair returns no fill/comp rings and is refused below, its queues dropped).
         let (tx, rx, fq_cq) =
-            unsafe { xsk_rs::Socket::new(self.sock_cfg, &self.umem, &iface, queue) }
-                .map_err(|e| sock_err(e.to_string()))?;
+            unsafe { xsk_rs::Socket::new(self.sock_cfg, &self.umem, &iface, queue) }.map_err(
+                |e| {
+                    let os = std::error::Error::source(&e)
+                        .and_then(|s| s.downcast_ref::<std::io::Error>());
+                    XskError::Socket {
+                        ifname: ifname.to_string(),
+                        queue,
+                        reason: match os {
+                            Some(os) => format!("{e}: {os}"),
+                            None => e.to_string(),
+                        },
+                        errno: os.and_then(std::io::Error::raw_os_error),
+                    }
+                },
+            )?;
         let Some((fq, cq)) = fq_cq else {
             return Err(sock_err(
                 "the (interface, queue) pair is already bound".into(),
@@ -899,7 +929,7 @@ impl<'id> WorkerIo<'id> {
                 && p.received == 0
                 && p.demand == 0
                 && p.hold == 0
-                && p.in_fill >= self.idle_fill
+                && p.in_fill >= self.floor(p)
             {
                 continue;
             }
@@ -929,9 +959,19 @@ impl<'id> WorkerIo<'id> {
         }
     }
 
+    /// What `p`'s fill ring keeps when it is idle (see [`IDLE_FILL`]).
+    fn floor(&self, p: &Port) -> usize {
+        if p.rx_packets > 0 {
+            self.idle_fill
+        } else {
+            IDLE_FILL
+        }
+    }
+
     fn refill(&mut self, port: usize) {
         let share = self.free.len().saturating_sub(self.reserve);
         let cap = self.fill_target;
+        let floor = self.floor(&self.ports[port]);
         let p = &mut self.ports[port];
         // Fill depth follows traffic: frames in an idle port's fill ring are out of use
         // until it receives, so no port hoards the UMEM that ports attached later need.
@@ -940,10 +980,7 @@ impl<'id> WorkerIo<'id> {
         let target = if port == 0 {
             FIRST_PORT_FILL
         } else {
-            (self.idle_fill + p.demand)
-                .max(p.hold)
-                .min(cap)
-                .min(self.fill_limit)
+            (floor + p.demand).max(p.hold).min(cap).min(self.fill_limit)
         };
         let want = target.saturating_sub(p.in_fill);
         if share == 0 || want == 0 {
@@ -1085,7 +1122,7 @@ mod tests {
     /// to its floor.
     #[test]
     fn a_receiving_port_holds_a_pause_worth_of_frames() {
-        let (held, limited, idle) = with_pod("kxqh", usize::MAX, |io, port| {
+        let (cold, held, limited, idle) = with_pod("kxqh", usize::MAX, |io, port| {
             let depth = |io: &mut WorkerIo<'_>, received: usize, limit: usize| {
                 io.set_fill_limit(limit);
                 // 1 ms at `received` a ms, held for 0.8 ms of it.
@@ -1096,14 +1133,18 @@ mod tests {
                 }
                 (io.ports[port].hold, io.ports[port].in_fill)
             };
+            // A port that never received keeps the least floor.
+            let cold = io.ports[port].in_fill;
+            io.ports[port].rx_packets = 1;
             let held = depth(io, 1_000, usize::MAX);
             // Taken back as the port receives (here: by hand).
             io.ports[port].in_fill = 0;
             let limited = depth(io, 1_000, 300);
             io.ports[port].in_fill = 0;
             let idle = depth(io, 0, usize::MAX);
-            (held, limited, idle)
+            (cold, held, limited, idle)
         });
+        assert_eq!(cold, IDLE_FILL);
         assert_eq!(held, (800, 800));
         assert_eq!(limited, (800, 300), "the fill limit holds");
         assert_eq!(idle, (0, IDLE_FILL_MAX), "an idle port keeps its floor");

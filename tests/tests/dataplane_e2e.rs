@@ -36,6 +36,9 @@ const UPLINK_QUEUES: u32 = 4;
 /// The addresses of what the default node holds besides its uplink and pods: docker0 and
 /// an overlay device (above the InternalIP, 198.18.1.1, which the Node object gives).
 const OTHER_LINKS: (&str, &str) = ("198.18.250.1/24", "198.18.251.0/32");
+/// Pods' veths besides the three web pods', idle, that kxp attaches (`lxc*`), as on a
+/// node near a kubelet's 110 pods.
+const IDLE_PODS: usize = 107;
 
 /// The demo's state for `endpoints` plus this node's Node object (InternalIP 198.18.1.1):
 /// the node's addresses come from it, as on a cluster (no `--node-ip`).
@@ -114,6 +117,10 @@ struct Opts<'a> {
     capabilities: Option<Vec<String>>,
     /// More arguments for `kxp run`.
     kxp_args: &'a [&'a str],
+    /// Idle pods' veths (`lxc0`, `lxc1`, ... (as Cilium names them) in the node's namespace, their peers in one
+    /// namespace standing for the pods), made before kxp starts; `--interface lxc*` is
+    /// added to kxp's arguments.
+    idle_pods: usize,
 }
 
 impl Default for Opts<'_> {
@@ -136,6 +143,7 @@ impl Default for Opts<'_> {
             kube_proxy_args: None,
             capabilities: None,
             kxp_args: &[],
+            idle_pods: IDLE_PODS,
         }
     }
 }
@@ -224,6 +232,11 @@ impl Lab {
                 .iter()
                 .flat_map(|i| ["--interface".to_string(), i.to_string()])
                 .collect();
+        }
+        if o.idle_pods > 0 {
+            args.extend(["--interface".to_string(), "lxc*".to_string()]);
+            let idle = topo.add_ns("pods").unwrap();
+            plug_idle_pods(&node, &idle, o.prefix, o.idle_pods);
         }
         args.extend(o.kxp_args.iter().map(|a| a.to_string()));
         let (docker0, flannel) = o.other_links;
@@ -472,6 +485,31 @@ impl Drop for Lab {
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = &self.topo;
     }
+}
+
+/// `n` veths `{prefix}{i}` in `node` as a CNI creates them (kernel defaults), their peers
+/// in `pods`, all up and sending nothing: the idle pods of a busy node.
+fn plug_idle_pods(node: &str, pods: &str, prefix: &str, n: usize) {
+    plug_idle_veths(node, pods, prefix, "lxc", n);
+}
+
+/// As [`plug_idle_pods`], named `{name}{i}`; `tag` names the temporary directory.
+fn plug_idle_veths(node: &str, pods: &str, tag: &str, name: &str, n: usize) {
+    let dir = std::env::temp_dir().join(format!("{tag}-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let batch = dir.join("veths.batch");
+    let mut text = String::new();
+    for i in 0..n {
+        text.push_str(&format!(
+            "link add {name}{i} type veth peer name e{i} netns {pods}\nlink set {name}{i} up\n"
+        ));
+    }
+    std::fs::write(&batch, text).unwrap();
+    in_ns(node, &["ip", "-batch", batch.to_str().unwrap()]).unwrap();
+    let up: String = (0..n).map(|i| format!("link set e{i} up\n")).collect();
+    std::fs::write(&batch, up).unwrap();
+    in_ns(pods, &["ip", "-batch", batch.to_str().unwrap()]).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Each of 3 backends gets a share consistent with uniform random: within 5 standard
@@ -807,7 +845,12 @@ fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let text = show(&["ip", "-d", "link", "show"]);
-    assert_eq!(text.matches("name kxp_steer").count(), 5, "{text}");
+    // One program, on the uplink, the three pods, the idle pods and the service device.
+    assert_eq!(
+        text.matches("name kxp_steer").count(),
+        5 + IDLE_PODS,
+        "{text}"
+    );
     assert!(text.contains("kxp0"), "{text}");
     assert!(show(&["ip", "rule", "show"]).contains("lookup 201"));
     assert!(show(&["ip", "route", "show", "table", "all"]).contains("proto 201"));
@@ -3869,25 +3912,13 @@ fn a_busy_uplink_beside_250_idle_pod_veths_on_one_worker_loses_nothing() {
     let mut lab = Lab::new(Opts {
         prefix: "kxe40",
         interfaces: Some(&["n-client", "n-web*", "vp*"]),
+        idle_pods: 0,
         ..Default::default()
     });
     let node = lab.node.clone();
     let idle = lab.topo.add_ns("idle").unwrap();
-    // Each veth as a CNI creates it (kernel defaults), its peer in one namespace that
-    // stands for the idle pods, up, sending nothing.
-    let batch = lab.dir.join("veths.batch");
-    let mut text = String::new();
-    for i in 0..PODS {
-        text.push_str(&format!(
-            "link add vp{i} type veth peer name e{i} netns {idle}\nlink set vp{i} up\n"
-        ));
-    }
-    std::fs::write(&batch, text).unwrap();
-    in_ns(&node, &["ip", "-batch", batch.to_str().unwrap()]).unwrap();
-    let up: String = (0..PODS).map(|i| format!("link set e{i} up\n")).collect();
-    let batch_up = lab.dir.join("veths-up.batch");
-    std::fs::write(&batch_up, up).unwrap();
-    in_ns(&idle, &["ip", "-batch", batch_up.to_str().unwrap()]).unwrap();
+    // Created while kxp runs: each is attached as it appears.
+    plug_idle_veths(&node, &idle, "kxe40", "vp", PODS);
     let start = Instant::now();
     let attached = |lab: &Lab| lab.log().matches("attached interface=vp").count();
     while attached(&lab) < PODS && start.elapsed() < Duration::from_secs(120) {
@@ -3961,6 +3992,20 @@ fn every_queue_carries(lab: &Lab, n: usize) -> Vec<String> {
     });
     bad.extend(udp_bad);
     bad
+}
+
+/// kxp's counters of what it dropped or passed by, non-zero ones (for a failure's
+/// message).
+fn losses(lab: &Lab) -> String {
+    let m = node_http(lab, 10249, "/metrics");
+    m.lines()
+        .filter(|l| {
+            !l.starts_with('#')
+                && (l.contains("drop") || l.contains("no_socket") || l.contains("passed"))
+                && !l.ends_with(" 0")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Frames kxp received on each receive queue of `dev` (its per-queue counter).
@@ -4043,8 +4088,9 @@ fn more_receive_queues_than_workers_are_all_served() {
     let bad = every_queue_carries(&lab, 120);
     assert!(
         bad.is_empty(),
-        "8 queues after ethtool -L: {bad:?}\n{}",
-        lab.log()
+        "8 queues after ethtool -L: {bad:?}\n{}\n{}",
+        lab.log(),
+        losses(&lab)
     );
     let per_queue = queue_packets(&lab, "n-client", 8);
     assert!(per_queue.iter().all(|&n| n > 0.0), "{per_queue:?}");
