@@ -169,6 +169,8 @@ struct Port {
     queue: u32,
     /// Packets received on this socket since it was opened.
     rx_packets: u64,
+    /// A port of this interface has received (see [`IDLE_FILL`]).
+    warm: bool,
     tx: TxQueue,
     rx: RxQueue,
     fq: FillQueue,
@@ -381,14 +383,16 @@ pub const KERNEL_TX_BUDGET: u32 = 32;
 const FIRST_PORT_FILL: usize = 256;
 /// Receive frames an idle port's fill ring keeps (every port but the first), at least and
 /// at most: a burst of a new connection's first packets; from its first round of traffic
-/// a port is given what it receives (`refill`). A port that never received (a pod's veth
-/// that only ever idles) keeps `IDLE_FILL`; one that has received keeps half the UMEM's
-/// pool shared between the ports, within these: 64 with a few ports, 16 with 250 (which
-/// then hold 4,000 frames of the default 8,192). Frames on a fill ring come back only
-/// as the port receives: a port that never does would keep, for good, the floor it was
-/// given when it was attached, and the ports attached first (at start, one after
-/// another) were given more than the floor of the final count (140 ports attached one
-/// by one took 6,300 frames, the uplink's queues then ran out).
+/// a port is given what it receives (`refill`). A port of an interface that never
+/// received (a pod's veth that only ever idles) keeps `IDLE_FILL`; one of an interface
+/// that has received (on any of its queues: an uplink whose other queues carry traffic
+/// takes bursts on this one too) keeps half of the UMEM's pool less the cold ports'
+/// floors, shared between the warm ports, within these: 64 with a few, 16 with 250.
+/// Frames on a fill ring come back only as the port receives: a port that never does
+/// keeps, for good, what it was given; when every port's floor was the share of the
+/// ports attached so far, the ones attached first at start held more than the final
+/// share (140 ports attached one by one took 6,300 frames, the uplink's queues then
+/// ran out).
 pub const IDLE_FILL: usize = 16;
 pub const IDLE_FILL_MAX: usize = BATCH;
 
@@ -531,6 +535,7 @@ impl<'id> WorkerIo<'id> {
             ifindex,
             queue,
             rx_packets: 0,
+            warm: self.ports.iter().any(|p| p.ifindex == ifindex && p.warm),
             zero_copy,
             tx_budget,
             tx,
@@ -606,13 +611,25 @@ impl<'id> WorkerIo<'id> {
     /// pod veths.
     fn reshare(&mut self) {
         let others = self.ports.len().saturating_sub(1);
+        let cold = self.ports.iter().skip(1).filter(|p| !p.warm).count();
+        let warm = others - cold;
         let pool = self
             .frames_total
-            .saturating_sub(self.reserve + FIRST_PORT_FILL);
-        self.idle_fill = (pool / (2 * others.max(1))).clamp(IDLE_FILL, IDLE_FILL_MAX);
+            .saturating_sub(self.reserve + FIRST_PORT_FILL + cold * IDLE_FILL);
+        self.idle_fill = (pool / (2 * warm.max(1))).clamp(IDLE_FILL, IDLE_FILL_MAX);
         self.fill_target = pool
-            .saturating_sub(self.idle_fill * others.saturating_sub(1))
+            .saturating_sub(self.idle_fill * warm.saturating_sub(1))
             .clamp(self.idle_fill, self.ring_size);
+    }
+
+    /// The interface of `port` received for the first time: its ports keep the floor
+    /// of ports that receive from now on (see [`IDLE_FILL`]).
+    fn warm_up(&mut self, port: usize) {
+        let ifindex = self.ports[port].ifindex;
+        for p in self.ports.iter_mut().filter(|p| p.ifindex == ifindex) {
+            p.warm = true;
+        }
+        self.reshare();
     }
 
     /// Bounds every port's fill ring (but the first's, kxp's service device) to `frames`
@@ -694,6 +711,10 @@ impl<'id> WorkerIo<'id> {
         let n = unsafe { p.rx.consume(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
         p.rx_packets += n as u64;
+        if n > 0 && !p.warm {
+            self.warm_up(port);
+        }
+        let p = &mut self.ports[port];
         p.received += n;
         p.window_received += n;
         let mut packets = 0;
@@ -961,11 +982,7 @@ impl<'id> WorkerIo<'id> {
 
     /// What `p`'s fill ring keeps when it is idle (see [`IDLE_FILL`]).
     fn floor(&self, p: &Port) -> usize {
-        if p.rx_packets > 0 {
-            self.idle_fill
-        } else {
-            IDLE_FILL
-        }
+        if p.warm { self.idle_fill } else { IDLE_FILL }
     }
 
     fn refill(&mut self, port: usize) {
@@ -1135,7 +1152,7 @@ mod tests {
             };
             // A port that never received keeps the least floor.
             let cold = io.ports[port].in_fill;
-            io.ports[port].rx_packets = 1;
+            io.ports[port].warm = true;
             let held = depth(io, 1_000, usize::MAX);
             // Taken back as the port receives (here: by hand).
             io.ports[port].in_fill = 0;
