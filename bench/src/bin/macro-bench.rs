@@ -198,7 +198,13 @@ enum Case {
     Kxp10kBase,
     /// kxp with 110 idle pod veths attached beside its two links (a kubelet's pods).
     KxpPods,
+    /// kxp, 1 worker, the generator's link with 8 queues each way (flows spread over
+    /// them, as RSS spreads them over a NIC's).
+    Kxp8q,
 }
+
+/// Queues of the generator's link in the `kxp-8q` case.
+const UPLINK_QUEUES: u32 = 8;
 
 /// Idle pod veths of the `kxp-110pods` case.
 const IDLE_PODS: usize = 110;
@@ -210,7 +216,7 @@ const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     /// Every case, in the order the error message lists them.
-    const ALL: [Case; 14] = [
+    const ALL: [Case; 15] = [
         Case::Plain,
         Case::Nft,
         Case::Ipt,
@@ -225,6 +231,7 @@ impl Case {
         Case::Kxp1m,
         Case::Kxp1mBase,
         Case::KxpPods,
+        Case::Kxp8q,
     ];
 
     fn parse(s: &str) -> anyhow::Result<Case> {
@@ -253,6 +260,7 @@ impl Case {
             Case::Kxp1mBase => "kxp-1m-base",
             Case::Kxp10kBase => "kxp-10k-base",
             Case::KxpPods => "kxp-110pods",
+            Case::Kxp8q => "kxp-8q",
         }
     }
     /// The router the case sets up (the scale cases are their router's at scale).
@@ -260,9 +268,12 @@ impl Case {
         match self {
             Case::Nft10k => Case::Nft,
             Case::Ipt10k => Case::Ipt,
-            Case::Kxp10k | Case::Kxp10kBase | Case::Kxp1m | Case::Kxp1mBase | Case::KxpPods => {
-                Case::Kxp
-            }
+            Case::Kxp10k
+            | Case::Kxp10kBase
+            | Case::Kxp1m
+            | Case::Kxp1mBase
+            | Case::KxpPods
+            | Case::Kxp8q => Case::Kxp,
             c => c,
         }
     }
@@ -303,6 +314,9 @@ impl Case {
             Case::Kxp1mBase => "kxp-1m with the --kxp-baseline binary (before)",
             Case::Kxp10kBase => "kxp-10k with the --kxp-baseline binary (before)",
             Case::KxpPods => "kxp with 110 idle pod veths attached beside its two links",
+            Case::Kxp8q => {
+                "kxp, 1 worker, the generator's link with 8 queues (flows spread over them)"
+            }
         }
     }
     fn is_kxp(self) -> bool {
@@ -317,6 +331,7 @@ impl Case {
                 | Case::Kxp1mBase
                 | Case::Kxp10kBase
                 | Case::KxpPods
+                | Case::Kxp8q
         )
     }
     /// A case of the --kxp-baseline binary.
@@ -451,6 +466,8 @@ struct Lab {
     stop: Stop,
     /// (Services, est flows) of the router set up now: what the generator sends to.
     scale: std::sync::Mutex<(u32, u32)>,
+    /// Queues in use on the generator's link (both ends): the generator sends on each.
+    uplink_queues: std::sync::Mutex<u32>,
     _dir_guard: RemoveDir,
     _topo: Topology,
 }
@@ -492,6 +509,18 @@ impl Lab {
         Ok(())
     }
 
+    /// Sets the queues in use on the generator's link, both ends (kxp stopped: the
+    /// kernel keeps a queue an AF_XDP socket is bound to).
+    fn set_uplink_queues(&self, n: u32) -> anyhow::Result<()> {
+        let n_s = n.to_string();
+        for (ns, dev) in [(&self.router, &self.rg), (&self.genns, &"eth0".to_string())] {
+            in_ns(ns, &["ethtool", "-L", dev, "rx", &n_s, "tx", &n_s])
+                .with_context(|| format!("ethtool -L {dev} rx {n} tx {n}"))?;
+        }
+        *self.uplink_queues.lock().unwrap_or_else(|e| e.into_inner()) = n;
+        Ok(())
+    }
+
     fn new(stop: Stop, keep: bool, backend_rps: bool) -> anyhow::Result<Lab> {
         let pid = std::process::id();
         let mut topo = Topology::new("kxm");
@@ -501,10 +530,15 @@ impl Lab {
         topo.forwarding(&router)?;
         let rg = format!("rg{pid}");
         let rb = format!("rb{pid}");
-        topo.link(
+        // Made with UPLINK_QUEUES queues, one in use but in the kxp-8q case.
+        topo.link_multiqueue(
             (&router, &rg, &format!("{R_GEN_IP}/24")),
             (&genns, "eth0", &format!("{GEN_IP}/24")),
+            UPLINK_QUEUES,
         )?;
+        for (ns, dev) in [(&router, &rg), (&genns, &"eth0".to_string())] {
+            in_ns(ns, &["ethtool", "-L", dev, "rx", "1", "tx", "1"])?;
+        }
         topo.link(
             (&router, &rb, &format!("{R_BACK_IP}/24")),
             (&back, "eth0", &format!("{}/24", ENDPOINTS[0])),
@@ -617,6 +651,7 @@ impl Lab {
             dir,
             stop,
             scale: std::sync::Mutex::new((1, 1024)),
+            uplink_queues: std::sync::Mutex::new(1),
             _dir_guard: guard,
             _topo: topo,
         })
@@ -716,6 +751,8 @@ impl Lab {
             let (vips, flows) = *self.scale.lock().unwrap_or_else(|e| e.into_inner());
             cmd.arg("--vips").arg(vips.to_string());
             cmd.arg("--flows").arg(flows.to_string());
+            let queues = *self.uplink_queues.lock().unwrap_or_else(|e| e.into_inner());
+            cmd.arg("--queues").arg(queues.to_string());
             return Proc::spawn(cmd, "xsk-gen", &self.dir.join(format!("xsk-gen-{tag}.log")));
         }
         if *self.scale.lock().unwrap_or_else(|e| e.into_inner()) != (1, 1024) {
@@ -1254,6 +1291,9 @@ impl<'a> Router<'a> {
                     lab.idle_pods(true)?;
                     args.extend(["--interface".into(), "vp*".into()]);
                 }
+                if case == Case::Kxp8q {
+                    lab.set_uplink_queues(UPLINK_QUEUES)?;
+                }
                 if !case.is_base() {
                     args.extend(KXP_ARGS.get().into_iter().flatten().cloned());
                 }
@@ -1343,6 +1383,9 @@ impl Drop for Router<'_> {
                 }
                 if self.case == Case::KxpPods {
                     let _ = lab.idle_pods(false);
+                }
+                if self.case == Case::Kxp8q {
+                    let _ = lab.set_uplink_queues(1);
                 }
                 // A stopped kxp keeps its steering and connections for the next one: the
                 // next case or mode starts afresh instead.

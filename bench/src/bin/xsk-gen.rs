@@ -26,9 +26,14 @@ use dataplane::xsk::{Sockets, XskConfig};
 #[derive(Debug, Parser)]
 #[command(name = "xsk-gen")]
 struct Args {
-    /// Interface to send on (queue 0).
+    /// Interface to send on.
     #[arg(long)]
     dev: String,
+    /// Transmit queues to send on, 0 up to N-1 (a socket on each): flow k (`est`) or
+    /// packet k (`new`) leaves on queue k mod N, so that a veth peer receives them on
+    /// as many receive queues, as RSS spreads flows over a NIC's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    queues: u32,
     /// est (1,024 flows) or new (a new tuple every packet).
     #[arg(long)]
     mode: String,
@@ -98,7 +103,12 @@ fn main() -> anyhow::Result<()> {
     }
     let sockets = Sockets::open(&XskConfig::default(), std::slice::from_ref(&a.dev), 0)
         .with_context(|| format!("opening an AF_XDP socket on {}", a.dev))?;
+    let ifindex = dataplane::xdp::ifindex_of(&a.dev).context("no such interface")?;
     let (sent, t) = sockets.with(|mut io| {
+        for q in 1..a.queues {
+            io.add_port(&a.dev, ifindex, q)
+                .with_context(|| format!("opening an AF_XDP socket on {} queue {q}", a.dev))?;
+        }
         let started = Instant::now();
         let mut sent = 0u64;
         // Tuple counters, as trafgen's dinc(): periods --flows (est) or 64 × 251 × 64,512
@@ -127,7 +137,7 @@ fn main() -> anyhow::Result<()> {
             }
             for _ in 0..burst {
                 let Some(mut f) = io.alloc() else { break };
-                let (source, dst) = if new {
+                let (source, dst, flow) = if new {
                     let src = Ipv4Addr::new(198, 18, 64 + b2 as u8, 1 + b3 as u8);
                     let sport = 1024 + port as u16;
                     b2 = (b2 + 1) % 64;
@@ -135,22 +145,26 @@ fn main() -> anyhow::Result<()> {
                     port = (port + 1) % 64_512;
                     let dst = Ipv4Addr::from(base + vip);
                     vip = (vip + 1) % a.vips;
-                    ((src, sport), dst)
+                    ((src, sport), dst, sent)
                 } else {
                     let k = port;
                     port = (port + 1) % a.flows;
-                    (est_source(&a, k), Ipv4Addr::from(base + k % a.vips))
+                    (
+                        est_source(&a, k),
+                        Ipv4Addr::from(base + k % a.vips),
+                        u64::from(k),
+                    )
                 };
                 let bytes = kxp_bench::udp_frame(src_mac, dst_mac, source, (dst, a.dport));
                 io.set_len(&mut f, 60);
                 io.bytes(&mut f).copy_from_slice(&bytes);
-                io.send(0, f);
+                io.send((flow % u64::from(a.queues)) as usize, f);
                 sent += 1;
             }
             io.flush();
         }
-        (sent, started.elapsed())
-    });
+        anyhow::Ok((sent, started.elapsed()))
+    })?;
     println!("\n{sent:>12} packets outgoing");
     println!("{:>12} bytes outgoing", sent * 60);
     println!(
