@@ -645,7 +645,14 @@ impl Dataplane {
             stop: AtomicBool::new(false),
             stats: (0..cfg.workers).map(|_| WorkerStats::default()).collect(),
             inbox: (0..cfg.workers).map(|_| ArrayQueue::new(4096)).collect(),
-            commands: txs,
+            commands: txs
+                .into_iter()
+                .map(|tx| {
+                    crate::sys::Wake::new()
+                        .map(|w| crate::worker::CommandSender::new(tx, Arc::new(w)))
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|e| DataplaneError::Config(format!("cannot create an eventfd: {e}")))?,
             attached: ArcSwap::from_pointee(Vec::new()),
             frags: std::sync::Mutex::new(conntrack::FragTable::new(
                 FRAG_DATAGRAMS,

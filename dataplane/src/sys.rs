@@ -50,6 +50,48 @@ pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> bool {
     rc > 0
 }
 
+/// An eventfd that wakes a worker sleeping in [`poll_readable`] (its descriptor is in
+/// the worker's set): the control plane rings it after sending the worker a command, so
+/// the command is answered at once instead of after the worker's poll timeout (up to
+/// 16 ms, once per queue of every interface attached).
+#[derive(Debug)]
+pub struct Wake(std::os::fd::OwnedFd);
+
+impl Wake {
+    /// # Errors
+    /// The kernel refuses an eventfd (out of descriptors).
+    pub fn new() -> io::Result<Wake> {
+        // SAFETY: eventfd takes no pointers; a non-negative return is a new descriptor
+        // that nothing else owns.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+        Ok(Wake(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }))
+    }
+
+    /// Makes the descriptor readable (a wake-up), until [`Wake::clear`].
+    pub fn ring(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live 8-byte buffer to our own eventfd; a full
+        // counter (EAGAIN) means it is already readable, which is all we want.
+        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Makes it unreadable again (non-blocking).
+    pub fn clear(&self) {
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live 8-byte buffer from our own
+        // non-blocking eventfd.
+        unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
 /// A zero-length non-blocking `recvfrom` on an AF_XDP socket: with busy polling, this is
 /// what makes the kernel run the device's receive processing for us.
 pub fn kick_rx(fd: RawFd) {

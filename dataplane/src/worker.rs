@@ -226,7 +226,7 @@ pub struct Shared {
     pub stop: AtomicBool,
     pub stats: Vec<WorkerStats>,
     pub inbox: Vec<ArrayQueue<Handoff>>,
-    pub commands: Vec<crossbeam::channel::Sender<Command>>,
+    pub commands: Vec<CommandSender>,
     /// Names of the attached interfaces by ifindex (for a packet handed over from an
     /// interface this worker has no socket on).
     pub attached: ArcSwap<Vec<(u32, String)>>,
@@ -234,6 +234,34 @@ pub struct Shared {
     /// the worker that owns its flow, its other fragments (no ports) to whichever worker
     /// received them. Only fragments take this lock.
     pub frags: std::sync::Mutex<conntrack::FragTable>,
+}
+
+/// A worker's command channel, which also wakes the worker if it sleeps.
+#[derive(Debug, Clone)]
+pub struct CommandSender {
+    tx: crossbeam::channel::Sender<Command>,
+    wake: Arc<crate::sys::Wake>,
+}
+
+impl CommandSender {
+    pub fn new(tx: crossbeam::channel::Sender<Command>, wake: Arc<crate::sys::Wake>) -> Self {
+        CommandSender { tx, wake }
+    }
+
+    /// Sends `cmd` and wakes the worker.
+    ///
+    /// # Errors
+    /// The worker is gone.
+    pub fn send(&self, cmd: Command) -> Result<(), crossbeam::channel::SendError<Command>> {
+        self.tx.send(cmd)?;
+        self.wake.ring();
+        Ok(())
+    }
+
+    /// What the worker polls (and clears) to be woken.
+    pub fn wake(&self) -> &crate::sys::Wake {
+        &self.wake
+    }
 }
 
 impl Shared {
@@ -465,6 +493,15 @@ impl MasqueradeSource for FibSource<'_> {
 }
 
 impl<'id> Worker<'id> {
+    /// What the worker sleeps on: its sockets, and the eventfd that a command rings.
+    fn poll_fds(&self) -> Vec<std::os::fd::RawFd> {
+        let mut fds = self.io.fds();
+        if let Some(c) = self.shared.commands.get(self.id) {
+            fds.push(c.wake().fd());
+        }
+        fds
+    }
+
     /// A worker for queue `id`; `io` holds its sockets (more come and go by
     /// [`Command::AddPort`] and [`Command::RemovePort`]).
     pub fn new(
@@ -508,7 +545,7 @@ impl<'id> Worker<'id> {
         {
             tracing::warn!("worker {}: cannot pin to CPU {cpu}: {e}", self.id);
         }
-        let mut fds = self.io.fds();
+        let mut fds = self.poll_fds();
         let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
         let mut keys: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
         let mut replies: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
@@ -590,7 +627,7 @@ impl<'id> Worker<'id> {
             }
             if self.ports_changed {
                 self.ports_changed = false;
-                fds = self.io.fds();
+                fds = self.poll_fds();
                 self.port_names = (0..self.io.port_count())
                     .map(|p| self.io.ifname(p).to_string())
                     .collect();
@@ -677,6 +714,9 @@ impl<'id> Worker<'id> {
                         1 // a neighbour being resolved: look again soon
                     };
                     crate::sys::poll_readable(&fds, ms);
+                    if let Some(c) = self.shared.commands.get(self.id) {
+                        c.wake().clear();
+                    }
                     slept = true;
                 } else {
                     std::hint::spin_loop();
