@@ -4,7 +4,8 @@
 # Makes its own namespaces (kxpst-*-PID: the node, and one for the pods' peers), an
 # uplink and N veths (kernel defaults, up, no traffic), runs kxp with --interface up0
 # --interface 'vp*', prints the seconds to healthy and the log's start-up lines, and
-# removes everything it made.
+# removes everything it made. Then it adds three more veths one at a time while kxp runs
+# and prints how long after its creation each was attached.
 set -euo pipefail
 N=${1:?usage: startup.sh N [kxp]}
 KXP=${2:-$(dirname "$0")/../target/release/kxp}
@@ -39,7 +40,7 @@ spec:
   ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
 EOT
 start=$(date +%s.%N)
-ip netns exec "$NS" "$KXP" run --interface up0 --interface 'vp*' \
+ip netns exec "$NS" "$KXP" run --interface up0 --interface 'vp*' --interface 'vn*' \
     --state-file "$DIR/state.yaml" --node-ip 198.18.1.1 \
     --healthz-bind-address 127.0.0.1:10256 --workers 1 > "$DIR/kxp.log" 2>&1 &
 PID=$!
@@ -49,4 +50,18 @@ for _ in $(seq 1 1500); do
 done
 end=$(date +%s.%N)
 echo "$N pod veths: healthy after $(awk "BEGIN { printf \"%.2f\", $end - $start }") s"
-grep -E "steering program loaded|attached interface=(up0|vp0|vp$((N - 1))) " "$DIR/kxp.log" | cut -c1-160
+grep -E "start-up:|attached interface=(up0|vp0|vp$((N - 1))) " "$DIR/kxp.log" | cut -c1-420
+# One more pod's veth while kxp runs: from its creation to kxp's "attached" line.
+for k in 1 2 3; do
+    t0=$(date +%s.%N)
+    ip -n "$NS" link add "vn$k" type veth peer name "f$k" netns "$PODS"
+    ip -n "$NS" link set "vn$k" up
+    ip -n "$PODS" link set "f$k" up
+    for _ in $(seq 1 500); do
+        grep -q "attached interface=vn$k " "$DIR/kxp.log" && break
+        sleep 0.005
+    done
+    at=$(grep "attached interface=vn$k " "$DIR/kxp.log" | cut -d' ' -f1)
+    t1=$(date -d "$at" +%s.%N)
+    echo "a new pod's veth: attached $(awk "BEGIN { printf \"%.0f\", ($t1 - $t0) * 1000 }") ms after it was created"
+done

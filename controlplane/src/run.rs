@@ -179,6 +179,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     input
         .feed(&mut tracker, true)
         .map_err(|e| anyhow::anyhow!("{}: {e:#}", input.describe()))?;
+    let listing = listed.elapsed();
 
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let health = Arc::new(Health::with_timeout(resync * 2));
@@ -221,11 +222,21 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         tracing::warn!("{e}");
     }
     dp.publish(first.update)?;
+    let first_sync = first_started.elapsed();
     // Filled with the first state: the new programs replace the ones a previous kxp left
     // steering (and holding) the interfaces.
+    let taking_over = Instant::now();
     if let Err(e) = dp.take_over() {
         tracing::warn!(error = %e, "taking over the previous kxp's XDP links");
     }
+    tracing::info!(
+        interfaces = dp.start_times.interfaces,
+        "start-up: reading the state {} ms, {}, first sync {} ms, take-over {} ms",
+        listing.as_millis(),
+        dp.start_times.describe(),
+        first_sync.as_millis(),
+        taking_over.elapsed().as_millis()
+    );
     if let Some(r) = dp.restored() {
         tracing::info!(
             "restored {} flow(s) and {} affinity entries from the previous process",

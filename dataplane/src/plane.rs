@@ -243,9 +243,37 @@ fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
 }
 
 /// A running dataplane.
+/// How long each part of [`Dataplane::start`] took (the log's start-up line).
+#[derive(Debug, Clone, Default)]
+pub struct StartTimes {
+    /// (part, duration), in order.
+    pub parts: Vec<(&'static str, Duration)>,
+    /// Interfaces attached at start.
+    pub interfaces: usize,
+}
+
+impl StartTimes {
+    fn lap(&mut self, part: &'static str, since: &mut Instant) {
+        let now = Instant::now();
+        self.parts.push((part, now - *since));
+        *since = now;
+    }
+
+    /// "part N ms, part N ms, ...".
+    pub fn describe(&self) -> String {
+        self.parts
+            .iter()
+            .map(|(p, d)| format!("{p} {} ms", d.as_millis()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 #[derive(Debug)]
 pub struct Dataplane {
     pub shared: Arc<Shared>,
+    /// Start-up, part by part.
+    pub start_times: StartTimes,
     /// The locked state directory (released last, when the files are written).
     persistence: Option<crate::persistence::Persistence>,
     /// What the workers share per node (affinity, endpoint load, round-robin).
@@ -633,9 +661,13 @@ impl Dataplane {
         } else {
             cfg.attach
         };
+        let mut times = StartTimes::default();
+        let mut lap = Instant::now();
         let service = ServiceDevice::create(&cfg.service_device, cfg.workers as u32, keep)?;
+        times.lap("service device", &mut lap);
         let fib = Arc::new(FibMirror::start(&[])?);
         fib.wait_ready(Duration::from_secs(5))?;
+        times.lap("FIB mirror", &mut lap);
 
         let (txs, rxs): (Vec<_>, Vec<_>) = (0..cfg.workers)
             .map(|_| crossbeam::channel::unbounded())
@@ -665,13 +697,14 @@ impl Dataplane {
         // routes of the Service addresses into its host side (see crate::servicedev).
         // The steering program is loaded (and verified) once, here: every interface
         // attached later shares it and its maps (see crate::xdp).
-        let loading = Instant::now();
+        lap = Instant::now();
         let mut service_prog = Steering::load()?;
         tracing::info!(
-            took_ms = loading.elapsed().as_millis() as u64,
+            took_ms = lap.elapsed().as_millis() as u64,
             prog_id = service_prog.prog_id(),
             "steering program loaded"
         );
+        times.lap("steering program", &mut lap);
         service_prog.prepare_for(&service.dp, service.dp_ifindex)?;
         service_prog.set_snat_range(lo, hi)?;
         service_prog.set_service_device()?;
@@ -710,6 +743,7 @@ impl Dataplane {
                 bytes >> 20
             ),
         }
+        times.lap("connection tables", &mut lap);
         let (mut persistence, node) = match &cfg.state_dir {
             Some(dir) => {
                 let (p, affinity) = crate::persistence::Persistence::start(
@@ -735,6 +769,7 @@ impl Dataplane {
             }
             None => (None, NodeState::new(cfg.affinity_capacity)),
         };
+        times.lap("state restore", &mut lap);
         // Each worker is put together in its own thread, around its sockets branded
         // there (see crate::xsk): what it needs is gathered here.
         let mut workers = Vec::new();
@@ -806,6 +841,7 @@ impl Dataplane {
         });
         let mut dp = Dataplane {
             shared: shared.clone(),
+            start_times: StartTimes::default(),
             persistence,
             node,
             links: links.clone(),
@@ -825,9 +861,18 @@ impl Dataplane {
                 })?;
             dp.threads.push(h);
         }
+        times.lap("workers", &mut lap);
         dp.program(&Update::full(initial))?;
         // The interfaces there now; one named without a wildcard must attach.
         links.reconcile(&dp.fib.view().links(), true)?;
+        times.lap("interfaces", &mut lap);
+        times.interfaces = links
+            .prog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .steering
+            .len();
+        dp.start_times = times;
         let stop = dp.link_stop.clone();
         let published = dp.fib.published();
         let view = dp.fib.view();
