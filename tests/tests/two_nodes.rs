@@ -79,8 +79,9 @@ const V6: Plan = Plan {
 };
 
 /// One dual-stack NodePort Service `name` (ClusterIPs `vip4`, `vip6`; port 80 → 8080 TCP
-/// on NodePort `np`, 9 → 9000 UDP on NodePort `np` - 71) with one endpoint pod on `node`, as
-/// the API has it: a Service and an EndpointSlice per family.
+/// on NodePort `np`, 9 → 9000 UDP on NodePort `np` - 71, 10 → 9001 UDP, a port the pod
+/// does not listen on: it answers with ICMP port unreachable) with one endpoint pod on
+/// `node`, as the API has it: a Service and an EndpointSlice per family.
 fn service(
     name: &str,
     vip4: &str,
@@ -96,7 +97,7 @@ fn service(
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-{suffix}\n  \
              namespace: demo\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: {family}\n\
              ports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: sink, port: 9000, protocol: UDP}}\n\
-             endpoints:\n- addresses: [\"{ep}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n---\n"
+             - {{name: closed, port: {CLOSED}, protocol: UDP}}\nendpoints:\n- addresses: [\"{ep}\"]\n  nodeName: {node}\n  conditions: {{ready: true}}\n---\n"
         )
     };
     format!(
@@ -104,11 +105,15 @@ fn service(
          clusterIP: {vip4}\n  clusterIPs: [{vip4}, \"{vip6}\"]\n  ipFamilies: [IPv4, IPv6]\n  \
          ipFamilyPolicy: RequireDualStack\n  ports:\n  \
          - {{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {np}}}\n  \
-         - {{name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: {sink}}}\n---\n{}{}",
+         - {{name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: {sink}}}\n  \
+         - {{name: closed, port: 10, targetPort: {CLOSED}, protocol: UDP}}\n---\n{}{}",
         slice("IPv4", "1", ep4),
         slice("IPv6", "6", ep6)
     )
 }
+
+/// An endpoint port (UDP) no pod listens on.
+const CLOSED: u16 = 9001;
 
 /// The Node object of `name` with its two InternalIPs.
 fn node(name: &str, v4: &str, v6: &str) -> String {
@@ -397,6 +402,32 @@ impl Cluster {
         .unwrap()
     }
 
+    /// `n` UDP datagrams from namespace `from` to `to` (a port nobody listens on), each
+    /// from a new connected socket: how many were answered with an ICMP port unreachable
+    /// that the client's kernel matched to its socket (`ECONNREFUSED`).
+    fn refused(&self, from: &str, to: SocketAddr, n: usize) -> usize {
+        spawn_in(from, move || {
+            let mut ok = 0;
+            for _ in 0..n {
+                let any = if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+                let s = UdpSocket::bind(any).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                s.connect(to).unwrap();
+                let _ = s.send(b"?");
+                let mut buf = [0u8; 64];
+                if let Err(e) = s.recv(&mut buf)
+                    && e.kind() == std::io::ErrorKind::ConnectionRefused
+                {
+                    ok += 1;
+                }
+            }
+            ok
+        })
+        .join()
+        .unwrap()
+        .unwrap()
+    }
+
     /// kxp's metrics on node `i` (0: node-a, 1: node-b), once kxp has refreshed them
     /// after what the test just did (it does every second).
     fn metrics(&self, i: usize) -> String {
@@ -590,6 +621,29 @@ fn every_kind_of_traffic(c: &Cluster) -> Vec<(String, usize, usize)> {
         udp("pod a1 -> web-a2 directly", a1, sa(p.web_a2, 9000));
         udp("ext -> web-b1 directly", ext, sa(p.web_b1, 9000));
         udp("ext -> web-a2 directly", ext, sa(p.web_a2, 9000));
+        // ICMP errors: a pod's port unreachable, about traffic straight to it (the
+        // kernel's, to be carried as the kernel would) and about Service traffic (kxp's,
+        // translated back to the VIP).
+        // Two each: a host sends a burst of 6 ICMP errors to one destination, then one a
+        // second (icmp_ratelimit, per destination), and web-b1 answers a1 four times here.
+        let mut refused = |what: &str, from: &str, to: SocketAddr| {
+            let ok = c.refused(from, to, 2);
+            out.push((
+                format!("{family} {what} (UDP {to}: port unreachable)"),
+                ok,
+                2,
+            ));
+        };
+        refused("ext -> web-b1 directly", ext, sa(p.web_b1, CLOSED));
+        refused("ext -> web-a2 directly", ext, sa(p.web_a2, CLOSED));
+        refused("pod a1 -> web-b1 directly", a1, sa(p.web_b1, CLOSED));
+        refused("pod a1 -> web-a2 directly", a1, sa(p.web_a2, CLOSED));
+        refused("pod a1 -> ClusterIP -> web-b1", a1, sa(p.vip_b, 10));
+        refused(
+            "ext -> ClusterIP via node-a -> web-b1",
+            ext,
+            sa(p.vip_b, 10),
+        );
     }
     out
 }
