@@ -290,7 +290,8 @@ pub struct Dataplane {
 /// What the XDP programs on the attached interfaces hold, and the interfaces themselves.
 #[derive(Debug, Default)]
 struct Programming {
-    /// One program instance per attached interface.
+    /// A handle per attached interface, all on the service device's program (one
+    /// program and one set of maps, see crate::xdp).
     steering: Vec<Steering>,
     /// The instance on kxp's service device (the node's own traffic).
     service: Option<Steering>,
@@ -1294,8 +1295,9 @@ impl LinkCtl {
         Ok(())
     }
 
-    /// Loads and attaches a program instance to `link`, fills its maps with what is
-    /// wanted now, and opens a socket on every receive queue of the interface: queue `q`
+    /// Attaches the shared steering program to `link` (a new handle, a slot in its maps,
+    /// which already hold what is wanted), and opens a socket on every receive queue of
+    /// the interface: queue `q`
     /// is served by worker `q % workers` (a worker serves several queues when the
     /// interface has more than there are workers: RSS spreads flows over every queue,
     /// and a queue without a socket would pass Service traffic untranslated).
