@@ -64,27 +64,26 @@ impl SteerStats {
     }
 }
 
-/// Counters per interface slot (`ST_MAX`).
-pub(super) const PER_SLOT: u32 = 13;
+/// Counters per interface slot (`ST_MAX`): one `stats` entry (per CPU) holds them all.
+pub(super) const PER_SLOT: usize = 13;
 
 /// Reads and sums the counters of interface slot `slot` in the `stats` map.
 pub(super) fn read(stats: &MapHandle, slot: u32) -> Result<SteerStats, XdpError> {
-    let mut c = [0u64; PER_SLOT as usize];
-    for (idx, counter) in (slot * PER_SLOT..).zip(c.iter_mut()) {
-        let per_cpu = stats
-            .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|source| XdpError::Map {
-                map: "stats",
-                op: "lookup",
-                key: Some(format!("counter {idx}")),
-                source,
-            })?
-            .unwrap_or_default();
-        *counter = per_cpu
-            .iter()
-            .filter_map(|v| v.get(..8).and_then(|b| b.try_into().ok()))
-            .map(u64::from_ne_bytes)
-            .fold(0u64, u64::wrapping_add);
+    let per_cpu = stats
+        .lookup_percpu(&slot.to_ne_bytes(), MapFlags::ANY)
+        .map_err(|source| XdpError::Map {
+            map: "stats",
+            op: "lookup",
+            key: Some(format!("slot {slot}")),
+            source,
+        })?
+        .unwrap_or_default();
+    let mut c = [0u64; PER_SLOT];
+    for cpu in &per_cpu {
+        for (counter, b) in c.iter_mut().zip(cpu.chunks_exact(8)) {
+            let v = u64::from_ne_bytes(b.try_into().unwrap_or([0; 8]));
+            *counter = counter.wrapping_add(v);
+        }
     }
     let [
         seen,
@@ -127,16 +126,13 @@ pub(super) fn clear(stats: &MapHandle, slot: u32) -> Result<(), XdpError> {
         key: None,
         source,
     })?;
-    let zeros = vec![vec![0u8; 8]; cpus];
-    for idx in slot * PER_SLOT..(slot + 1) * PER_SLOT {
-        stats
-            .update_percpu(&idx.to_ne_bytes(), &zeros, MapFlags::ANY)
-            .map_err(|source| XdpError::Map {
-                map: "stats",
-                op: "update",
-                key: Some(format!("counter {idx}")),
-                source,
-            })?;
-    }
-    Ok(())
+    let zeros = vec![vec![0u8; 8 * PER_SLOT]; cpus];
+    stats
+        .update_percpu(&slot.to_ne_bytes(), &zeros, MapFlags::ANY)
+        .map_err(|source| XdpError::Map {
+            map: "stats",
+            op: "update",
+            key: Some(format!("slot {slot}")),
+            source,
+        })
 }
