@@ -338,7 +338,6 @@ struct LinkCtl {
     patterns: Vec<String>,
     attach: AttachMode,
     workers: usize,
-    snat: (u16, u16),
     busy_poll: bool,
     shared: Arc<Shared>,
     fib: Arc<FibMirror>,
@@ -831,7 +830,6 @@ impl Dataplane {
             patterns: cfg.interfaces.clone(),
             attach,
             workers: cfg.workers,
-            snat: cfg.snat_ports,
             busy_poll: cfg.xsk.busy_poll.is_some(),
             shared: shared.clone(),
             fib: fib.clone(),
@@ -1336,15 +1334,11 @@ impl LinkCtl {
             );
         }
         // The service device's program, shared: its maps already hold what is wanted.
-        let mut s = match &prog.service {
-            Some(root) => root.share()?,
-            None => {
-                let mut s = Steering::load()?;
-                s.set_snat_range(self.snat.0, self.snat.1)?;
-                prog.fill(&mut s)?;
-                s
-            }
-        };
+        let mut s = prog
+            .service
+            .as_ref()
+            .ok_or_else(|| DataplaneError::Config("the steering program is not loaded".into()))?
+            .share()?;
         s.prepare_for(&link.name, link.ifindex)?;
         if self.keep {
             s.set_hold(queues as u32)?;
@@ -1463,17 +1457,6 @@ impl LinkCtl {
 }
 
 impl Programming {
-    /// Fills the maps of a newly attached interface's program with what is wanted now.
-    fn fill(&self, s: &mut Steering) -> Result<(), DataplaneError> {
-        let w = &self.wanted;
-        s.sync_local_addrs(&w.local)?;
-        s.sync_service_cidrs(&w.service_cidrs)?;
-        s.sync_frontends(&w.frontends.keys().copied().collect())?;
-        s.sync_endpoints(&w.endpoints.keys().copied().collect())?;
-        s.sync_cluster_ips(&w.cluster_ips.keys().copied().collect())?;
-        Ok(())
-    }
-
     /// Brings every attached program's maps in line with `update`; returns the UDP
     /// endpoints that went away and the first error, if any.
     fn program(
