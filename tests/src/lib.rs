@@ -23,6 +23,12 @@ pub fn kxp_bin() -> PathBuf {
     bin
 }
 
+/// The nftables forward chain of a node whose firewall drops conntrack-INVALID packets,
+/// as Calico, kube-proxy's KUBE-FORWARD and many host firewalls have it: a connection whose
+/// answers kxp took from the kernel would be dropped by it.
+pub const CT_INVALID_DROP: &str = "add table inet kxp-test-fw; add chain inet kxp-test-fw forward \
+     { type filter hook forward priority 0; policy accept; ct state invalid counter drop; }";
+
 /// An IPv6 address on a device in namespace `ns`, without duplicate-address detection
 /// (usable at once).
 ///

@@ -5,10 +5,20 @@
 //! 2001:db8::/32 only; everything removed on drop, also when an assertion fails):
 //!
 //! ```text
-//!  client 198.18.1.2 ──veth── 198.18.1.1 node (kxp) 198.18.2.1 ──veth── 198.18.2.2 web-1
-//!                                                    198.18.2.5 ──veth── 198.18.2.6 web-2
-//!                                                    198.18.2.9 ──veth── 198.18.2.10 web-3
+//!  client 198.18.1.2 ──veth── 198.18.1.1 node-a (kxp) 198.18.2.1 ──veth── 198.18.2.2 web-1
+//!                                                      198.18.2.5 ──veth── 198.18.2.6 web-2
+//!                                                      198.18.3.1 ══wire══ 198.18.3.2 node-b (kxp)
+//!                                                                  198.18.2.9 ──veth── 198.18.2.10 web-3
 //! ```
+//!
+//! Two nodes, each running its own kxp, as a cluster has them: web-3 lives on node-b,
+//! behind the wire (`n-wire`, checksums completed on it as a NIC leaves them), so Service
+//! traffic to it crosses from node-a's kxp to node-b's, and its EndpointSlice entry names
+//! node-b. The client also reaches web-1 and web-3 straight (no Service) in every test.
+//! `Opts::peer_node = false` puts web-3 back on node-a, for the tests about a link of
+//! the node itself. Both nodes' firewalls drop conntrack-INVALID packets in forward
+//! (`ct state invalid drop`), as Calico, kube-proxy's KUBE-FORWARD and many host
+//! firewalls do.
 //!
 //! As a node has them: the uplink (`n-client`) has 4 queues (more than the workers), the
 //! node also holds docker0 (198.18.250.1) and flannel.1 (198.18.251.0), and kxp runs
@@ -19,7 +29,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::path::PathBuf;
 
-use kxp_tests::{add6, kxp_bin, metric};
+use kxp_tests::{CT_INVALID_DROP, add6, kxp_bin, metric};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
@@ -55,6 +65,15 @@ fn node_state_at(internal_ip: &str, endpoints: &[&str], extra_spec: &str) -> Str
     )
 }
 
+/// node-a's and node-b's ends of the wire between them (IPv4, IPv6).
+const WIRE: [(&str, &str); 2] = [
+    ("198.18.3.1/30", "2001:db8:3::1/64"),
+    ("198.18.3.2/30", "2001:db8:3::2/64"),
+];
+
+/// node-b's Node object (InternalIP: its end of the wire).
+const NODE_B: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-b}\nstatus:\n  addresses: [{type: InternalIP, address: 198.18.3.2}, {type: Hostname, address: node-b}]\n";
+
 const NODE_SIDE: [&str; 3] = ["198.18.2.1/30", "198.18.2.5/30", "198.18.2.9/30"];
 const POD_SIDE: [&str; 3] = ["198.18.2.2/30", "198.18.2.6/30", "198.18.2.10/30"];
 
@@ -68,12 +87,16 @@ fn require_root() {
 struct Lab {
     // Field order = drop order: kxp first, then servers, then namespaces.
     kxp: Option<KxpProcess>,
+    /// node-b's kxp.
+    peer_kxp: Option<KxpProcess>,
     api: Option<kxp_tests::fakeapi::FakeApi>,
     servers: Vec<Backend>,
     stop: Arc<AtomicBool>,
     topo: Topology,
     client: String,
     node: String,
+    /// node-b's namespace, when the lab has it.
+    peer: Option<String>,
     backends: Vec<String>,
     dir: PathBuf,
     generation: u32,
@@ -121,6 +144,9 @@ struct Opts<'a> {
     /// namespace standing for the pods), made before kxp starts; `--interface lxc*` is
     /// added to kxp's arguments.
     idle_pods: usize,
+    /// A second node running kxp (node-b) with web-3 behind it, joined to the node by a
+    /// wire; otherwise web-3 is on the node too.
+    peer_node: bool,
 }
 
 impl Default for Opts<'_> {
@@ -144,6 +170,7 @@ impl Default for Opts<'_> {
             capabilities: None,
             kxp_args: &[],
             idle_pods: IDLE_PODS,
+            peer_node: true,
         }
     }
 }
@@ -204,27 +231,73 @@ impl Lab {
             )
             .unwrap();
         }
+        // node-b, joined to the node by the wire: a NIC completes checksums before the
+        // wire, so nothing partial crosses it (the one offload a test may turn off).
+        let peer = o.peer_node.then(|| {
+            let peer = topo.add_ns("node-b").unwrap();
+            topo.forwarding(&peer).unwrap();
+            link(
+                &topo,
+                o.queues,
+                (&node, "n-wire", WIRE[0].0),
+                (&peer, "n-wire", WIRE[1].0),
+            );
+            for ns in [&node, &peer] {
+                in_ns(ns, &["ethtool", "-K", "n-wire", "tx", "off"]).unwrap();
+            }
+            // web-3's /30 is node-b's; node-b reaches everything else through node-a.
+            in_ns(
+                &node,
+                &["ip", "route", "add", "198.18.2.8/30", "via", "198.18.3.2"],
+            )
+            .unwrap();
+            in_ns(
+                &peer,
+                &["ip", "route", "add", "default", "via", "198.18.3.1"],
+            )
+            .unwrap();
+            if v6 {
+                add6(&node, "n-wire", WIRE[0].1);
+                add6(&peer, "n-wire", WIRE[1].1);
+                for (ns, cmd) in [
+                    (&node, &["2001:db8:2:3::/64", "via", "2001:db8:3::2"]),
+                    (&peer, &["default", "via", "2001:db8:3::1"]),
+                ] {
+                    let mut c = vec!["ip", "-6", "route", "add"];
+                    c.extend(cmd);
+                    in_ns(ns, &c).unwrap();
+                }
+            }
+            peer
+        });
         let mut backends = Vec::new();
         let mut args: Vec<String> = vec!["--interface".into(), "n-client".into()];
         for i in 0..3 {
             let ns = topo.add_ns(&format!("web{}", i + 1)).unwrap();
             let dev = format!("n-web{}", i + 1);
+            // web-3 is node-b's pod when the lab has node-b.
+            let host = match &peer {
+                Some(peer) if i == 2 => peer,
+                _ => &node,
+            };
             link(
                 &topo,
                 o.queues,
-                (&node, &dev, NODE_SIDE[i]),
+                (host, &dev, NODE_SIDE[i]),
                 (&ns, "eth0", POD_SIDE[i]),
             );
             let gw = NODE_SIDE[i].split('/').next().unwrap();
             in_ns(&ns, &["ip", "route", "add", "default", "via", gw]).unwrap();
             if v6 {
-                add6(&node, &dev, &format!("2001:db8:2:{}::1/64", i + 1));
+                add6(host, &dev, &format!("2001:db8:2:{}::1/64", i + 1));
                 add6(&ns, "eth0", &format!("2001:db8:2:{}::2/64", i + 1));
                 let gw6 = format!("2001:db8:2:{}::1", i + 1);
                 in_ns(&ns, &["ip", "-6", "route", "add", "default", "via", &gw6]).unwrap();
             }
-            args.push("--interface".into());
-            args.push(dev);
+            if host == &node {
+                args.push("--interface".into());
+                args.push(dev);
+            }
             backends.push(ns);
         }
         if let Some(list) = o.interfaces {
@@ -232,6 +305,9 @@ impl Lab {
                 .iter()
                 .flat_map(|i| ["--interface".to_string(), i.to_string()])
                 .collect();
+        }
+        if peer.is_some() {
+            args.extend(["--interface".to_string(), "n-wire".to_string()]);
         }
         if o.idle_pods > 0 {
             args.extend(["--interface".to_string(), "lxc*".to_string()]);
@@ -261,6 +337,11 @@ impl Lab {
         ] {
             in_ns(&node, cmd).unwrap();
         }
+        // Both nodes' firewalls drop conntrack-INVALID packets in forward, as many do:
+        // what kxp does not translate must stay on the kernel's path, both directions.
+        for ns in std::iter::once(&node).chain(&peer) {
+            in_ns(ns, &["nft", CT_INVALID_DROP]).unwrap();
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let names = ["web-1", "web-2", "web-3"];
         let servers = backends
@@ -276,16 +357,57 @@ impl Lab {
             (Some(t), _) | (None, Some(t)) => t.clone(),
             (None, None) => node_state(&WEB[..o.endpoints], o.extra_spec),
         };
-        std::fs::write(&state, text).unwrap();
-        let config = dir.join("kube-proxy.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: \"{}\"\nhostnameOverride: node-a\n{}",
-                o.cluster_cidr, o.config_extra
-            ),
-        )
-        .unwrap();
+        let text = placed(o.peer_node, &text);
+        std::fs::write(&state, &text).unwrap();
+        let config_of = |name: &str, extra: &str| {
+            let config = dir.join(format!("kube-proxy-{name}.yaml"));
+            std::fs::write(
+                &config,
+                format!(
+                    "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: \"{}\"\nhostnameOverride: {name}\n{}",
+                    o.cluster_cidr, extra
+                ),
+            )
+            .unwrap();
+            config
+        };
+        let config = config_of("node-a", o.config_extra);
+        // node-b runs with the same configuration (one ConfigMap for the DaemonSet), its
+        // own hostname, and no CPU list: the lab's nodes share this machine's CPUs.
+        let peer_kxp = peer.as_ref().map(|peer| {
+            let extra = if o.config_extra.contains("cpus:") {
+                ""
+            } else {
+                o.config_extra
+            };
+            let config = config_of("node-b", extra);
+            let args: Vec<String> = [
+                "--interface",
+                "n-web3",
+                "--interface",
+                "n-wire",
+                "--state-file",
+                state.to_str().unwrap(),
+                "--config",
+                config.to_str().unwrap(),
+                "--healthz-bind-address",
+                "127.0.0.1:10256",
+                "--workers",
+                &o.workers.to_string(),
+            ]
+            .map(String::from)
+            .to_vec();
+            let mut k = KxpProcess::spawn_exe(&kxp_bin(), peer, &args, &dir.join("kxp-node-b.log"))
+                .unwrap();
+            wait_healthy(
+                peer,
+                "127.0.0.1:10256".parse().unwrap(),
+                Duration::from_secs(30),
+                &mut k,
+            )
+            .unwrap();
+            k
+        });
         let api = if o.api {
             let text = std::fs::read_to_string(&state).unwrap();
             let node_ns = node.clone();
@@ -372,40 +494,46 @@ impl Lab {
         )
         .unwrap();
         // A node carries traffic straight to its pods beside the Services': the client
-        // reaches web-1 directly (TCP and UDP) in every topology, before the test's own
-        // traffic through the Services.
-        let direct = spawn_in(&client, || {
-            let web1 = |port: u16| SocketAddr::new(WEB[0].parse().unwrap(), port);
-            let tcp = http_get(web1(8080), Duration::from_secs(3));
-            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-            s.send_to(b"?", web1(9000)).unwrap();
-            let mut buf = [0u8; 64];
-            let udp = s
-                .recv_from(&mut buf)
-                .map(|(n, from)| (String::from_utf8_lossy(&buf[..n]).into_owned(), from));
-            (tcp, udp)
-        })
-        .join()
-        .unwrap()
-        .unwrap();
-        assert!(
-            direct.0.as_ref().is_ok_and(|b| b.starts_with("web-1"))
-                && direct
-                    .1
-                    .as_ref()
-                    .is_ok_and(|(b, from)| b == "web-1" && from.ip().to_string() == WEB[0]),
-            "the client reaches web-1 directly: {direct:?}\n{}",
-            kxp.log_text()
-        );
+        // reaches web-1 (on the node) and web-3 (on node-b, through both nodes) directly,
+        // TCP and UDP, in every topology, before the test's own traffic through the
+        // Services.
+        for (i, name) in [(0, "web-1"), (2, "web-3")] {
+            let direct = spawn_in(&client, move || {
+                let web = |port: u16| SocketAddr::new(WEB[i].parse().unwrap(), port);
+                let tcp = http_get(web(8080), Duration::from_secs(3));
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                s.send_to(b"?", web(9000)).unwrap();
+                let mut buf = [0u8; 64];
+                let udp = s
+                    .recv_from(&mut buf)
+                    .map(|(n, from)| (String::from_utf8_lossy(&buf[..n]).into_owned(), from));
+                (tcp, udp)
+            })
+            .join()
+            .unwrap()
+            .unwrap();
+            assert!(
+                direct.0.as_ref().is_ok_and(|b| b.starts_with(name))
+                    && direct
+                        .1
+                        .as_ref()
+                        .is_ok_and(|(b, from)| b == name && from.ip().to_string() == WEB[i]),
+                "the client reaches {name} directly: {direct:?}\n{}\n{}",
+                kxp.log_text(),
+                peer_kxp.as_ref().map(|k| k.log_text()).unwrap_or_default()
+            );
+        }
         Lab {
             kxp: Some(kxp),
+            peer_kxp,
             api,
             servers,
             stop,
             topo,
             client,
             node,
+            peer,
             backends,
             dir,
             generation: 2,
@@ -430,17 +558,32 @@ impl Lab {
         self.set_state(&node_state(eps, extra_spec));
     }
 
-    /// Writes `text` as the state file and waits until kxp applied it.
+    /// node-b's kxp's log ("" without node-b).
+    fn peer_log(&self) -> String {
+        self.peer_kxp
+            .as_ref()
+            .map(|k| k.log_text())
+            .unwrap_or_default()
+    }
+
+    /// Writes `text` as the state file (web-3 placed on node-b, node-b's Node object
+    /// added, when the lab has node-b) and waits until both nodes' kxp applied it.
     fn set_state(&mut self, text: &str) {
+        let applied = |log: String| log.matches("(generation ").count();
+        let peer_before = applied(self.peer_log());
+        let text = placed(self.peer.is_some(), text);
         std::fs::write(self.dir.join("state.yaml"), text).unwrap();
         self.generation += 1;
         let want = format!("(generation {}", self.generation);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.log().contains(&want) {
+        while !self.log().contains(&want)
+            || (self.peer.is_some() && applied(self.peer_log()) == peer_before)
+        {
             assert!(
                 Instant::now() < deadline,
-                "kxp did not apply the change:\n{}",
-                self.log()
+                "kxp did not apply the change:\n{}\nnode-b:\n{}",
+                self.log(),
+                self.peer_log()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -475,7 +618,7 @@ impl Lab {
 
 impl Drop for Lab {
     fn drop(&mut self) {
-        if let Some(mut k) = self.kxp.take() {
+        for k in [self.kxp.take(), self.peer_kxp.take()].iter_mut().flatten() {
             k.terminate();
         }
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -485,6 +628,35 @@ impl Drop for Lab {
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = &self.topo;
     }
+}
+
+/// `text` as the lab's nodes see it: with node-b, web-3's endpoint (IPv4 or IPv6) names
+/// node-b, and node-b's Node object is added when `text` has none.
+fn placed(peer_node: bool, text: &str) -> String {
+    if !peer_node {
+        return text.to_string();
+    }
+    let mut out = String::new();
+    let mut web3 = false;
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("- addresses:") || trimmed.starts_with("addresses:") {
+            web3 = line.contains(WEB[2]) || line.contains("2001:db8:2:3::2");
+        }
+        if web3 && trimmed.starts_with("nodeName:") {
+            out.push_str(&line.replace(trimmed, "nodeName: node-b"));
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    if !out.contains("name: node-b}") {
+        if !out.trim_end().ends_with("---") {
+            out.push_str("---\n");
+        }
+        out.push_str(NODE_B);
+    }
+    out
 }
 
 /// `n` veths `{prefix}{i}` in `node` as a CNI creates them (kernel defaults), their peers
@@ -528,6 +700,15 @@ fn assert_uniform(spread: &BTreeMap<String, usize>, n: usize) {
     }
 }
 
+/// Whether `peer` is one of node-a's own addresses toward its endpoints (its end of a
+/// pod's link, or of the wire to node-b): what a masqueraded connection shows the pod.
+fn masqueraded(peer: &str) -> bool {
+    NODE_SIDE
+        .iter()
+        .chain([&WIRE[0].0])
+        .any(|a| a.split('/').next() == Some(peer))
+}
+
 fn vip(port: u16) -> SocketAddr {
     format!("{VIP}:{port}").parse().unwrap()
 }
@@ -542,10 +723,7 @@ fn cluster_ip_tcp_and_udp_spread_and_answer_from_the_vip() {
     assert_eq!(failed, 0, "{}", lab.log());
     assert_uniform(&spread, 300);
     // The client is outside the cluster CIDR: masqueraded, backends see the node.
-    assert!(
-        peers.iter().all(|p| p.starts_with("198.18.2.")),
-        "{peers:?}"
-    );
+    assert!(peers.iter().all(|p| masqueraded(p)), "{peers:?}");
 
     // UDP: 300 flows (one socket each), answers come back from the VIP.
     let (spread, bad) = lab.in_client(|| {
@@ -614,23 +792,35 @@ fn node_port_and_external_traffic_policy_local() {
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(spread.len(), 3);
     assert!(
-        peers.iter().all(|p| p.starts_with("198.18.2.")),
+        peers.iter().all(|p| masqueraded(p)),
         "Cluster policy masquerades: {peers:?}"
     );
     lab.set_endpoints(&WEB, "  externalTrafficPolicy: Local\n");
-    let (_, peers, failed) = lab.http_spread(np, 30);
+    let (spread, peers, failed) = lab.http_spread(np, 30);
     assert_eq!(failed, 0, "{}", lab.log());
     assert!(
         peers.iter().all(|p| p == "198.18.1.2"),
         "Local keeps the client address: {peers:?}"
     );
+    // Only node-a's own endpoints: web-3 is node-b's.
+    assert_eq!(
+        spread.keys().collect::<Vec<_>>(),
+        ["web-1", "web-2"],
+        "{spread:?}"
+    );
+    // node-b's NodePort serves web-3 only, the client's address kept.
+    let np_b: SocketAddr = "198.18.3.2:30080".parse().unwrap();
+    let (spread, peers, failed) = lab.http_spread(np_b, 10);
+    assert_eq!(failed, 0, "{}", lab.peer_log());
+    assert_eq!(spread.keys().collect::<Vec<_>>(), ["web-3"], "{spread:?}");
+    assert!(peers.iter().all(|p| p == "198.18.1.2"), "{peers:?}");
 
     // A LoadBalancer with externalTrafficPolicy Local gets kube-proxy's health check
     // server on its healthCheckNodePort, probed from outside like a cloud LB does.
     let lb = "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n";
     lab.set_endpoints(&WEB, lb);
     let hc: SocketAddr = "198.18.1.1:32000".parse().unwrap();
-    let probe = |lab: &Lab| {
+    let probe_at = |lab: &Lab, hc: SocketAddr| {
         lab.in_client(move || {
             let mut s = TcpStream::connect_timeout(&hc, Duration::from_secs(2))?;
             s.set_read_timeout(Some(Duration::from_secs(2)))?;
@@ -640,14 +830,28 @@ fn node_port_and_external_traffic_policy_local() {
             Ok::<String, std::io::Error>(r)
         })
     };
-    let r = probe(&lab).unwrap();
-    assert!(r.starts_with("HTTP/1.1 200"), "{r}\n{}", lab.log());
-    assert!(r.contains("X-Load-Balancing-Endpoint-Weight: 3"), "{r}");
-    let body = r.split("\r\n\r\n").nth(1).unwrap();
-    assert_eq!(
-        body,
-        "{\n\t\"service\": {\n\t\t\"namespace\": \"demo\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 3,\n\t\"serviceProxyHealthy\": true\n}"
-    );
+    let probe = |lab: &Lab| probe_at(lab, hc);
+    // Each node counts its own endpoints: two on node-a, web-3 on node-b.
+    for (hc, n) in [(hc, 2), ("198.18.3.2:32000".parse().unwrap(), 1)] {
+        let r = probe_at(&lab, hc).unwrap();
+        assert!(
+            r.starts_with("HTTP/1.1 200"),
+            "{r}\n{}\n{}",
+            lab.log(),
+            lab.peer_log()
+        );
+        assert!(
+            r.contains(&format!("X-Load-Balancing-Endpoint-Weight: {n}")),
+            "{r}"
+        );
+        let body = r.split("\r\n\r\n").nth(1).unwrap();
+        assert_eq!(
+            body,
+            format!(
+                "{{\n\t\"service\": {{\n\t\t\"namespace\": \"demo\",\n\t\t\"name\": \"web\"\n\t}},\n\t\"localEndpoints\": {n},\n\t\"serviceProxyHealthy\": true\n}}"
+            )
+        );
+    }
     // No local endpoint left: the load balancer must skip this node.
     lab.set_endpoints(&[], lb);
     let r = probe(&lab).unwrap();
@@ -795,7 +999,7 @@ fn two_workers_on_two_queue_veths() {
     assert_uniform(&spread, 300);
     let (_, peers, failed) = lab.http_spread("198.18.1.1:30080".parse().unwrap(), 30);
     assert_eq!(failed, 0);
-    assert!(peers.iter().all(|p| p.starts_with("198.18.2.")));
+    assert!(peers.iter().all(|p| masqueraded(p)));
     let mut lab = lab;
     assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
     let log = lab.log();
@@ -845,7 +1049,8 @@ fn other_traffic_is_unaffected_and_nothing_is_left_behind() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let text = show(&["ip", "-d", "link", "show"]);
-    // One program, on the uplink, the three pods, the idle pods and the service device.
+    // One program, on the uplink, the two pods, the wire to node-b, the idle pods and the
+    // service device.
     assert_eq!(
         text.matches("name kxp_steer").count(),
         5 + IDLE_PODS,
@@ -1968,6 +2173,7 @@ fn an_endpoint_behind_an_interface_kxp_does_not_drive_is_reached_through_the_ker
     let mut lab = Lab::new(Opts {
         prefix: "kxe22",
         interfaces: Some(&["n-client", "n-web1", "n-web2"]),
+        peer_node: false,
         ..Default::default()
     });
     lab.set_endpoints(&WEB[2..], "");
@@ -2123,13 +2329,23 @@ fn an_endpoint_behind_a_vxlan_overlay_is_reached_both_ways() {
     server.join();
 }
 
-/// Sets the MTU of the backends' links, both ends.
+/// Sets the MTU of the backends' links, both ends, and of the wire to node-b (node-a's
+/// egress link toward web-3).
 fn set_backend_mtu(lab: &Lab, mtu: u32) {
     let mtu = mtu.to_string();
     for (i, ns) in lab.backends.iter().enumerate() {
         let dev = format!("n-web{}", i + 1);
-        in_ns(&lab.node, &["ip", "link", "set", &dev, "mtu", &mtu]).unwrap();
+        let host = match &lab.peer {
+            Some(peer) if i == 2 => peer,
+            _ => &lab.node,
+        };
+        in_ns(host, &["ip", "link", "set", &dev, "mtu", &mtu]).unwrap();
         in_ns(ns, &["ip", "link", "set", "eth0", "mtu", &mtu]).unwrap();
+    }
+    if let Some(peer) = &lab.peer {
+        for ns in [&lab.node, peer] {
+            in_ns(ns, &["ip", "link", "set", "n-wire", "mtu", &mtu]).unwrap();
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use controlplane::demo::{Backend, KxpProcess, http_get, spawn_in, wait_healthy};
 use controlplane::netns::{Topology, in_ns};
-use kxp_tests::{add6, kxp_bin, metric};
+use kxp_tests::{CT_INVALID_DROP, add6, kxp_bin, metric};
 use socket2::{Domain, Protocol, Socket, Type};
 
 const NODE_A_IP: &str = "198.18.30.1";
@@ -141,10 +141,6 @@ fn cluster_state() -> String {
     ]
     .concat()
 }
-
-/// The nftables forward chain of a node whose firewall drops conntrack-INVALID packets.
-const CT_INVALID_DROP: &str = "add table inet kxp-test-fw; add chain inet kxp-test-fw forward \
-     { type filter hook forward priority 0; policy accept; ct state invalid counter drop; }";
 
 struct Cluster {
     // Field order = drop order: kxp first, then servers, then namespaces.
