@@ -242,6 +242,8 @@ pub struct WorkerIo<'id> {
     ring_size: usize,
     free: Vec<FrameDesc>,
     scratch: Vec<FrameDesc>,
+    /// Each port's want of fill frames in a round (kept to reuse its allocation).
+    wants: Vec<usize>,
     /// Frames kept back from the fill rings for transmitting generated packets.
     reserve: usize,
     /// The most frames a port's fill ring is given (see `reshare`): the UMEM less the
@@ -331,6 +333,7 @@ impl Sockets {
             ring_size,
             free,
             scratch,
+            wants,
             reserve,
             fill_target,
             idle_fill,
@@ -351,6 +354,7 @@ impl Sockets {
             ring_size,
             free,
             scratch,
+            wants,
             reserve,
             fill_target,
             idle_fill,
@@ -453,6 +457,7 @@ impl WorkerIo<'static> {
             reserve,
             free: descs,
             scratch: vec![FrameDesc::default(); BATCH],
+            wants: Vec::new(),
             frame_capacity: (cfg.frame_size as usize).saturating_sub(256),
             _brand: PhantomData,
         };
@@ -554,9 +559,7 @@ impl<'id> WorkerIo<'id> {
             tx_kicks: 0,
         });
         self.reshare();
-        for i in 0..self.ports.len() {
-            self.refill(i);
-        }
+        self.refill_all(false);
         Ok(fd)
     }
 
@@ -942,20 +945,49 @@ impl<'id> WorkerIo<'id> {
             self.flush_port(i);
         }
         self.reap();
+        self.refill_all(true);
+    }
+
+    /// Tops up the fill rings: each port to its target (see `target`), the first port
+    /// (kxp's service device) first. When the free frames cannot cover every port's
+    /// want, they are shared in proportion to the wants: an uplink's queues that carry
+    /// one rate each hold the same time's worth of packets (first come, the first queues
+    /// took their whole hold and the last ones ran dry within a millisecond of a pause
+    /// of the worker, losing most of their packets). With `skip_idle`, a port that
+    /// received nothing, asks for nothing more and holds its idle floor (a pod's idle
+    /// veth) is not looked at.
+    fn refill_all(&mut self, skip_idle: bool) {
+        let mut wants = std::mem::take(&mut self.wants);
+        wants.clear();
         for i in 0..self.ports.len() {
-            // A port that received nothing, asks for nothing more and holds its idle
-            // floor (a pod's idle veth) has nothing to refill: not looked at.
             let p = &self.ports[i];
-            if i > 0
+            let idle = i > 0
                 && p.received == 0
                 && p.demand == 0
                 && p.hold == 0
-                && p.in_fill >= self.floor(p)
-            {
-                continue;
-            }
-            self.refill(i);
+                && p.in_fill >= self.floor(p);
+            let want = if skip_idle && idle {
+                0
+            } else {
+                self.target(i).saturating_sub(self.ports[i].in_fill)
+            };
+            wants.push(want);
         }
+        if let Some(&first) = wants.first() {
+            self.give(0, first);
+        }
+        let share = self.free.len().saturating_sub(self.reserve);
+        let total: usize = wants.iter().skip(1).sum();
+        for (i, &want) in wants.iter().enumerate().skip(1) {
+            let n = if total <= share {
+                want
+            } else {
+                // Within `share`: the sum of the rounded-down parts is at most `share`.
+                (want as u128 * share as u128 / total as u128) as usize
+            };
+            self.give(i, n);
+        }
+        self.wants = wants;
     }
 
     fn reap(&mut self) {
@@ -985,8 +1017,9 @@ impl<'id> WorkerIo<'id> {
         if p.warm { self.idle_fill } else { IDLE_FILL }
     }
 
-    fn refill(&mut self, port: usize) {
-        let share = self.free.len().saturating_sub(self.reserve);
+    /// The fill depth `port` is given this round (and its demand, updated from what it
+    /// received since the last round).
+    fn target(&mut self, port: usize) -> usize {
         let cap = self.fill_target;
         let floor = self.floor(&self.ports[port]);
         let p = &mut self.ports[port];
@@ -994,12 +1027,17 @@ impl<'id> WorkerIo<'id> {
         // until it receives, so no port hoards the UMEM that ports attached later need.
         p.demand = (p.demand - p.demand.div_ceil(8)).max(p.received * 64);
         p.received = 0;
-        let target = if port == 0 {
+        if port == 0 {
             FIRST_PORT_FILL
         } else {
             (floor + p.demand).max(p.hold).min(cap).min(self.fill_limit)
-        };
-        let want = target.saturating_sub(p.in_fill);
+        }
+    }
+
+    /// Puts up to `want` free frames (never the reserve) on `port`'s fill ring.
+    fn give(&mut self, port: usize, want: usize) {
+        let share = self.free.len().saturating_sub(self.reserve);
+        let p = &mut self.ports[port];
         if share == 0 || want == 0 {
             return;
         }
@@ -1165,6 +1203,60 @@ mod tests {
         assert_eq!(held, (800, 800));
         assert_eq!(limited, (800, 300), "the fill limit holds");
         assert_eq!(idle, (0, IDLE_FILL_MAX), "an idle port keeps its floor");
+    }
+
+    /// When the free frames cannot cover what every port should hold, the ports share
+    /// them in proportion: four queues of one link carrying one rate each hold the same,
+    /// none left with its floor alone (first come, the first two took their whole hold
+    /// and the last one kept 16 frames: a millisecond's pause of the worker lost most of
+    /// its packets).
+    #[test]
+    fn queues_that_want_more_than_the_umem_share_it_evenly() {
+        assert!(
+            crate::sys::is_root(),
+            "needs root: it opens AF_XDP sockets in a netns"
+        );
+        let mut topo = Topology::new("kxqe");
+        let ns = topo.add_ns_unique("io").unwrap();
+        let peer = topo.add_ns_unique("peer").unwrap();
+        topo.link((&ns, "anchor", ""), (&peer, "a0", "")).unwrap();
+        topo.link_multiqueue((&ns, "uplink", ""), (&peer, "u0", ""), 4)
+            .unwrap();
+        let (fills, free) = topo
+            .run_in(&ns, || {
+                let sockets =
+                    Sockets::open(&XskConfig::default(), &["anchor".to_string()], 0).unwrap();
+                sockets.with(|mut io| {
+                    let ifindex = crate::xdp::ifindex_of("uplink").unwrap();
+                    let ports: Vec<usize> = (0..4)
+                        .map(|q| {
+                            io.add_port("uplink", ifindex, q).unwrap();
+                            io.ports.len() - 1
+                        })
+                        .collect();
+                    io.warm_up(ports[0]);
+                    // Each queue received 3,000 packets in a millisecond: each should
+                    // hold 2,400 for a 0.8 ms pause, 9,600 in all, more than the UMEM
+                    // has beside its reserve.
+                    for &p in &ports {
+                        io.ports[p].window_received = 3_000;
+                    }
+                    io.hold_for(1_000_000, 800_000);
+                    for _ in 0..4 {
+                        io.flush();
+                    }
+                    let fills: Vec<usize> = ports.iter().map(|&p| io.ports[p].in_fill).collect();
+                    (fills, io.free.len())
+                })
+            })
+            .unwrap();
+        let (min, max) = (fills.iter().min().unwrap(), fills.iter().max().unwrap());
+        assert!(max - min <= 1, "an even share: {fills:?}");
+        let reserve = XskConfig::default().frames as usize / 4;
+        assert!(
+            free <= reserve + 4,
+            "every frame but the reserve given: {free} free, {fills:?}"
+        );
     }
 
     /// In copy mode one sendto() sends a whole batch (the TX budget is the ring, not the

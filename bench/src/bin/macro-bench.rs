@@ -201,6 +201,11 @@ enum Case {
     /// kxp, 1 worker, the generator's link with 8 queues each way (flows spread over
     /// them, as RSS spreads them over a NIC's).
     Kxp8q,
+    /// Kxp8q with the --kxp-baseline binary.
+    Kxp8qBase,
+    /// Plain forwarding on the generator's link with 8 queues (RPS: CPU1 on every
+    /// queue): what 8 queues cost the lab's generator side, whatever the router.
+    Plain8q,
 }
 
 /// Queues of the generator's link in the `kxp-8q` case.
@@ -216,7 +221,7 @@ const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     /// Every case, in the order the error message lists them.
-    const ALL: [Case; 15] = [
+    const ALL: [Case; 17] = [
         Case::Plain,
         Case::Nft,
         Case::Ipt,
@@ -232,6 +237,8 @@ impl Case {
         Case::Kxp1mBase,
         Case::KxpPods,
         Case::Kxp8q,
+        Case::Kxp8qBase,
+        Case::Plain8q,
     ];
 
     fn parse(s: &str) -> anyhow::Result<Case> {
@@ -261,6 +268,8 @@ impl Case {
             Case::Kxp10kBase => "kxp-10k-base",
             Case::KxpPods => "kxp-110pods",
             Case::Kxp8q => "kxp-8q",
+            Case::Kxp8qBase => "kxp-8q-base",
+            Case::Plain8q => "plain-8q",
         }
     }
     /// The router the case sets up (the scale cases are their router's at scale).
@@ -273,7 +282,9 @@ impl Case {
             | Case::Kxp1m
             | Case::Kxp1mBase
             | Case::KxpPods
-            | Case::Kxp8q => Case::Kxp,
+            | Case::Kxp8q
+            | Case::Kxp8qBase => Case::Kxp,
+            Case::Plain8q => Case::Plain,
             c => c,
         }
     }
@@ -317,6 +328,8 @@ impl Case {
             Case::Kxp8q => {
                 "kxp, 1 worker, the generator's link with 8 queues (flows spread over them)"
             }
+            Case::Kxp8qBase => "kxp-8q with the --kxp-baseline binary (before)",
+            Case::Plain8q => "plain forwarding, the generator's link with 8 queues (RPS: CPU1)",
         }
     }
     fn is_kxp(self) -> bool {
@@ -332,11 +345,15 @@ impl Case {
                 | Case::Kxp10kBase
                 | Case::KxpPods
                 | Case::Kxp8q
+                | Case::Kxp8qBase
         )
     }
     /// A case of the --kxp-baseline binary.
     fn is_base(self) -> bool {
-        matches!(self, Case::KxpBase | Case::Kxp1mBase | Case::Kxp10kBase)
+        matches!(
+            self,
+            Case::KxpBase | Case::Kxp1mBase | Case::Kxp10kBase | Case::Kxp8qBase
+        )
     }
 }
 
@@ -510,12 +527,23 @@ impl Lab {
     }
 
     /// Sets the queues in use on the generator's link, both ends (kxp stopped: the
-    /// kernel keeps a queue an AF_XDP socket is bound to).
+    /// kernel keeps a queue an AF_XDP socket is bound to), with RPS as on its first
+    /// queue (router's end: CPU1, generator's: CPU0) on every one.
     fn set_uplink_queues(&self, n: u32) -> anyhow::Result<()> {
         let n_s = n.to_string();
-        for (ns, dev) in [(&self.router, &self.rg), (&self.genns, &"eth0".to_string())] {
+        for (ns, dev, cpu) in [
+            (&self.router, &self.rg, ROUTER_CPU),
+            (&self.genns, &"eth0".to_string(), GEN_CPU),
+        ] {
             in_ns(ns, &["ethtool", "-L", dev, "rx", &n_s, "tx", &n_s])
                 .with_context(|| format!("ethtool -L {dev} rx {n} tx {n}"))?;
+            sh_in(
+                ns,
+                &format!(
+                    "for q in /sys/class/net/{dev}/queues/rx-*; do echo {:x} > $q/rps_cpus; done",
+                    1u32 << cpu
+                ),
+            )?;
         }
         *self.uplink_queues.lock().unwrap_or_else(|e| e.into_inner()) = n;
         Ok(())
@@ -1215,6 +1243,9 @@ impl<'a> Router<'a> {
             kxp_cmd: None,
         };
         *lab.scale.lock().unwrap_or_else(|e| e.into_inner()) = (case.services(), case.flows());
+        if case == Case::Plain8q {
+            lab.set_uplink_queues(UPLINK_QUEUES)?;
+        }
         match case.kind() {
             Case::Plain => {
                 // The VIP is the backend's own address; the router just routes it there.
@@ -1291,7 +1322,7 @@ impl<'a> Router<'a> {
                     lab.idle_pods(true)?;
                     args.extend(["--interface".into(), "vp*".into()]);
                 }
-                if case == Case::Kxp8q {
+                if matches!(case, Case::Kxp8q | Case::Kxp8qBase) {
                     lab.set_uplink_queues(UPLINK_QUEUES)?;
                 }
                 if !case.is_base() {
@@ -1355,6 +1386,9 @@ impl Drop for Router<'_> {
     fn drop(&mut self) {
         let lab = self.lab;
         *lab.scale.lock().unwrap_or_else(|e| e.into_inner()) = (1, 1024);
+        if self.case == Case::Plain8q {
+            let _ = lab.set_uplink_queues(1);
+        }
         match self.case.kind() {
             Case::Plain => {
                 let _ = ip(&["-n", &lab.router, "route", "del", &format!("{VIP}/32")]);
@@ -1384,7 +1418,7 @@ impl Drop for Router<'_> {
                 if self.case == Case::KxpPods {
                     let _ = lab.idle_pods(false);
                 }
-                if self.case == Case::Kxp8q {
+                if matches!(self.case, Case::Kxp8q | Case::Kxp8qBase) {
                     let _ = lab.set_uplink_queues(1);
                 }
                 // A stopped kxp keeps its steering and connections for the next one: the
@@ -2453,6 +2487,24 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
                     ratio(med_pps(k, Mode::New), med_pps(b, Mode::New))
                 );
             }
+        }
+    }
+    // What 8 queues cost the lab itself (the generator's side, CPU0: eight NAPI
+    // instances, eight sockets' fill rings): the kxp-8q case's ratio beside the kernel's.
+    for (a, b) in [
+        (Case::Plain8q, Case::Plain),
+        (Case::Kxp8q, Case::Plain8q),
+        (Case::Kxp8q, Case::Kxp8qBase),
+        (Case::Kxp, Case::KxpBase),
+    ] {
+        if let (Some(x), Some(y)) = (find(a), find(b)) {
+            println!(
+                "ratio {:<13} / {:<20}: est {}  new {}",
+                a.name(),
+                b.name(),
+                ratio(med_pps(x, Mode::Est), med_pps(y, Mode::Est)),
+                ratio(med_pps(x, Mode::New), med_pps(y, Mode::New))
+            );
         }
     }
     print_placement(results, modes);
