@@ -241,6 +241,12 @@ pub struct CleanupArgs {
     /// The state directory to remove (default as for `kxp run`).
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Remove kube-proxy's leftovers instead of kxp's: its iptables chains (both
+    /// backends, both families), its nftables tables, IPVS mode's kube-ipvs0 device,
+    /// virtual servers and ipsets, as `kube-proxy --cleanup` does (`kxp run` does it at
+    /// start). kxp may be running.
+    #[arg(long)]
+    pub kube_proxy: bool,
 }
 
 /// A path, where `""` is a value of its own ("none"), which clap's path parser refuses.
@@ -467,10 +473,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print_version(args.kube_proxy.version.as_deref() == Some("raw"));
             Ok(())
         }
-        Command::Run(args) if args.cleanup == Some(true) => run_cleanup(CleanupArgs {
-            interfaces: args.interfaces,
-            state_dir: args.state_dir,
-        }),
+        // kube-proxy's --cleanup: kube-proxy's leftovers, and kxp's.
+        Command::Run(args) if args.cleanup == Some(true) => {
+            run_cleanup(CleanupArgs {
+                interfaces: Vec::new(),
+                state_dir: None,
+                kube_proxy: true,
+            })?;
+            run_cleanup(CleanupArgs {
+                interfaces: args.interfaces,
+                state_dir: args.state_dir,
+                kube_proxy: false,
+            })
+        }
         Command::Run(args) if args.write_config_to.is_some() => write_config(&args),
         Command::Run(args) => {
             let flag_config = args.kube_proxy.to_config();
@@ -759,6 +774,30 @@ fn run_admin_conntrack(cmd: ConntrackCmd) -> anyhow::Result<()> {
 }
 
 fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
+    if args.kube_proxy {
+        let r = crate::leftovers::remove_all();
+        for w in &r.removed {
+            println!("removed kube-proxy's leftovers: {w}");
+        }
+        for w in &r.failed {
+            eprintln!("kube-proxy's leftovers not removed: {w}");
+        }
+        if r.removed.is_empty() && r.failed.is_empty() {
+            println!("kxp cleanup --kube-proxy: no kube-proxy leftovers found");
+        }
+        if !r.missing_tools.is_empty() {
+            println!(
+                "not installed, nothing of their kind looked for: {}",
+                r.missing_tools.join(", ")
+            );
+        }
+        anyhow::ensure!(
+            r.failed.is_empty(),
+            "{} kube-proxy leftover(s) could not be removed",
+            r.failed.len()
+        );
+        return Ok(());
+    }
     let names: Vec<String> = if args.interfaces.is_empty() {
         std::fs::read_dir("/sys/class/net")?
             .filter_map(Result::ok)

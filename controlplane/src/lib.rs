@@ -11,6 +11,7 @@ pub mod health;
 pub mod http;
 pub mod kpflags;
 pub mod kube_source;
+pub mod leftovers;
 pub mod metrics;
 pub mod netns;
 pub mod run;

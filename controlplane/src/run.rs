@@ -173,7 +173,6 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         )?,
     };
     let (min_sync, resync) = sync_periods(cfg.as_ref());
-    let explicit_node_ips = !settings.node_ips.is_empty();
     let mut tracker = Tracker::new(settings.clone());
     let listed = Instant::now();
     input
@@ -195,7 +194,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         })?;
 
     // Started empty (nothing is redirected yet); the first sync follows once the node's
-    // addresses are known: without --node-ip they are the host's own (generation 2).
+    // addresses and the host's are known (generation 2).
     let mut dp = Dataplane::start(&dp_cfg, Snapshot::empty(0, Default::default()))?;
     let admin_path = path_setting(
         &opts.admin_socket,
@@ -206,13 +205,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         .map(|p| crate::admin::AdminServer::start(&p, dp.shared.clone(), dp.node.clone()))
         .transpose()?;
     let mut generation = 1;
-    // The Node object gives the node's addresses (kube-proxy's way); the host's are the
-    // fallback when it gives none (followed as they change, below).
-    if !explicit_node_ips {
-        settings.fallback_ips = host_addresses(&dp);
-        tracker.set_settings(settings.clone());
-        generation += 1;
-    }
+    // The Node object (or --node-ip) gives the node's primary addresses (kube-proxy's
+    // way); the host's are local to the node beside them, its NodePort addresses in
+    // iptables mode, and the fallback when nothing else gives any (followed as they
+    // change, below).
+    settings.host_addrs = host_addresses(&dp);
+    tracker.set_settings(settings.clone());
+    generation += 1;
     let first_started = Instant::now();
     let first = tracker.sync(generation);
     report(&first, &input);
@@ -229,13 +228,21 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     if let Err(e) = dp.take_over() {
         tracing::warn!(error = %e, "taking over the previous kxp's XDP links");
     }
+    let taken_over = taking_over.elapsed();
+    // kube-proxy's leftovers: a kube-proxy DaemonSet whose image became kxp's never ran
+    // `kube-proxy --cleanup`, and its rules would keep DNATing the node's own
+    // connections to the endpoints of the day it stopped.
+    let leftovers = Instant::now();
+    crate::leftovers::log(&crate::leftovers::remove_all());
     tracing::info!(
         interfaces = dp.start_times.interfaces,
-        "start-up: reading the state {} ms, {}, first sync {} ms, take-over {} ms",
+        "start-up: reading the state {} ms, {}, first sync {} ms, take-over {} ms, \
+         kube-proxy's leftovers {} ms",
         listing.as_millis(),
         dp.start_times.describe(),
         first_sync.as_millis(),
-        taking_over.elapsed().as_millis()
+        taken_over.as_millis(),
+        leftovers.elapsed().as_millis()
     );
     if let Some(r) = dp.restored() {
         tracing::info!(
@@ -361,18 +368,18 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             health.queued();
             metrics.set_queued_now();
         }
-        // The host's addresses, the node's when nothing else gives them, followed as
-        // they change (an address added to or removed from a link).
-        if !explicit_node_ips && last_host_check.elapsed() >= Duration::from_secs(1) {
+        // The host's addresses, followed as they change (an address added to or removed
+        // from a link).
+        if last_host_check.elapsed() >= Duration::from_secs(1) {
             last_host_check = Instant::now();
             let now = host_addresses(&dp);
-            if now != settings.fallback_ips {
+            if now != settings.host_addrs {
                 tracing::info!(
-                    from = ?settings.fallback_ips,
+                    from = ?settings.host_addrs,
                     to = ?now,
                     "the host's addresses changed"
                 );
-                settings.fallback_ips = now;
+                settings.host_addrs = now;
                 tracker.set_settings(settings.clone());
                 pending = true;
             }

@@ -149,10 +149,14 @@ pub fn node_settings(
     Ok(NodeSettings {
         node_name,
         node_ips,
-        fallback_ips: Vec::new(),
+        host_addrs: Vec::new(),
         cluster_cidrs,
         detect_local,
         node_port_addresses: cfg.node_port_addresses.clone().unwrap_or_default(),
+        // kube-proxy's iptables mode (its default on Linux: `mode: ""`, as kubeadm
+        // writes it) and IPVS mode answer NodePorts on every local address; nftables on
+        // the primary IPs.
+        node_ports_on_every_address: cfg.mode.as_deref().map(str::trim) != Some("nftables"),
         masquerade_all: cfg.masquerade_all(),
         default_scheduler,
         service_proxy_name: cfg.service_proxy_name.clone().filter(|n| !n.is_empty()),

@@ -376,6 +376,39 @@ fn node_ports_only_on_node_port_addresses() {
     );
 }
 
+/// kube-proxy's iptables and IPVS modes: with no nodePortAddresses, NodePorts on every
+/// local address, the host's (docker0's) beside the Node's; loopback never.
+#[test]
+fn iptables_mode_node_ports_on_every_local_address() {
+    let yaml = etp_local().replace(
+        "externalTrafficPolicy: Local",
+        "externalTrafficPolicy: Cluster",
+    );
+    let mut st = settings();
+    st.node_ips = vec!["192.0.2.10".parse().unwrap()];
+    st.host_addrs = vec![
+        "10.99.0.1".parse().unwrap(),
+        "127.0.0.1".parse().unwrap(),
+        "192.0.2.10".parse().unwrap(),
+    ];
+    st.node_ports_on_every_address = true;
+    let s = snap(&yaml, &st);
+    for dst in ["192.0.2.10", "10.99.0.1"] {
+        assert_eq!(
+            tcp(&s, "203.0.113.1", dst, 30080),
+            dnat(&WEB_EPS, true),
+            "{dst}"
+        );
+    }
+    for dst in ["127.0.0.1", "192.0.2.99"] {
+        assert_eq!(tcp(&s, "203.0.113.1", dst, 30080), V::Pass, "{dst}");
+    }
+    // nftables mode: the primary IP only, the host's other addresses are not NodePorts.
+    st.node_ports_on_every_address = false;
+    let s = snap(&yaml, &st);
+    assert_eq!(tcp(&s, "203.0.113.1", "10.99.0.1", 30080), V::Pass);
+}
+
 #[test]
 fn load_balancer_source_ranges() {
     let yaml = etp_local()
@@ -657,7 +690,7 @@ fn the_hosts_addresses_are_the_fallback_when_the_node_object_gives_none() {
     let node = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses: [{type: InternalIP, address: 192.0.2.7}]";
     let mut st = settings();
     st.node_ips.clear();
-    st.fallback_ips = vec![
+    st.host_addrs = vec![
         "10.99.0.1".parse().unwrap(),
         "10.244.0.0".parse().unwrap(),
         "192.0.2.7".parse().unwrap(),

@@ -73,15 +73,22 @@ pub struct NodeSettings {
     /// `--node-ip` values, or `bindAddress` when it is not `0.0.0.0`/`::`: when given,
     /// the node's local and primary addresses.
     pub node_ips: Vec<IpAddr>,
-    /// The host's own addresses (lowest first): the node's addresses only when neither
+    /// The host's own addresses (lowest first), followed as they change: local to the
+    /// node whatever else gives its addresses (kube-proxy's `fib daddr type local` and
+    /// `--dst-type LOCAL`), and the node's primary addresses only when neither
     /// `node_ips` nor this node's Node object (InternalIP, ExternalIP) gives any, as
     /// kube-proxy falls back when it cannot find its node's IP (with a note saying so).
-    pub fallback_ips: Vec<IpAddr>,
+    pub host_addrs: Vec<IpAddr>,
     /// `clusterCIDR`, split on commas.
     pub cluster_cidrs: Vec<IpNet>,
     pub detect_local: DetectLocalMode,
-    /// `nodePortAddresses` (CIDRs or `primary`); empty = primary.
+    /// `nodePortAddresses` (CIDRs or `primary`); empty = primary, or every local address
+    /// with `node_ports_on_every_address`.
     pub node_port_addresses: Vec<String>,
+    /// kube-proxy's iptables and IPVS modes (an empty `mode` is iptables on Linux) answer
+    /// NodePorts on every local address when `nodePortAddresses` is empty; its nftables
+    /// mode on the primary IPs only.
+    pub node_ports_on_every_address: bool,
     pub masquerade_all: bool,
     /// Scheduler for Services without a `kxp.dev/scheduler` annotation.
     pub default_scheduler: Scheduler,
@@ -228,7 +235,7 @@ pub(crate) fn node_context<'a>(
             primary_v4 = ranked.iter().map(|(_, ip)| *ip).find(IpAddr::is_ipv4);
             primary_v6 = ranked.iter().map(|(_, ip)| *ip).find(IpAddr::is_ipv6);
         }
-        if local.is_empty() && !settings.fallback_ips.is_empty() {
+        if local.is_empty() && !settings.host_addrs.is_empty() {
             let missing = match node {
                 Some(_) => format!(
                     "the Node {:?} has no InternalIP or ExternalIP",
@@ -241,13 +248,13 @@ pub(crate) fn node_context<'a>(
                  are taken from the host's ({}), the lowest of each family primary; set \
                  bindAddress (or --node-ip) to the node's IP",
                 settings
-                    .fallback_ips
+                    .host_addrs
                     .iter()
                     .map(IpAddr::to_string)
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
-            local = settings.fallback_ips.clone();
+            local = settings.host_addrs.clone();
             primary_v4 = local.iter().copied().filter(IpAddr::is_ipv4).min();
             primary_v6 = local.iter().copied().filter(IpAddr::is_ipv6).min();
         } else if local.is_empty() && !settings.node_name.is_empty() {
@@ -259,11 +266,21 @@ pub(crate) fn node_context<'a>(
         }
     }
 
+    // Every address of the host is local to the node too, whatever gave the node's
+    // addresses (a docker0 or flannel.1 address beside the InternalIP).
+    local.extend(settings.host_addrs.iter().copied());
+    local.sort();
+    local.dedup();
+
     let mut node_port_addresses = Vec::new();
     let mut match_all = false;
     let primaries: Vec<IpAddr> = primary_v4.into_iter().chain(primary_v6).collect();
     if settings.node_port_addresses.is_empty() {
-        node_port_addresses = primaries.clone();
+        if settings.node_ports_on_every_address {
+            match_all = true;
+        } else {
+            node_port_addresses = primaries.clone();
+        }
     }
     for (i, s) in settings.node_port_addresses.iter().enumerate() {
         if s.trim() == "primary" {

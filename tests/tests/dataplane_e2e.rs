@@ -147,6 +147,8 @@ struct Opts<'a> {
     /// A second node running kxp (node-b) with web-3 behind it, joined to the node by a
     /// wire; otherwise web-3 is on the node too.
     peer_node: bool,
+    /// Shell scripts run in the node (`sh -c`) just before kxp starts.
+    node_setup: &'a [&'a str],
 }
 
 impl Default for Opts<'_> {
@@ -171,6 +173,7 @@ impl Default for Opts<'_> {
             kxp_args: &[],
             idle_pods: IDLE_PODS,
             peer_node: true,
+            node_setup: &[],
         }
     }
 }
@@ -484,6 +487,9 @@ impl Lab {
             )
             .unwrap();
             exe = wrapper;
+        }
+        for script in o.node_setup {
+            in_ns(&node, &["sh", "-c", script]).unwrap();
         }
         let mut kxp = KxpProcess::spawn_exe(&exe, &node, &args, &dir.join("kxp.log")).unwrap();
         wait_healthy(
@@ -4385,4 +4391,162 @@ fn without_a_node_object_the_hosts_addresses_are_followed_and_the_log_says_so() 
         "{}",
         lab.log()
     );
+}
+
+#[test]
+fn iptables_and_ipvs_modes_answer_node_ports_on_every_local_address() {
+    // kubeadm writes `mode: ""`, kube-proxy's iptables mode on Linux: with no
+    // nodePortAddresses it answers NodePorts on every local address (`--dst-type
+    // LOCAL`), the InternalIP, docker0's, the overlay's, and one added while it runs; so
+    // does IPVS mode. (nftables mode: the primary IPs only, tested above.)
+    for (prefix, extra) in [("kxe47", ""), ("kxe48", "mode: ipvs\n")] {
+        let lab = Lab::new(Opts {
+            prefix,
+            config_extra: extra,
+            ..Default::default()
+        });
+        let on = |ip: &str| -> SocketAddr { format!("{ip}:30080").parse().unwrap() };
+        let (docker0, flannel) = OTHER_LINKS;
+        for ip in [
+            "198.18.1.1",
+            docker0.split('/').next().unwrap(),
+            flannel.split('/').next().unwrap(),
+            "198.18.2.1",
+        ] {
+            assert_eq!(
+                answered(&lab, on(ip), 5),
+                5,
+                "mode {extra:?}, {ip}\n{}",
+                lab.log()
+            );
+        }
+        in_ns(
+            &lab.node,
+            &["ip", "addr", "add", "198.18.252.1/32", "dev", "docker0"],
+        )
+        .unwrap();
+        let added = on("198.18.252.1");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while answered(&lab, added, 1) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert_eq!(
+            answered(&lab, added, 5),
+            5,
+            "mode {extra:?}, an address added at run time\n{}",
+            lab.log()
+        );
+    }
+}
+
+/// What kube-proxy leaves on a node in each mode, as its rules look: iptables (nat and
+/// filter, IPv4 and IPv6, beside kubelet's KUBE-FIREWALL), nftables (`ip` and `ip6
+/// kube-proxy` tables) and IPVS's kube-ipvs0 holding the ClusterIP (a bridge here: this
+/// kernel has no dummy links). Each DNATs, or takes locally, the node's own connections
+/// to the ClusterIP: to web-1, the endpoint of the day kube-proxy stopped.
+const KUBE_PROXY_LEFTOVERS: [&str; 4] = [
+    "iptables-restore --noflush <<'EOF'
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-WEB - [0:0]
+:KUBE-SEP-WEB1 - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING
+-A KUBE-SERVICES -d 198.19.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-WEB
+-A KUBE-SVC-WEB -j KUBE-SEP-WEB1
+-A KUBE-SEP-WEB1 -p tcp -m tcp -j DNAT --to-destination 198.18.2.2:8080
+-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000
+-A KUBE-POSTROUTING -m mark --mark 0x4000/0x4000 -j MASQUERADE
+COMMIT
+*filter
+:KUBE-FORWARD - [0:0]
+:KUBE-FIREWALL - [0:0]
+-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD
+-A INPUT -j KUBE-FIREWALL
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+COMMIT
+EOF",
+    "ip6tables-restore --noflush <<'EOF'
+*nat
+:KUBE-SERVICES - [0:0]
+-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+COMMIT
+EOF",
+    "nft 'add table ip kube-proxy; add chain ip kube-proxy nat-output { type nat hook output priority -100; }; \
+     add rule ip kube-proxy nat-output ip daddr 198.19.0.10 tcp dport 80 dnat to 198.18.2.2:8080; \
+     add table ip6 kube-proxy'",
+    "ip link add kube-ipvs0 type bridge && ip addr add 198.19.0.10/32 dev kube-ipvs0",
+];
+
+#[test]
+fn kube_proxys_leftovers_are_removed_at_start_and_by_cleanup() {
+    // kube-proxy's DaemonSet with kxp's image: no `kube-proxy --cleanup` ran. kxp removes
+    // what kube-proxy left, in every mode, says so, and keeps kubelet's chain; the node's
+    // own connections to the ClusterIP are then kxp's (web-2, today's endpoint).
+    let lab = Lab::new(Opts {
+        prefix: "kxe49",
+        state: Some(node_state(&WEB[1..2], "")),
+        node_setup: &KUBE_PROXY_LEFTOVERS,
+        ..Default::default()
+    });
+    let log = lab.log();
+    for what in [
+        "removed kube-proxy's leftovers: iptables-nft nat: 5 chain(s)",
+        "removed kube-proxy's leftovers: iptables-nft filter: 1 chain(s)",
+        "removed kube-proxy's leftovers: ip6tables-nft nat: 1 chain(s)",
+        "removed kube-proxy's leftovers: nftables table ip kube-proxy",
+        "removed kube-proxy's leftovers: nftables table ip6 kube-proxy",
+        "removed kube-proxy's leftovers: IPVS mode's device kube-ipvs0 (1 Service address(es))",
+    ] {
+        assert!(log.contains(what), "{what}:\n{log}");
+    }
+    let show = |cmd: &str| {
+        let out = in_ns(&lab.node, &["sh", "-c", cmd]).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let saved = show("iptables-save; ip6tables-save");
+    let kube: Vec<&str> = saved.lines().filter(|l| l.contains("KUBE-")).collect();
+    assert_eq!(
+        kube,
+        [":KUBE-FIREWALL - [0:0]", "-A INPUT -j KUBE-FIREWALL"],
+        "only kubelet's chain stays:\n{saved}"
+    );
+    let tables = show("nft list tables");
+    assert!(!tables.contains("kube-proxy"), "{tables}");
+    assert!(
+        tables.contains("kxp-test-fw"),
+        "the node's own firewall stays: {tables}"
+    );
+    assert!(!show("ip link show").contains("kube-ipvs0"));
+    let node = lab.node.clone();
+    let own = lab.in_ns(&node, || http_get(vip(80), Duration::from_secs(3)));
+    assert!(
+        own.as_ref().is_ok_and(|b| b.starts_with("web-2")),
+        "the node's own connection: {own:?}\n{}",
+        lab.log()
+    );
+
+    // `kxp cleanup --kube-proxy`, kxp running: nothing left; then kube-proxy's rules
+    // again (a kube-proxy started by mistake), removed.
+    let (ok, out, err) = kxp_cli(&lab, &["cleanup", "--kube-proxy"]);
+    assert!(
+        ok && out.contains("no kube-proxy leftovers found"),
+        "{out}{err}"
+    );
+    for script in &KUBE_PROXY_LEFTOVERS[..3] {
+        in_ns(&lab.node, &["sh", "-c", script]).unwrap();
+    }
+    let (ok, out, err) = kxp_cli(&lab, &["cleanup", "--kube-proxy"]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(
+        out.matches("removed kube-proxy's leftovers").count(),
+        5,
+        "{out}"
+    );
+    assert!(!show("iptables-save").contains("KUBE-SERVICES"));
+    let own = lab.in_ns(&node, || http_get(vip(80), Duration::from_secs(3)));
+    assert!(own.is_ok_and(|b| b.starts_with("web-2")));
 }
