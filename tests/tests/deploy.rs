@@ -60,7 +60,20 @@ fn daemonset_probes_and_privileges() {
     let ds = kind(&docs, "DaemonSet");
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostNetwork"].as_bool(), Some(true));
+    // kxp reaches the API server without the cluster's DNS or any ClusterIP (which only
+    // kxp itself serves): the host's resolver, and the API server's own address.
+    assert_eq!(
+        pod["dnsPolicy"].as_str(),
+        Some("Default"),
+        "ClusterFirst(WithHostNet) resolves through the cluster's DNS, a Service kxp serves"
+    );
     let c = &pod["containers"][0];
+    let env = c["env"].as_sequence().unwrap();
+    assert!(
+        env.iter()
+            .any(|e| e["name"].as_str() == Some("KUBERNETES_SERVICE_HOST")),
+        "the API server's real address, not the kubernetes Service's ClusterIP the kubelet sets"
+    );
     assert_eq!(
         c["livenessProbe"]["httpGet"]["path"].as_str(),
         Some("/livez")
