@@ -549,14 +549,6 @@ impl KubeProxyConfiguration {
             "portRange",
             "deprecated and unused (kube-proxy ignores it too)",
         );
-        note(
-            self.iptables
-                .as_ref()
-                .and_then(|t| t.localhost_node_ports)
-                .unwrap_or(false),
-            "iptables.localhostNodePorts",
-            "NodePorts on 127.0.0.1 are the host's own traffic, which never crosses kxp's XDP hook",
-        );
         if let Some(i) = &self.ipvs {
             note(
                 i.exclude_cidrs.as_ref().is_some_and(|v| !v.is_empty()),
@@ -667,14 +659,7 @@ mod tests {
         )
         .unwrap();
         let fields: Vec<String> = cfg.not_honoured().into_iter().map(|(f, _)| f).collect();
-        assert_eq!(
-            fields,
-            [
-                "clientConnection.contentType",
-                "iptables.localhostNodePorts",
-                "ipvs.strictARP"
-            ]
-        );
+        assert_eq!(fields, ["clientConnection.contentType", "ipvs.strictARP"]);
     }
 
     const FULL: &str = r#"

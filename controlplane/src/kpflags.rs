@@ -554,11 +554,6 @@ impl KubeProxyFlags {
             "kxp marks no packets (it masquerades in its own dataplane)",
         );
         n(
-            self.iptables_localhost_nodeports == Some(true),
-            "--iptables-localhost-nodeports",
-            "NodePorts on 127.0.0.1 are the host's own traffic, which never crosses kxp's XDP hook (as in kube-proxy's nftables and ipvs modes)",
-        );
-        n(
             self.ipvs_exclude_cidrs.is_some(),
             "--ipvs-exclude-cidrs",
             "kxp programs no IPVS",

@@ -12,6 +12,7 @@ pub mod http;
 pub mod kpflags;
 pub mod kube_source;
 pub mod leftovers;
+pub mod localnp;
 pub mod metrics;
 pub mod netns;
 pub mod run;

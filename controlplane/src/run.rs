@@ -220,6 +220,18 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     for e in hc.sync(&first.update) {
         tracing::warn!("{e}");
     }
+    // kube-proxy's iptables.localhostNodePorts: NodePorts on 127.0.0.1, relayed.
+    let mut localnp = crate::settings::localhost_node_ports(cfg.as_ref())
+        .then(crate::localnp::LocalhostNodePorts::default);
+    if let Some(l) = &mut localnp {
+        for e in l.sync(&first.update.snapshot) {
+            tracing::warn!("{e}");
+        }
+        tracing::info!(
+            "NodePorts on 127.0.0.1 (iptables.localhostNodePorts, iptables mode): {} served",
+            l.serving().len()
+        );
+    }
     dp.publish(first.update)?;
     let first_sync = first_started.elapsed();
     // Filled with the first state: the new programs replace the ones a previous kxp left
@@ -419,6 +431,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         for e in hc.sync(&update) {
             let text = e.to_string();
             dataplane::warn_limited!(text, "{text}");
+        }
+        if let Some(l) = &mut localnp {
+            for text in l.sync(&update.snapshot) {
+                dataplane::warn_limited!(text, "{text}");
+            }
         }
         let published = dp.publish(update);
         let done = started.elapsed();

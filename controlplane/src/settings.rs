@@ -162,3 +162,28 @@ pub fn node_settings(
         service_proxy_name: cfg.service_proxy_name.clone().filter(|n| !n.is_empty()),
     })
 }
+
+/// Whether kube-proxy would answer NodePorts on 127.0.0.1 (IPv4) with `cfg`: its
+/// iptables mode (`mode` unset or `iptables`) with `iptables.localhostNodePorts` (true by
+/// default), when `nodePortAddresses` is empty or holds a CIDR with 127.0.0.1
+/// (kube-proxy's `ContainsIPv4Loopback`). IPVS and nftables modes have none.
+pub fn localhost_node_ports(cfg: Option<&KubeProxyConfiguration>) -> bool {
+    let default_cfg = KubeProxyConfiguration::default();
+    let cfg = cfg.unwrap_or(&default_cfg);
+    let iptables_mode = matches!(
+        cfg.mode.as_deref().map(str::trim),
+        None | Some("" | "iptables")
+    );
+    let on = cfg
+        .iptables
+        .as_ref()
+        .and_then(|t| t.localhost_node_ports)
+        .unwrap_or(true);
+    let addrs = cfg.node_port_addresses.as_deref().unwrap_or_default();
+    let loopback = addrs.is_empty()
+        || addrs.iter().any(|a| {
+            nat::k8s::parse_cidr_sloppy(a)
+                .is_some_and(|n| n.contains(&std::net::IpAddr::from([127, 0, 0, 1])))
+        });
+    iptables_mode && on && loopback
+}

@@ -290,6 +290,15 @@ impl FibView {
             .filter(|&m| m > 0)
     }
 
+    /// The name of the link `ifindex` is a port of (its bridge or bond: `IFLA_MASTER`),
+    /// if it is one: the interface its packets arrive on at layer 3, where kube-proxy's
+    /// rules match `iifname`.
+    pub fn master_name(&self, ifindex: u32) -> Option<String> {
+        let t = self.table.load();
+        let master = t.links.get(&ifindex)?.master?;
+        t.links.get(&master).map(|l| l.name.clone())
+    }
+
     /// Every link of the host (this network namespace), as netlink last said.
     pub fn links(&self) -> Vec<LinkInfo> {
         let t = self.table.load();

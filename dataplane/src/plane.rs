@@ -431,6 +431,13 @@ impl<K: std::hash::Hash + Eq + Copy> Counted<K> {
     }
 }
 
+/// UDP endpoints and Service addresses a programming took away.
+#[derive(Debug, Default)]
+struct GoneUdp {
+    endpoints: Vec<SocketAddr>,
+    frontends: Vec<SocketAddr>,
+}
+
 /// What the steering maps and the UDP cleanup are derived from.
 #[derive(Debug, Default)]
 struct Wanted {
@@ -442,7 +449,12 @@ struct Wanted {
     routed: Counted<IpAddr>,
     /// (IP protocol number, NodePort) of every NodePort.
     node_ports: Counted<(u8, u16)>,
+    /// UDP endpoints that serve (kube-proxy's conntrack cleanup keeps flows to these
+    /// only: an endpoint that stops serving, still listed, loses its flows).
     udp: Counted<SocketAddr>,
+    /// UDP Service addresses and ports (ClusterIP, externalIPs, LoadBalancer IPs,
+    /// NodePorts on their addresses): flows to one that goes away are cleared.
+    udp_frontends: Counted<SocketAddr>,
     /// The addresses NodePorts were expanded with (sorted).
     np_addrs: Vec<IpAddr>,
     /// The node's addresses and the Service CIDRs, as last programmed.
@@ -457,6 +469,14 @@ impl Wanted {
         let key = |ip: IpAddr, port: u16| SteerKey::new(ip, port, proto);
         self.frontends.bump(key(sp.cluster_ip, sp.port), by);
         self.routed.bump(sp.cluster_ip, by);
+        let udp = proto == Protocol::Udp;
+        if udp {
+            self.udp_frontends
+                .bump(SocketAddr::new(sp.cluster_ip, sp.port), by);
+            for &ip in sp.external_ips.iter().chain(&sp.lb_vips) {
+                self.udp_frontends.bump(SocketAddr::new(ip, sp.port), by);
+            }
+        }
         // Port 0: the XDP program's key for fragments after the first (no ports), to and
         // from the Service's addresses (NodePorts' node addresses excepted: the node's
         // own fragmented traffic is not kxp's).
@@ -472,6 +492,10 @@ impl Wanted {
                 let ip = self.np_addrs[i];
                 if ip.is_ipv4() == sp.cluster_ip.is_ipv4() {
                     self.frontends.bump(key(ip, sp.node_port), by);
+                    if udp {
+                        self.udp_frontends
+                            .bump(SocketAddr::new(ip, sp.node_port), by);
+                    }
                 }
             }
         }
@@ -479,7 +503,7 @@ impl Wanted {
         for ep in &sp.endpoints {
             self.endpoints.bump(key(ep.addr.ip(), ep.addr.port()), by);
             self.endpoints.bump(key(ep.addr.ip(), 0), by);
-            if proto == Protocol::Udp {
+            if udp && ep.serving {
                 self.udp.bump(ep.addr, by);
             }
         }
@@ -495,6 +519,7 @@ impl Wanted {
         self.routed.touched.clear();
         self.node_ports.touched.clear();
         self.udp.touched.clear();
+        self.udp_frontends.touched.clear();
     }
 }
 
@@ -971,10 +996,29 @@ impl Dataplane {
             prog.needs_full = r.1.is_some();
             r
         };
-        // kube-proxy's conntrack cleanup: UDP flows to endpoints that are gone.
-        for gone in gone_udp {
+        // kube-proxy's conntrack cleanup: UDP flows to endpoints that are gone or no
+        // longer serve, and to Service addresses that are gone.
+        for gone in gone_udp.endpoints {
             for tx in &self.shared.commands {
                 let _ = tx.send(Command::RemoveUdpTo(gone.ip(), gone.port()));
+            }
+        }
+        if !gone_udp.frontends.is_empty() {
+            let gone: Arc<HashSet<SocketAddr>> = Arc::new(gone_udp.frontends.into_iter().collect());
+            for tx in &self.shared.commands {
+                let gone = gone.clone();
+                let filter: crate::worker::FlowFilter = Arc::new(move |e: &conntrack::Entry| {
+                    let o = e.orig();
+                    o.proto == Protocol::Udp
+                        && gone.contains(&SocketAddr::new(o.dst.to_canonical(), o.dport))
+                });
+                // Nobody waits for the count.
+                let (reply, _) = crossbeam::channel::bounded(1);
+                let _ = tx.send(Command::Flows {
+                    filter,
+                    delete: true,
+                    reply,
+                });
             }
         }
         match err {
@@ -1458,12 +1502,12 @@ impl LinkCtl {
 
 impl Programming {
     /// Brings every attached program's maps in line with `update`; returns the UDP
-    /// endpoints that went away and the first error, if any.
+    /// endpoints and Service addresses that went away and the first error, if any.
     fn program(
         &mut self,
         update: &Update,
         view: &crate::fib::FibView,
-    ) -> (Vec<SocketAddr>, Option<DataplaneError>) {
+    ) -> (GoneUdp, Option<DataplaneError>) {
         let snap = &*update.snapshot;
         let mut local: HashSet<IpAddr> = view.local_addrs().into_iter().collect();
         local.extend(snap.node.local_addrs.iter().copied());
@@ -1498,6 +1542,7 @@ impl Programming {
         }
         let gone_udp = if full {
             let old_udp = std::mem::take(&mut self.wanted.udp);
+            let old_frontends = std::mem::take(&mut self.wanted.udp_frontends);
             self.wanted = Wanted {
                 np_addrs,
                 ..Wanted::default()
@@ -1517,10 +1562,16 @@ impl Programming {
                 resolve_next_hops(view, sp);
             }
             self.wanted.settle();
-            old_udp
-                .into_keys()
-                .filter(|a| !self.wanted.udp.contains_key(a))
-                .collect()
+            GoneUdp {
+                endpoints: old_udp
+                    .into_keys()
+                    .filter(|a| !self.wanted.udp.contains_key(a))
+                    .collect(),
+                frontends: old_frontends
+                    .into_keys()
+                    .filter(|a| !self.wanted.udp_frontends.contains_key(a))
+                    .collect(),
+            }
         } else {
             // Additions first, so that a port that is removed and added again (changed)
             // never drops its keys to zero on the way.
@@ -1541,7 +1592,10 @@ impl Programming {
                 note(s.change_endpoints(&ea, &er));
                 note(s.change_cluster_ips(&ca, &cr));
             }
-            self.wanted.udp.changes().1
+            GoneUdp {
+                endpoints: self.wanted.udp.changes().1,
+                frontends: self.wanted.udp_frontends.changes().1,
+            }
         };
         let mut route_err = None;
         if let Some(routes) = &mut self.routes {

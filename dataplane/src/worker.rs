@@ -389,8 +389,13 @@ pub struct Worker<'id> {
     pub fib: FibView,
     pub shared: Arc<Shared>,
     pub commands: crossbeam::channel::Receiver<Command>,
-    /// Interface name of each port (for interface-based local-traffic detection).
+    /// The interface each port's packets arrive on at layer 3 (for interface-based
+    /// local-traffic detection): its bridge or bond for a port of one (kube-proxy's
+    /// `iifname` is the bridge's, for `detectLocalMode: BridgeInterface`), else its own.
     pub port_names: Vec<String>,
+    /// The FIB mirror's generation `port_names` was made at (a port joins a bridge
+    /// after kxp attached it: a CNI enslaves a pod's veth once it exists).
+    names_fib_generation: u64,
     /// The ports changed: poll on the new set of sockets.
     ports_changed: bool,
     /// How to hand a packet to the node's own stack (kxp's service device).
@@ -513,10 +518,7 @@ impl<'id> Worker<'id> {
         shared: Arc<Shared>,
         commands: crossbeam::channel::Receiver<Command>,
     ) -> Worker<'id> {
-        let port_names = (0..io.port_count())
-            .map(|p| io.ifname(p).to_string())
-            .collect();
-        Worker {
+        let mut w = Worker {
             id,
             cpu,
             io,
@@ -524,7 +526,8 @@ impl<'id> Worker<'id> {
             fib,
             shared,
             commands,
-            port_names,
+            port_names: Vec::new(),
+            names_fib_generation: 0,
             ports_changed: false,
             local_delivery: None,
             waiting: std::collections::VecDeque::new(),
@@ -535,7 +538,22 @@ impl<'id> Worker<'id> {
             drain_ns_per_packet: 0.0,
             journal: None,
             local: Local::default(),
-        }
+        };
+        w.name_ports();
+        w
+    }
+
+    /// Names each port by the interface its packets arrive on at layer 3 (see
+    /// `port_names`), as the FIB mirror has the links now.
+    fn name_ports(&mut self) {
+        self.names_fib_generation = self.fib.generation();
+        self.port_names = (0..self.io.port_count())
+            .map(|p| {
+                self.fib
+                    .master_name(self.io.ifindex(p))
+                    .unwrap_or_else(|| self.io.ifname(p).to_string())
+            })
+            .collect();
     }
 
     /// Runs until `shared.stop` is set.
@@ -628,9 +646,10 @@ impl<'id> Worker<'id> {
             if self.ports_changed {
                 self.ports_changed = false;
                 fds = self.poll_fds();
-                self.port_names = (0..self.io.port_count())
-                    .map(|p| self.io.ifname(p).to_string())
-                    .collect();
+                self.name_ports();
+            } else if self.fib.generation() != self.names_fib_generation {
+                // A port may have joined or left a bridge.
+                self.name_ports();
             }
             for _ in 0..256 {
                 let Some(h) = self.shared.inbox[self.id].pop() else {
@@ -1073,17 +1092,22 @@ impl<'id> Worker<'id> {
                 return;
             }
         }
-        // The interface's name (for interface-based local detection): this worker's
-        // port, or, for a packet handed over from a port it has not, the attached list.
+        // The interface's name at layer 3 (for interface-based local detection): this
+        // worker's port's, or, for a packet handed over from a port it has not, its
+        // bridge's or the attached list's.
         let attached;
+        let master;
         let in_name = match self.port_names.get(in_port) {
             Some(n) => Some(n.as_str()),
             None => {
+                master = self.fib.master_name(in_ifindex);
                 attached = self.shared.attached.load();
-                attached
-                    .iter()
-                    .find(|(i, _)| *i == in_ifindex)
-                    .map(|(_, n)| n.as_str())
+                master.as_deref().or_else(|| {
+                    attached
+                        .iter()
+                        .find(|(i, _)| *i == in_ifindex)
+                        .map(|(_, n)| n.as_str())
+                })
             }
         };
         let frame = self.io.bytes(&mut f);

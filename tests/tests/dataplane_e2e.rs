@@ -1803,11 +1803,30 @@ fn plug_bridged_pod(topo: &mut Topology, node: &str, role: &str, dev: &str, ip: 
 
 #[test]
 fn bridged_pods_reach_a_pod_on_the_same_bridge_and_themselves_through_the_vip() {
-    // The bridge exists before kxp; the pods' veths (ports of cni0) come afterwards.
     // Pods are in the cluster CIDR (no masquerade between them); the client is not.
+    bridged_pods("kxe14", "198.18.4.0/24", "");
+}
+
+#[test]
+fn detect_local_bridge_interface_matches_every_port_of_the_bridge() {
+    // No cluster CIDR: the bridge tells pods (local) from the client (not), as
+    // kube-proxy's `iifname cni0` does. kxp sees the packets on the bridge's ports.
+    bridged_pods(
+        "kxe50",
+        "",
+        "detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: cni0\n",
+    );
+}
+
+/// Pods on a bridge (cni0) whose veths come after kxp started; pod A and the client reach
+/// pod B through the VIP, pod B itself too, local traffic told by `cluster_cidr` and
+/// `config_extra`'s detector.
+fn bridged_pods(prefix: &str, cluster_cidr: &str, config_extra: &str) {
+    // The bridge exists before kxp; the pods' veths (ports of cni0) come afterwards.
     let mut lab = Lab::new(Opts {
-        prefix: "kxe14",
-        cluster_cidr: "198.18.4.0/24",
+        prefix,
+        cluster_cidr,
+        config_extra,
         interfaces: Some(&["n-client", "n-web*", "veth*"]),
         ..Default::default()
     });
@@ -4394,7 +4413,7 @@ fn without_a_node_object_the_hosts_addresses_are_followed_and_the_log_says_so() 
 }
 
 #[test]
-fn iptables_and_ipvs_modes_answer_node_ports_on_every_local_address() {
+fn iptables_and_ipvs_modes_answer_node_ports_on_every_local_address_and_iptables_on_localhost() {
     // kubeadm writes `mode: ""`, kube-proxy's iptables mode on Linux: with no
     // nodePortAddresses it answers NodePorts on every local address (`--dst-type
     // LOCAL`), the InternalIP, docker0's, the overlay's, and one added while it runs; so
@@ -4436,6 +4455,39 @@ fn iptables_and_ipvs_modes_answer_node_ports_on_every_local_address() {
             "mode {extra:?}, an address added at run time\n{}",
             lab.log()
         );
+        // iptables.localhostNodePorts (true by default, iptables mode only): the node's
+        // own connections to 127.0.0.1:NODEPORT, TCP and UDP, reach the Service.
+        let node = lab.node.clone();
+        let (tcp, udp) = lab.in_ns(&node, || {
+            let tcp: Vec<_> = (0..6)
+                .map(|_| http_get("127.0.0.1:30080".parse().unwrap(), Duration::from_secs(3)))
+                .collect();
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut buf = [0u8; 64];
+            let udp = s
+                .send_to(b"?", "127.0.0.1:30009")
+                .and_then(|_| s.recv_from(&mut buf))
+                .map(|(n, _)| String::from_utf8_lossy(&buf[..n]).into_owned());
+            (tcp, udp)
+        });
+        if extra.is_empty() {
+            assert!(
+                tcp.iter()
+                    .all(|r| r.as_ref().is_ok_and(|b| b.starts_with("web-"))),
+                "localhost NodePort, TCP: {tcp:?}\n{}",
+                lab.log()
+            );
+            assert!(
+                udp.as_ref().is_ok_and(|b| b.starts_with("web-")),
+                "localhost NodePort, UDP: {udp:?}"
+            );
+        } else {
+            assert!(
+                tcp.iter().all(Result::is_err) && udp.is_err(),
+                "IPVS mode has no localhost NodePorts: {tcp:?} {udp:?}"
+            );
+        }
     }
 }
 
@@ -4549,4 +4601,138 @@ fn kube_proxys_leftovers_are_removed_at_start_and_by_cleanup() {
     assert!(!show("iptables-save").contains("KUBE-SERVICES"));
     let own = lab.in_ns(&node, || http_get(vip(80), Duration::from_secs(3)));
     assert!(own.is_ok_and(|b| b.starts_with("web-2")));
+}
+
+#[test]
+fn detect_local_by_interface_name_prefix_and_by_node_cidr() {
+    // No cluster CIDR: the pods' interfaces (n-web*, as Calico's cali*) or the Node's
+    // spec.podCIDRs tell web-1 (local: not masqueraded) from the client (masqueraded).
+    let node_cidr = node_state(&WEB[1..2], "").replace(
+        "kind: Node\nmetadata: {name: node-a}\n",
+        "kind: Node\nmetadata: {name: node-a}\nspec: {podCIDRs: [198.18.2.0/24]}\n",
+    );
+    assert!(node_cidr.contains("podCIDRs"));
+    for (prefix, extra, state) in [
+        (
+            "kxe51",
+            "detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: n-web\n",
+            node_state(&WEB[1..2], ""),
+        ),
+        ("kxe52", "detectLocalMode: NodeCIDR\n", node_cidr.clone()),
+    ] {
+        let lab = Lab::new(Opts {
+            prefix,
+            cluster_cidr: "",
+            config_extra: extra,
+            state: Some(state),
+            ..Default::default()
+        });
+        let web1 = lab.backends[0].clone();
+        let from_pod = lab.in_ns(&web1, || http_get(vip(80), Duration::from_secs(3)));
+        assert_eq!(
+            from_pod.ok().as_deref(),
+            Some("web-2 198.18.2.2"),
+            "{extra}: a local pod is not masqueraded\n{}",
+            lab.log()
+        );
+        let (_, peers, failed) = lab.http_spread(vip(80), 5);
+        assert_eq!(failed, 0, "{}", lab.log());
+        assert!(
+            peers.iter().all(|p| p == "198.18.2.5"),
+            "{extra}: the client is masqueraded: {peers:?}"
+        );
+    }
+}
+
+#[test]
+fn udp_flows_to_an_endpoint_that_stops_serving_or_to_a_removed_service_port_are_cleared() {
+    // kube-proxy's conntrack cleanup, with a UDP client that keeps its socket: its flow
+    // moves off an endpoint that turns `ready: false, serving: false` (still listed), and
+    // is gone with a Service port that is removed, though its endpoint still serves
+    // another port of the Service.
+    let with_sink2 = |text: String| {
+        text.replace(
+            "  - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30009}\n",
+            "  - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30009}\n  - {name: sink2, port: 19, targetPort: 9000, protocol: UDP}\n",
+        )
+        .replace(
+            "- {name: sink, port: 9000, protocol: UDP}\n",
+            "- {name: sink, port: 9000, protocol: UDP}\n- {name: sink2, port: 9000, protocol: UDP}\n",
+        )
+    };
+    let serving = with_sink2(node_state(&WEB[..2], ""));
+    assert!(serving.contains("sink2"));
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe53",
+        state: Some(serving.clone()),
+        ..Default::default()
+    });
+    let ask = |s: &UdpSocket| -> Option<String> {
+        s.send_to(b"?", vip(9)).ok()?;
+        let mut buf = [0u8; 64];
+        let (n, _) = s.recv_from(&mut buf).ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    // A socket whose flow is on web-1.
+    let on_web1 = |lab: &Lab| -> UdpSocket {
+        lab.in_client(|| {
+            for _ in 0..50 {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(Duration::from_millis(700)))
+                    .unwrap();
+                s.send_to(b"?", vip(9)).unwrap();
+                let mut buf = [0u8; 16];
+                if let Ok((n, _)) = s.recv_from(&mut buf)
+                    && &buf[..n] == b"web-1"
+                {
+                    return s;
+                }
+            }
+            panic!("no flow to web-1 in 50 sockets");
+        })
+    };
+    let sock = on_web1(&lab);
+    assert_eq!(ask(&sock).as_deref(), Some("web-1"));
+
+    lab.set_state(&serving.replacen(
+        "conditions: {ready: true}",
+        "conditions: {ready: false, serving: false}",
+        1,
+    ));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while ask(&sock).as_deref() != Some("web-2") {
+        assert!(
+            Instant::now() < deadline,
+            "the flow stayed on the endpoint that stopped serving\n{}",
+            lab.log()
+        );
+    }
+    for _ in 0..10 {
+        assert_eq!(ask(&sock).as_deref(), Some("web-2"));
+    }
+
+    // Serving again; a flow on web-1; then port 9 goes (web-1:9000 still serves port 19).
+    lab.set_state(&serving);
+    let sock = on_web1(&lab);
+    lab.set_state(&serving.replace(
+        "  - {name: sink, port: 9, targetPort: 9000, protocol: UDP, nodePort: 30009}\n",
+        "",
+    ));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while ask(&sock).is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the flow outlived its Service port\n{}",
+            lab.log()
+        );
+    }
+    let port19: SocketAddr = format!("{VIP}:19").parse().unwrap();
+    let s19 = lab.in_client(move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s.send_to(b"?", port19).unwrap();
+        let mut buf = [0u8; 16];
+        s.recv_from(&mut buf).map(|(n, _)| buf[..n].to_vec())
+    });
+    assert!(s19.is_ok(), "port 19 still serves: {s19:?}");
 }
