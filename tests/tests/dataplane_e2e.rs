@@ -4736,3 +4736,400 @@ fn udp_flows_to_an_endpoint_that_stops_serving_or_to_a_removed_service_port_are_
     });
     assert!(s19.is_ok(), "port 19 still serves: {s19:?}");
 }
+
+/// A dual-stack NodePort Service `web` (198.19.0.10 and 2001:db8:ffff::10; TCP 80 → 8081
+/// on NodePort 30080, UDP 9 → 9100 on 30009) over web-1..3 in both families, a
+/// dual-stack Service `empty` with no endpoint (198.19.0.20, 2001:db8:ffff::20), and
+/// node-a's Node object with both InternalIPs.
+fn dual_stack_state() -> String {
+    let svc = |name: &str, last: u8, np: bool| {
+        let ty = if np { "  type: NodePort\n" } else { "" };
+        let (a, b) = if np {
+            (", nodePort: 30080", ", nodePort: 30009")
+        } else {
+            ("", "")
+        };
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec:\n{ty}  \
+             clusterIP: 198.19.0.{last}\n  clusterIPs: [198.19.0.{last}, \"2001:db8:ffff::{last}\"]\n  \
+             ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  \
+             - {{name: http, port: 80, targetPort: 8081, protocol: TCP{a}}}\n  \
+             - {{name: echo, port: 9, targetPort: 9100, protocol: UDP{b}}}\n---\n"
+        )
+    };
+    let slice = |family: &str, suffix: &str, addrs: [&str; 3]| {
+        let mut eps = String::new();
+        for a in addrs {
+            eps += &format!(
+                "- addresses: [\"{a}\"]\n  nodeName: node-a\n  conditions: {{ready: true}}\n"
+            );
+        }
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{suffix}\n  \
+             namespace: demo\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {family}\n\
+             ports: [{{name: http, port: 8081, protocol: TCP}}, {{name: echo, port: 9100, protocol: UDP}}]\n\
+             endpoints:\n{eps}---\n"
+        )
+    };
+    [
+        svc("web", 10, true),
+        svc("empty", 20, false),
+        slice("IPv4", "4", WEB),
+        slice(
+            "IPv6",
+            "6",
+            ["2001:db8:2:1::2", "2001:db8:2:2::2", "2001:db8:2:3::2"],
+        ),
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\n\
+         spec: {cidrs: [198.19.0.0/16, \"2001:db8:ffff::/112\"]}\n---\n"
+            .to_string(),
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus:\n  addresses: \
+         [{type: InternalIP, address: 198.18.1.1}, {type: InternalIP, address: \"2001:db8:1::1\"}, \
+         {type: Hostname, address: node-a}]\n"
+            .to_string(),
+    ]
+    .concat()
+}
+
+/// A dual-stack HTTP server on [::]:8081 ("NAME PEER") and a UDP echo on [::]:9100
+/// ("NAME:" and the datagram) in each backend, until `lab.stop`.
+fn dual_stack_servers(lab: &Lab) {
+    for (ns, name) in lab.backends.iter().zip(["web-1", "web-2", "web-3"]) {
+        let stop = lab.stop.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let _ = spawn_in(ns, move || {
+            let l = std::net::TcpListener::bind("[::]:8081").unwrap();
+            l.set_nonblocking(true).unwrap();
+            let u = UdpSocket::bind("[::]:9100").unwrap();
+            u.set_nonblocking(true).unwrap();
+            tx.send(()).unwrap();
+            let mut buf = [0u8; 2048];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut idle = true;
+                if let Ok((mut s, peer)) = l.accept() {
+                    idle = false;
+                    s.set_nonblocking(false).unwrap();
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                    let _ = s.read(&mut buf);
+                    let body = format!("{name} {}\n", peer.ip().to_canonical());
+                    let _ = write!(
+                        s,
+                        "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                }
+                if let Ok((n, peer)) = u.recv_from(&mut buf) {
+                    idle = false;
+                    let mut out = format!("{name}:").into_bytes();
+                    out.extend_from_slice(&buf[..n]);
+                    let _ = u.send_to(&out, peer);
+                }
+                if idle {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    }
+}
+
+#[test]
+fn ipv6_node_port_masquerade_hairpin_node_reject_and_dual_stack_at_once() {
+    // IPv6 with traffic, beside IPv4: a client outside the cluster CIDRs (masqueraded)
+    // to the IPv6 ClusterIP and NodePort, a pod to itself through the VIP (hairpin), the
+    // node's own connections, a Service without endpoints (TCP reset, ICMPv6
+    // unreachable), and both families of one Service at once.
+    let lab = Lab::new(Opts {
+        prefix: "kxe54",
+        cluster_cidr: "198.18.2.0/24,2001:db8:2::/48",
+        ipv6_state: Some(dual_stack_state()),
+        ..Default::default()
+    });
+    dual_stack_servers(&lab);
+    let vip6 = |port: u16| -> SocketAddr { format!("[2001:db8:ffff::10]:{port}").parse().unwrap() };
+    // Neighbour discovery on fresh links can cost the first packets: one request first.
+    let warm =
+        lab.in_client(move || (0..10).any(|_| http_get(vip6(80), Duration::from_secs(2)).is_ok()));
+    assert!(warm, "no IPv6 request got through:\n{}", lab.log());
+    let node6 = ["2001:db8:2:1::1", "2001:db8:2:2::1", "2001:db8:3::1"];
+    for (what, addr) in [
+        ("ClusterIP", vip6(80)),
+        ("NodePort", "[2001:db8:1::1]:30080".parse().unwrap()),
+    ] {
+        let (spread, peers, failed) = lab.http_spread(addr, 30);
+        assert_eq!(failed, 0, "{what}\n{}", lab.log());
+        assert_eq!(spread.len(), 3, "{what}: {spread:?}");
+        assert!(
+            peers.iter().all(|p| node6.contains(&p.as_str())),
+            "{what}: the client is outside the cluster CIDRs, masqueraded: {peers:?}"
+        );
+    }
+    // UDP through the IPv6 NodePort.
+    let udp = lab.in_client(|| {
+        let s = UdpSocket::bind("[::]:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let to: SocketAddr = "[2001:db8:1::1]:30009".parse().unwrap();
+        (0..5)
+            .filter(|_| {
+                let mut buf = [0u8; 64];
+                s.send_to(b"?", to).is_ok()
+                    && s.recv_from(&mut buf)
+                        .is_ok_and(|(n, from)| from == to && buf[..n].starts_with(b"web-"))
+            })
+            .count()
+    });
+    assert_eq!(udp, 5, "UDP through the IPv6 NodePort\n{}", lab.log());
+
+    // Hairpin: web-1 through the VIP; when it reaches itself it sees the node.
+    let web1 = lab.backends[0].clone();
+    let hair = lab.in_ns(&web1, move || {
+        (0..30)
+            .map(|_| http_get(vip6(80), Duration::from_secs(3)))
+            .collect::<Vec<_>>()
+    });
+    let mut itself = 0;
+    for b in &hair {
+        let b = b
+            .as_deref()
+            .unwrap_or_else(|e| panic!("hairpin: {e}\n{}", lab.log()));
+        if b.starts_with("web-1 ") {
+            itself += 1;
+            assert_eq!(
+                b.trim_end(),
+                "web-1 2001:db8:2:1::1",
+                "hairpin is masqueraded"
+            );
+        } else {
+            assert!(
+                b.trim_end().ends_with(" 2001:db8:2:1::2"),
+                "pod to pod, not masqueraded: {b}"
+            );
+        }
+    }
+    assert!(itself > 0, "web-1 never reached itself in 30: {hair:?}");
+
+    // The node's own connections to the IPv6 ClusterIP and NodePort.
+    let node = lab.node.clone();
+    let own = lab.in_ns(&node, move || {
+        [vip6(80), "[2001:db8:1::1]:30080".parse().unwrap()]
+            .map(|a| http_get(a, Duration::from_secs(3)))
+    });
+    for r in &own {
+        assert!(
+            r.as_ref().is_ok_and(|b| b.starts_with("web-")),
+            "{own:?}\n{}",
+            lab.log()
+        );
+    }
+
+    // No endpoint: a TCP reset at once and ICMPv6 port unreachable, as kube-proxy rejects.
+    let (tcp, udp) = lab.in_client(|| {
+        let to = |p: u16| -> SocketAddr { format!("[2001:db8:ffff::20]:{p}").parse().unwrap() };
+        let t = Instant::now();
+        let tcp = TcpStream::connect_timeout(&to(80), Duration::from_secs(3))
+            .err()
+            .map(|e| (e.kind(), t.elapsed()));
+        let s = UdpSocket::bind("[::]:0").unwrap();
+        s.connect(to(9)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s.send(b"?").unwrap();
+        let mut buf = [0u8; 16];
+        (tcp, s.recv(&mut buf).err().map(|e| e.kind()))
+    });
+    assert!(
+        tcp.is_some_and(
+            |(k, t)| k == std::io::ErrorKind::ConnectionRefused && t < Duration::from_millis(500)
+        ),
+        "{tcp:?}"
+    );
+    assert_eq!(udp, Some(std::io::ErrorKind::ConnectionRefused));
+
+    // One Service, both families at once.
+    let client = lab.client.clone();
+    let runs: Vec<_> = [vip(80), vip6(80)]
+        .into_iter()
+        .map(|a| {
+            spawn_in(&client, move || {
+                (0..40)
+                    .filter(|_| {
+                        http_get(a, Duration::from_secs(3)).is_ok_and(|b| b.starts_with("web-"))
+                    })
+                    .count()
+            })
+        })
+        .collect();
+    let counts: Vec<usize> = runs
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap())
+        .collect();
+    assert_eq!(counts, [40, 40], "{}", lab.log());
+}
+
+#[test]
+fn load_balancer_ingress_with_source_ranges_and_local_policy() {
+    // A LoadBalancer Service whose ingress IP (198.19.1.1) the network routes to the
+    // node, externalTrafficPolicy Local (node-a's own endpoints, the client's address
+    // kept) and loadBalancerSourceRanges: the client's range is let in, then not (its
+    // connections dropped, as kube-proxy drops them), then again.
+    let lb = |ranges: &str| {
+        node_state(
+            &WEB,
+            &format!(
+                "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  loadBalancerSourceRanges: [{ranges}]\n"
+            ),
+        )
+        .replacen(
+            "---\napiVersion: discovery.k8s.io/v1",
+            "status:\n  loadBalancer:\n    ingress: [{ip: 198.19.1.1}]\n---\napiVersion: discovery.k8s.io/v1",
+            1,
+        )
+    };
+    assert!(lb("x").contains("ingress: [{ip: 198.19.1.1}]"));
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe55",
+        state: Some(lb("198.18.1.0/24")),
+        ..Default::default()
+    });
+    let ing: SocketAddr = "198.19.1.1:80".parse().unwrap();
+    let served = |lab: &Lab| {
+        let (spread, peers, failed) = lab.http_spread(ing, 30);
+        assert_eq!(failed, 0, "{}", lab.log());
+        assert_eq!(
+            spread.keys().collect::<Vec<_>>(),
+            ["web-1", "web-2"],
+            "Local: node-a's endpoints only: {spread:?}"
+        );
+        assert!(
+            peers.iter().all(|p| p == "198.18.1.2"),
+            "the client's address kept: {peers:?}"
+        );
+    };
+    served(&lab);
+    let udp = lab.in_client(move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let to: SocketAddr = "198.19.1.1:9".parse().unwrap();
+        s.send_to(b"?", to).unwrap();
+        let mut buf = [0u8; 64];
+        s.recv_from(&mut buf)
+            .map(|(n, from)| (from, buf[..n].to_vec()))
+    });
+    assert!(
+        udp.as_ref()
+            .is_ok_and(|(from, b)| from.to_string() == "198.19.1.1:9" && b.starts_with(b"web-")),
+        "UDP through the ingress IP: {udp:?}"
+    );
+
+    lab.set_state(&lb("203.0.113.0/24"));
+    let refused = lab.in_client(move || {
+        (0..3)
+            .filter(|_| TcpStream::connect_timeout(&ing, Duration::from_millis(700)).is_err())
+            .count()
+    });
+    assert_eq!(
+        refused,
+        3,
+        "a client outside the source ranges is let in\n{}",
+        lab.log()
+    );
+
+    lab.set_state(&lb("203.0.113.0/24, 198.18.1.2/32"));
+    served(&lab);
+}
+
+/// An SCTP socket (one-to-one style), or `None` where the kernel has no SCTP.
+fn sctp_socket() -> Option<socket2::Socket> {
+    socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::from(132)),
+    )
+    .ok()
+}
+
+#[test]
+fn sctp_through_a_cluster_ip() {
+    // Association set-up, data both ways and shutdown through the ClusterIP, to an SCTP
+    // echo in each pod. Where the kernel has no SCTP (this machine's: EPROTONOSUPPORT),
+    // skipped with a message.
+    if sctp_socket().is_none() {
+        eprintln!(
+            "skipped: this kernel has no SCTP (socket(AF_INET, SOCK_STREAM, IPPROTO_SCTP) fails)"
+        );
+        return;
+    }
+    let with_sctp = node_state(&WEB, "")
+        .replace(
+            "  - {name: echo, port: 7, targetPort: 7000, protocol: TCP, nodePort: 30007}\n",
+            "  - {name: echo, port: 7, targetPort: 7000, protocol: TCP, nodePort: 30007}\n  - {name: sctp, port: 7, targetPort: 7100, protocol: SCTP}\n",
+        )
+        .replace(
+            "- {name: echo, port: 7000, protocol: TCP}\n",
+            "- {name: echo, port: 7000, protocol: TCP}\n- {name: sctp, port: 7100, protocol: SCTP}\n",
+        );
+    assert!(with_sctp.contains("protocol: SCTP}\n- "), "{with_sctp}");
+    let lab = Lab::new(Opts {
+        prefix: "kxe56",
+        state: Some(with_sctp),
+        ..Default::default()
+    });
+    for (ns, name) in lab.backends.iter().zip(["web-1", "web-2", "web-3"]) {
+        let stop = lab.stop.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let _ = spawn_in(ns, move || {
+            let l = sctp_socket().unwrap();
+            l.set_reuse_address(true).unwrap();
+            l.bind(&"0.0.0.0:7100".parse::<SocketAddr>().unwrap().into())
+                .unwrap();
+            l.listen(16).unwrap();
+            l.set_nonblocking(true).unwrap();
+            tx.send(()).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match l.accept() {
+                    Ok((s, _)) => {
+                        let mut s: std::net::TcpStream = {
+                            s.set_nonblocking(false).unwrap();
+                            // One-to-one SCTP sockets read and write as streams do.
+                            std::net::TcpStream::from(s)
+                        };
+                        let mut buf = [0u8; 256];
+                        if let Ok(n) = s.read(&mut buf) {
+                            let mut out = format!("{name}:").into_bytes();
+                            out.extend_from_slice(&buf[..n]);
+                            let _ = s.write_all(&out);
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    }
+    let got = lab.in_client(|| {
+        let mut names = BTreeMap::<String, usize>::new();
+        for i in 0..30 {
+            let s = sctp_socket().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            if s.connect_timeout(&vip(7).into(), Duration::from_secs(3))
+                .is_err()
+            {
+                continue;
+            }
+            let mut s = std::net::TcpStream::from(s);
+            let msg = format!("hello {i}");
+            let mut buf = [0u8; 256];
+            if s.write_all(msg.as_bytes()).is_ok()
+                && let Ok(n) = s.read(&mut buf)
+                && let Some((who, rest)) = String::from_utf8_lossy(&buf[..n]).split_once(':')
+                && rest == msg
+            {
+                *names.entry(who.to_string()).or_insert(0) += 1;
+            }
+            // Shutdown: the association ends (SHUTDOWN, SHUTDOWN-ACK, COMPLETE).
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        names
+    });
+    assert_eq!(got.values().sum::<usize>(), 30, "{got:?}\n{}", lab.log());
+    assert_eq!(got.len(), 3, "{got:?}");
+}
