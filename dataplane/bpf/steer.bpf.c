@@ -590,7 +590,12 @@ int kxp_steer(struct xdp_md *ctx)
 	/* Read into scalars at once: the rest of the program carries no pointer that may
 	 * be null (fewer states for the verifier to walk). base 0: no slot. */
 	ifc = bpf_map_lookup_elem(&ifaces, &ifindex);
-	if (!ifc)
+	/* Key 0: the first handle's slot, for BPF_PROG_TEST_RUN (whose packets come from
+	 * loopback, where kxp never attaches). A packet from any other interface without a
+	 * slot (one the program reaches without kxp attaching there: a bond's port when
+	 * the program is on the bond) has no socket of its own: passed, never redirected to
+	 * another interface's sockets, which would drop it. */
+	if (!ifc && ifindex == 1)
 		ifc = bpf_map_lookup_elem(&ifaces, &zero);
 	if (ifc && ifc->slot < MAX_SLOTS) {
 		base = ifc->slot;

@@ -17,14 +17,31 @@ pub fn matches(pattern: &str, name: &str) -> bool {
 }
 
 /// Whether a link a *pattern* matched is one kxp attaches to: an Ethernet link
-/// (`ARPHRD_ETHER`: physical NICs, veths, VXLAN) that is neither a bridge (kxp attaches to
-/// its ports) nor a bond's port (kxp attaches to the bond). Loopback, tunnels without an
-/// Ethernet header (`tunl0`, WireGuard) and the like are left alone. A link named without
-/// a wildcard is attached whatever it is.
+/// (`ARPHRD_ETHER`: physical NICs, veths, VXLAN, VLAN devices) that is neither a bridge
+/// nor a bond (kxp attaches to their ports: an XDP program on a bond runs on its ports,
+/// whose queues need sockets of their own). Loopback, tunnels without an Ethernet header
+/// (`tunl0`, WireGuard) and the like are left alone. A link named without a wildcard is
+/// attached whatever it is, a bond excepted (refused, see [`bond_ports`]).
 pub fn eligible_for_pattern(name: &str) -> bool {
     let dev = std::path::Path::new("/sys/class/net").join(name);
     let ether = std::fs::read_to_string(dev.join("type")).is_ok_and(|t| t.trim() == "1");
-    ether && !dev.join("bridge").exists() && !dev.join("bonding_slave").exists()
+    ether && !dev.join("bridge").exists() && !dev.join("bonding").exists()
+}
+
+/// The ports of bond `name` (`/sys/class/net/NAME/bonding/slaves`), or `None` when it
+/// is no bond.
+pub fn bond_ports(name: &str) -> Option<Vec<String>> {
+    let dev = std::path::Path::new("/sys/class/net").join(name);
+    if !dev.join("bonding").exists() {
+        return None;
+    }
+    Some(
+        std::fs::read_to_string(dev.join("bonding/slaves"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect(),
+    )
 }
 
 /// Whether a link is wanted: named by a literal, or matched by a pattern and

@@ -104,6 +104,15 @@ pub enum DataplaneError {
     #[error("interface {0} not found; kxp attaches to: --interface NAME (see `ip link`)")]
     NoSuchInterface(String),
     #[error(
+        "interface {ifname} is a bond: kxp attaches to a bond's ports, not to the bond (an XDP \
+         program on a bond runs on its ports, and each port's receive queues need AF_XDP \
+         sockets of their own); give its ports instead: {}",
+        if ports.is_empty() { "(it has none now)".to_string() } else {
+            ports.iter().map(|p| format!("--interface {p}")).collect::<Vec<_>>().join(" ")
+        }
+    )]
+    Bond { ifname: String, ports: Vec<String> },
+    #[error(
         "interface {ifname} has {queues} receive queue(s) but {workers} workers need one each; \
          give --workers {queues} or raise the queue count (ethtool -L {ifname} combined {workers})"
     )]
@@ -652,6 +661,12 @@ impl Dataplane {
             // A name without a wildcard must exist now: a typo is an error.
             let queues = rx_queues(pattern)
                 .ok_or_else(|| DataplaneError::NoSuchInterface(pattern.clone()))?;
+            if let Some(ports) = crate::ifmatch::bond_ports(pattern) {
+                return Err(DataplaneError::Bond {
+                    ifname: pattern.clone(),
+                    ports,
+                });
+            }
             if queues < cfg.workers {
                 return Err(DataplaneError::Queues {
                     ifname: pattern.clone(),

@@ -873,6 +873,19 @@ impl Steering {
         self.test_run_timed(frame).map(|(action, _)| action)
     }
 
+    /// [`Steering::test_run`] as if `frame` had arrived on interface `ifindex` (queue
+    /// 0), which must exist in this network namespace.
+    ///
+    /// # Errors
+    /// As [`Steering::test_run`].
+    pub fn test_run_on(&self, frame: &[u8], ifindex: u32) -> Result<u32, XdpError> {
+        if frame.len() < 14 {
+            return Err(XdpError::TestRunFrameSize { len: frame.len() });
+        }
+        sys::prog_test_run_on(self.program.fd.as_fd(), frame, ifindex)
+            .map_err(|source| XdpError::TestRun { source })
+    }
+
     /// [`Steering::test_run`], with the nanoseconds the kernel timed the program for
     /// (the `steer` bench).
     ///

@@ -197,6 +197,31 @@ pub fn prog_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<(u32, u32
     Ok((opts.retval, opts.duration))
 }
 
+/// [`prog_test_run`] as if `frame` had arrived on `ifindex`'s receive queue 0 (an
+/// `xdp_md` context in: the kernel runs the program with that device's queue).
+pub fn prog_test_run_on(prog: BorrowedFd<'_>, frame: &[u8], ifindex: u32) -> io::Result<u32> {
+    // struct xdp_md: data, data_end, data_meta (0 in a test run's context), then
+    // ingress_ifindex, rx_queue_index, egress_ifindex.
+    let mut ctx = [0u32; 6];
+    ctx[3] = ifindex;
+    let mut opts = libbpf_sys::bpf_test_run_opts {
+        sz: size_of::<libbpf_sys::bpf_test_run_opts>() as libbpf_sys::size_t,
+        data_in: frame.as_ptr().cast(),
+        data_size_in: u32::try_from(frame.len())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
+        ctx_in: ctx.as_ptr().cast(),
+        ctx_size_in: size_of_val(&ctx) as u32,
+        repeat: 1,
+        ..Default::default()
+    };
+    // SAFETY: as in `prog_test_run`; besides, the kernel reads `ctx_size_in` bytes at
+    // `ctx_in`: `ctx`'s pointer and size, a local array alive and only read for the
+    // call. `ctx_out` is NULL.
+    let ret = unsafe { libbpf_sys::bpf_prog_test_run_opts(prog.as_raw_fd(), &mut opts) };
+    check(ret)?;
+    Ok(opts.retval)
+}
+
 /// Why [`load_object`] failed: libbpf's error and the tail of the kernel verifier log
 /// (empty when the failure came before the verifier, e.g. missing privileges).
 #[derive(Debug)]

@@ -495,6 +495,35 @@ fn vlan_tagged_frames_only_when_enabled() {
     assert_eq!(classify(&s, &eth_vlan(ETH_8021Q, &ip6)), None);
 }
 
+/// A packet from an interface with no slot (the program reaches a bond's ports when it
+/// is on the bond) is passed, never taken as another interface's: loopback alone (the
+/// test runs) stands for the first handle.
+#[test]
+fn a_packet_from_an_interface_without_a_slot_is_passed_as_nobodys() {
+    let mut s = steering();
+    let e = Endpoints::v4();
+    s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
+    let frame = eth_ip(&pkt::build(&e, Protocol::Tcp, b"x"));
+    assert_eq!(classify(&s, &frame), Some(Rule::Frontend), "from loopback");
+    let mut topo = crate::lab::Topology::new("kxqs");
+    let ns = topo.add_ns_unique("p").unwrap();
+    let peer = topo.add_ns_unique("q").unwrap();
+    topo.link((&ns, "kxport", ""), (&peer, "kxpeer", ""))
+        .unwrap();
+    let ifindex = topo.ifindex(&ns, "kxport").unwrap();
+    let before = s.stats().unwrap();
+    let action = topo
+        .run_in(&ns, || s.test_run_on(&frame, ifindex).unwrap())
+        .unwrap();
+    let d = s.stats().unwrap().since(&before);
+    assert_eq!(action, XDP_PASS);
+    assert_eq!(
+        (d.seen, d.frontend, d.no_socket, d.passed),
+        (0, 0, 0, 0),
+        "not counted as the handle's interface: {d:?}"
+    );
+}
+
 #[test]
 fn other_traffic_passes() {
     let mut s = steering();
