@@ -16,6 +16,7 @@
 pub mod decide;
 pub mod k8s;
 pub mod model;
+pub mod policy;
 pub mod rewrite;
 pub mod select;
 pub mod snapshot;

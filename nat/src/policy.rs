@@ -1,0 +1,502 @@
+//! Kubernetes NetworkPolicy (networking.k8s.io/v1) decisions: whether a connection from a
+//! peer to a pod is allowed by the ingress policies of the destination pod, and by the
+//! egress policies of the source pod, as the API defines them.
+//!
+//! - A policy selects the pods of its own namespace that its `podSelector` matches (the
+//!   empty selector: all of them). Its `policyTypes` default to `Ingress`, plus `Egress`
+//!   when it has `egress` rules.
+//! - A pod no policy selects for a direction is not isolated in that direction: all is
+//!   allowed. A pod some policy selects for it is isolated: a connection is allowed when
+//!   at least one rule of one of those policies allows it (policies add up; a policy with
+//!   no rule for the direction denies all of it).
+//! - A rule allows when one of its peers matches (no `from`/`to`: every peer) and one of
+//!   its ports matches (no `ports`: every port).
+//! - A peer is a `podSelector` (pods of the policy's namespace), a `namespaceSelector`
+//!   (every pod of the namespaces it matches), both (pods it matches in namespaces it
+//!   matches), or an `ipBlock` (a CIDR less its `except` CIDRs, matched against the
+//!   peer's IP, a pod's or not).
+//! - A port is a protocol (default TCP) and a number, a range (`endPort`), a name
+//!   (resolved against the destination pod's container ports: a named port never matches
+//!   a destination that is not a pod) or absent (every port of that protocol).
+//! - Label selectors: `matchLabels` and `matchExpressions` (`In`, `NotIn`, `Exists`,
+//!   `DoesNotExist`), all of them; the empty selector matches everything.
+//!
+//! Pure: the caller gives the pods and namespaces it knows; this module does no I/O.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use crate::tuple::Protocol;
+
+/// Labels of a pod or namespace.
+pub type Labels = BTreeMap<String, String>;
+
+/// A pod as policies see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pod {
+    pub namespace: String,
+    pub name: String,
+    pub labels: Labels,
+    pub ips: Vec<IpAddr>,
+    /// Named container ports: (name, number, protocol).
+    pub named_ports: Vec<(String, u16, Protocol)>,
+}
+
+/// The other end of a connection: a pod known to the cluster (with its namespace's
+/// labels), or an address that is no pod's.
+#[derive(Debug, Clone, Copy)]
+pub enum Peer<'a> {
+    Pod {
+        pod: &'a Pod,
+        namespace_labels: &'a Labels,
+        ip: IpAddr,
+    },
+    External(IpAddr),
+}
+
+impl Peer<'_> {
+    fn ip(&self) -> IpAddr {
+        match self {
+            Peer::Pod { ip, .. } | Peer::External(ip) => *ip,
+        }
+    }
+}
+
+/// Which way a policy rule looks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+/// Why a connection is allowed or denied, for `kxp trace` and counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// No policy selects the pod for this direction.
+    NotIsolated,
+    /// Rule `rule` (0-based) of this policy (`namespace/name`) allows it.
+    AllowedBy { policy: String, rule: usize },
+    /// Policies select the pod for this direction and none of their rules allows it.
+    Denied { policies: Vec<String> },
+}
+
+impl Decision {
+    pub fn allowed(&self) -> bool {
+        !matches!(self, Decision::Denied { .. })
+    }
+}
+
+/// Why a policy could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("NetworkPolicy {policy}: {field}: {message}")]
+pub struct PolicyError {
+    pub policy: String,
+    pub field: String,
+    pub message: String,
+}
+
+/// A label selector, read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selector {
+    labels: Vec<(String, String)>,
+    exprs: Vec<Expr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Expr {
+    In(String, Vec<String>),
+    NotIn(String, Vec<String>),
+    Exists(String),
+    DoesNotExist(String),
+}
+
+impl Selector {
+    /// Reads `s`; an unknown operator is an error (the API server refuses it too).
+    fn read(s: &LabelSelector, field: &str, policy: &str) -> Result<Selector, PolicyError> {
+        let labels = s
+            .match_labels
+            .as_ref()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        let mut exprs = Vec::new();
+        for (i, e) in s.match_expressions.iter().flatten().enumerate() {
+            let values = e.values.clone().unwrap_or_default();
+            exprs.push(match e.operator.as_str() {
+                "In" => Expr::In(e.key.clone(), values),
+                "NotIn" => Expr::NotIn(e.key.clone(), values),
+                "Exists" => Expr::Exists(e.key.clone()),
+                "DoesNotExist" => Expr::DoesNotExist(e.key.clone()),
+                other => {
+                    return Err(PolicyError {
+                        policy: policy.to_string(),
+                        field: format!("{field}.matchExpressions[{i}].operator"),
+                        message: format!("{other:?} is not In, NotIn, Exists or DoesNotExist"),
+                    });
+                }
+            });
+        }
+        Ok(Selector { labels, exprs })
+    }
+
+    /// Whether `labels` match (the empty selector matches all).
+    pub fn matches(&self, labels: &Labels) -> bool {
+        self.labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+            && self.exprs.iter().all(|e| match e {
+                Expr::In(k, vs) => labels.get(k).is_some_and(|v| vs.contains(v)),
+                Expr::NotIn(k, vs) => labels.get(k).is_none_or(|v| !vs.contains(v)),
+                Expr::Exists(k) => labels.contains_key(k),
+                Expr::DoesNotExist(k) => !labels.contains_key(k),
+            })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PeerRule {
+    Pods {
+        pods: Option<Selector>,
+        namespaces: Option<Selector>,
+    },
+    Block {
+        cidr: IpNet,
+        except: Vec<IpNet>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PortRule {
+    Any(Protocol),
+    Range(Protocol, u16, u16),
+    Named(Protocol, String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Rule {
+    /// Empty: every peer.
+    peers: Vec<PeerRule>,
+    /// Empty: every port.
+    ports: Vec<PortRule>,
+}
+
+/// A NetworkPolicy, read and checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub namespace: String,
+    pub name: String,
+    selector: Selector,
+    ingress: Option<Vec<Rule>>,
+    egress: Option<Vec<Rule>>,
+}
+
+impl Policy {
+    /// Reads a NetworkPolicy object.
+    ///
+    /// # Errors
+    /// A field the API would refuse (a bad CIDR, operator, protocol or port), named.
+    pub fn read(np: &NetworkPolicy) -> Result<Policy, PolicyError> {
+        let namespace = np.metadata.namespace.clone().unwrap_or_default();
+        let name = np.metadata.name.clone().unwrap_or_default();
+        let id = format!("{namespace}/{name}");
+        let spec: NetworkPolicySpec = np.spec.clone().unwrap_or_default();
+        let selector = Selector::read(
+            &spec.pod_selector.clone().unwrap_or_default(),
+            "spec.podSelector",
+            &id,
+        )?;
+        let types: Vec<String> = spec.policy_types.clone().unwrap_or_else(|| {
+            let mut t = vec!["Ingress".to_string()];
+            if spec.egress.is_some() {
+                t.push("Egress".into());
+            }
+            t
+        });
+        for (i, t) in types.iter().enumerate() {
+            if t != "Ingress" && t != "Egress" {
+                return Err(PolicyError {
+                    policy: id,
+                    field: format!("spec.policyTypes[{i}]"),
+                    message: format!("{t:?} is not Ingress or Egress"),
+                });
+            }
+        }
+        let mut ingress = None;
+        if types.iter().any(|t| t == "Ingress") {
+            let mut rules = Vec::new();
+            for (i, r) in spec.ingress.iter().flatten().enumerate() {
+                let f = format!("spec.ingress[{i}]");
+                rules.push(Rule {
+                    peers: read_peers(r.from.as_deref(), &format!("{f}.from"), &id)?,
+                    ports: read_ports(r.ports.as_deref(), &format!("{f}.ports"), &id)?,
+                });
+            }
+            ingress = Some(rules);
+        }
+        let mut egress = None;
+        if types.iter().any(|t| t == "Egress") {
+            let mut rules = Vec::new();
+            for (i, r) in spec.egress.iter().flatten().enumerate() {
+                let f = format!("spec.egress[{i}]");
+                rules.push(Rule {
+                    peers: read_peers(r.to.as_deref(), &format!("{f}.to"), &id)?,
+                    ports: read_ports(r.ports.as_deref(), &format!("{f}.ports"), &id)?,
+                });
+            }
+            egress = Some(rules);
+        }
+        Ok(Policy {
+            namespace,
+            name,
+            selector,
+            ingress,
+            egress,
+        })
+    }
+
+    fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// Whether this policy isolates `pod` in direction `d`.
+    pub fn selects(&self, pod: &Pod, d: Direction) -> bool {
+        let rules = match d {
+            Direction::Ingress => &self.ingress,
+            Direction::Egress => &self.egress,
+        };
+        rules.is_some() && pod.namespace == self.namespace && self.selector.matches(&pod.labels)
+    }
+
+    /// The first rule of direction `d` that allows `peer` on `port`/`proto` of `dest`
+    /// (the pod the port belongs to: the selected pod for ingress, the peer for egress).
+    fn allowing_rule(
+        &self,
+        d: Direction,
+        peer: &Peer<'_>,
+        dest: Option<&Pod>,
+        port: u16,
+        proto: Protocol,
+    ) -> Option<usize> {
+        let rules = match d {
+            Direction::Ingress => self.ingress.as_ref()?,
+            Direction::Egress => self.egress.as_ref()?,
+        };
+        rules.iter().position(|r| {
+            (r.peers.is_empty() || r.peers.iter().any(|p| self.peer_matches(p, peer)))
+                && (r.ports.is_empty()
+                    || r.ports.iter().any(|p| port_matches(p, dest, port, proto)))
+        })
+    }
+
+    fn peer_matches(&self, rule: &PeerRule, peer: &Peer<'_>) -> bool {
+        match rule {
+            PeerRule::Block { cidr, except } => {
+                let ip = peer.ip();
+                cidr.contains(&ip) && !except.iter().any(|e| e.contains(&ip))
+            }
+            PeerRule::Pods { pods, namespaces } => {
+                let Peer::Pod {
+                    pod,
+                    namespace_labels,
+                    ..
+                } = peer
+                else {
+                    return false;
+                };
+                let ns_ok = match namespaces {
+                    Some(ns) => ns.matches(namespace_labels),
+                    None => pod.namespace == self.namespace,
+                };
+                ns_ok && pods.as_ref().is_none_or(|s| s.matches(&pod.labels))
+            }
+        }
+    }
+}
+
+fn port_matches(rule: &PortRule, dest: Option<&Pod>, port: u16, proto: Protocol) -> bool {
+    match rule {
+        PortRule::Any(p) => *p == proto,
+        PortRule::Range(p, lo, hi) => *p == proto && (*lo..=*hi).contains(&port),
+        PortRule::Named(p, name) => {
+            *p == proto
+                && dest.is_some_and(|pod| {
+                    pod.named_ports
+                        .iter()
+                        .any(|(n, num, pr)| n == name && *num == port && *pr == proto)
+                })
+        }
+    }
+}
+
+fn read_peers(
+    peers: Option<&[NetworkPolicyPeer]>,
+    field: &str,
+    id: &str,
+) -> Result<Vec<PeerRule>, PolicyError> {
+    let mut out = Vec::new();
+    for (i, p) in peers.into_iter().flatten().enumerate() {
+        let f = format!("{field}[{i}]");
+        if let Some(b) = &p.ip_block {
+            let bad = |field: String, v: &str| PolicyError {
+                policy: id.to_string(),
+                field,
+                message: format!("{v:?} is not a CIDR"),
+            };
+            let cidr: IpNet = b
+                .cidr
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("{f}.ipBlock.cidr"), &b.cidr))?;
+            let mut except = Vec::new();
+            for (j, e) in b.except.iter().flatten().enumerate() {
+                except.push(
+                    e.trim()
+                        .parse()
+                        .map_err(|_| bad(format!("{f}.ipBlock.except[{j}]"), e))?,
+                );
+            }
+            out.push(PeerRule::Block { cidr, except });
+            continue;
+        }
+        let pods = p
+            .pod_selector
+            .as_ref()
+            .map(|s| Selector::read(s, &format!("{f}.podSelector"), id))
+            .transpose()?;
+        let namespaces = p
+            .namespace_selector
+            .as_ref()
+            .map(|s| Selector::read(s, &format!("{f}.namespaceSelector"), id))
+            .transpose()?;
+        if pods.is_none() && namespaces.is_none() {
+            return Err(PolicyError {
+                policy: id.to_string(),
+                field: f,
+                message: "a peer needs podSelector, namespaceSelector or ipBlock".into(),
+            });
+        }
+        out.push(PeerRule::Pods { pods, namespaces });
+    }
+    Ok(out)
+}
+
+fn read_ports(
+    ports: Option<&[NetworkPolicyPort]>,
+    field: &str,
+    id: &str,
+) -> Result<Vec<PortRule>, PolicyError> {
+    let mut out = Vec::new();
+    for (i, p) in ports.into_iter().flatten().enumerate() {
+        let f = format!("{field}[{i}]");
+        let err = |field: String, message: String| PolicyError {
+            policy: id.to_string(),
+            field,
+            message,
+        };
+        let proto = match p.protocol.as_deref().unwrap_or("TCP") {
+            "TCP" => Protocol::Tcp,
+            "UDP" => Protocol::Udp,
+            "SCTP" => Protocol::Sctp,
+            other => {
+                return Err(err(
+                    format!("{f}.protocol"),
+                    format!("{other:?} is not TCP, UDP or SCTP"),
+                ));
+            }
+        };
+        out.push(match &p.port {
+            None => PortRule::Any(proto),
+            Some(IntOrString::Int(n)) => {
+                let lo = u16::try_from(*n)
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| err(format!("{f}.port"), format!("{n} is not a port")))?;
+                let hi = match p.end_port {
+                    None => lo,
+                    Some(e) => u16::try_from(e).ok().filter(|&e| e >= lo).ok_or_else(|| {
+                        err(
+                            format!("{f}.endPort"),
+                            format!("{e} is not a port at or above {lo}"),
+                        )
+                    })?,
+                };
+                PortRule::Range(proto, lo, hi)
+            }
+            Some(IntOrString::String(s)) => match s.parse::<u16>() {
+                // "80" in a string: the API server takes it as the number.
+                Ok(n) if n > 0 => PortRule::Range(proto, n, n),
+                _ => PortRule::Named(proto, s.clone()),
+            },
+        });
+    }
+    Ok(out)
+}
+
+/// Every policy of the cluster, read.
+#[derive(Debug, Clone, Default)]
+pub struct Policies {
+    pub policies: Vec<Policy>,
+}
+
+impl Policies {
+    /// The decision for a connection in direction `d` of `pod` (the destination for
+    /// ingress, the source for egress) with `peer` at the other end, to `port`/`proto`
+    /// (the destination's port, after DNAT). `dest` is the destination pod (`pod` for
+    /// ingress; the peer's pod, if any, for egress), for named ports.
+    pub fn decide(
+        &self,
+        d: Direction,
+        pod: &Pod,
+        peer: &Peer<'_>,
+        port: u16,
+        proto: Protocol,
+    ) -> Decision {
+        let dest = match d {
+            Direction::Ingress => Some(pod),
+            Direction::Egress => match peer {
+                Peer::Pod { pod, .. } => Some(*pod),
+                Peer::External(_) => None,
+            },
+        };
+        let mut isolating = Vec::new();
+        for p in self.policies.iter().filter(|p| p.selects(pod, d)) {
+            if let Some(rule) = p.allowing_rule(d, peer, dest, port, proto) {
+                return Decision::AllowedBy {
+                    policy: p.id(),
+                    rule,
+                };
+            }
+            isolating.push(p.id());
+        }
+        if isolating.is_empty() {
+            Decision::NotIsolated
+        } else {
+            Decision::Denied {
+                policies: isolating,
+            }
+        }
+    }
+
+    /// Whether a connection from `src` to `dst` (pods or not) on `port`/`proto` is
+    /// allowed: by the source pod's egress policies and the destination pod's ingress
+    /// policies (each side only when it is a pod).
+    pub fn allows(&self, src: &Peer<'_>, dst: &Peer<'_>, port: u16, proto: Protocol) -> bool {
+        let egress = match src {
+            Peer::Pod { pod, .. } => self.decide(Direction::Egress, pod, dst, port, proto),
+            Peer::External(_) => Decision::NotIsolated,
+        };
+        let ingress = match dst {
+            Peer::Pod { pod, .. } => self.decide(Direction::Ingress, pod, src, port, proto),
+            Peer::External(_) => Decision::NotIsolated,
+        };
+        egress.allowed() && ingress.allowed()
+    }
+}
+
+#[cfg(test)]
+#[path = "policy_tests.rs"]
+mod tests;

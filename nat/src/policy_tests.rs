@@ -1,0 +1,493 @@
+//! NetworkPolicy decisions against upstream's truth tables.
+//!
+//! The corpus below is written from Kubernetes' own NetworkPolicy e2e suite,
+//! `test/e2e/network/netpol/network_policy.go` (kubernetes/kubernetes), whose cases each
+//! create pods `x/a`, `x/b`, ... (label `pod: NAME`, namespaces labelled
+//! `kubernetes.io/metadata.name: NS`), serving ports 80 and 81 TCP and UDP under the
+//! container port names `serve-80-tcp`, `serve-81-tcp`, `serve-80-udp`, `serve-81-udp`,
+//! apply policies, and check every pair of pods against an expected reachability matrix
+//! (loopback pairs ignored, as upstream's `ignoreLoopback`). Each case here names its
+//! upstream test and gives its policies and matrix (as a rule over `from`, `to`).
+//! Upstream's helpers (`SetSpecIngressRules`, `SetSpecEgressRules`) set `policyTypes` to
+//! the directions given; the specs below say the same where the default would differ.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+
+use super::*;
+
+/// `ns/pod` pods with upstream's labels, ports and made-up addresses.
+fn pods(names: &[&str]) -> Vec<(Pod, Labels)> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let (ns, name) = n.split_once('/').unwrap();
+            let mut named_ports = Vec::new();
+            for port in [80, 81] {
+                named_ports.push((format!("serve-{port}-tcp"), port, Protocol::Tcp));
+                named_ports.push((format!("serve-{port}-udp"), port, Protocol::Udp));
+            }
+            let pod = Pod {
+                namespace: ns.to_string(),
+                name: name.to_string(),
+                labels: BTreeMap::from([("pod".to_string(), name.to_string())]),
+                ips: vec![IpAddr::from([10, 0, 0, i as u8 + 1])],
+                named_ports,
+            };
+            let ns_labels =
+                BTreeMap::from([("kubernetes.io/metadata.name".to_string(), ns.to_string())]);
+            (pod, ns_labels)
+        })
+        .collect()
+}
+
+/// A NetworkPolicy `name` in `ns` with this spec (YAML).
+fn policy(ns: &str, name: &str, spec: &str) -> Policy {
+    let text = format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n{spec}"
+    );
+    let np: NetworkPolicy = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    Policy::read(&np).unwrap()
+}
+
+/// Whether `from` may reach `to` (pods as `ns/name`).
+type Reach = fn(&str, &str) -> bool;
+
+struct Case {
+    /// Upstream's test name.
+    name: &'static str,
+    pods: &'static [&'static str],
+    /// (namespace, name, spec).
+    policies: &'static [(&'static str, &'static str, &'static str)],
+    /// Port and protocol checked, and whether `from` may reach `to` there.
+    checks: &'static [(u16, Protocol, Reach)],
+}
+
+fn to_x(t: &str) -> bool {
+    t.starts_with("x/")
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "should support a 'default-deny-ingress' policy",
+        pods: &["x/a", "x/b", "y/a", "y/b"],
+        policies: &[(
+            "x",
+            "deny-ingress",
+            "  podSelector: {}\n  policyTypes: [Ingress]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |_, t| !to_x(t))],
+    },
+    Case {
+        name: "should support a 'default-deny-all' policy",
+        pods: &["x/a", "x/b", "y/a"],
+        policies: &[(
+            "x",
+            "deny-all",
+            "  podSelector: {}\n  policyTypes: [Ingress, Egress]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| !to_x(t) && !to_x(f))],
+    },
+    Case {
+        name: "should enforce policy to allow traffic from pods within server namespace based on PodSelector",
+        pods: &["x/a", "x/b", "x/c", "y/a"],
+        policies: &[(
+            "x",
+            "x-a-allows-x-b",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{podSelector: {matchLabels: {pod: b}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| t != "x/a" || f == "x/b")],
+    },
+    Case {
+        name: "should enforce policy to allow ingress traffic for a target",
+        pods: &["x/a", "x/b", "y/a"],
+        policies: &[
+            (
+                "x",
+                "deny-all",
+                "  podSelector: {}\n  policyTypes: [Ingress]\n",
+            ),
+            (
+                "x",
+                "allow-all-to-a",
+                "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{podSelector: {}, namespaceSelector: {}}]}]\n",
+            ),
+        ],
+        checks: &[(80, Protocol::Tcp, |_, t| t != "x/b")],
+    },
+    Case {
+        name: "should enforce policy to allow ingress traffic from pods in all namespaces",
+        pods: &["x/a", "x/b", "y/a", "z/a"],
+        policies: &[(
+            "x",
+            "allow-from-another-ns",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |_, _| true)],
+    },
+    Case {
+        name: "should enforce policy to allow traffic only from a different namespace, based on NamespaceSelector",
+        pods: &["x/a", "x/b", "y/a", "z/a"],
+        policies: &[(
+            "x",
+            "allow-client-a-via-ns-selector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/"))],
+    },
+    Case {
+        name: "should enforce policy based on PodSelector with MatchExpressions",
+        pods: &["x/a", "x/b", "y/a"],
+        policies: &[(
+            "x",
+            "x-a-allows-x-b",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{podSelector: {matchExpressions: [{key: pod, operator: In, values: [b]}]}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| t != "x/a" || f == "x/b")],
+    },
+    Case {
+        name: "should enforce policy based on NamespaceSelector with MatchExpressions",
+        pods: &["x/a", "x/b", "y/a", "z/a"],
+        policies: &[(
+            "x",
+            "allow-ns-y-match-selector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: In, values: [y]}]}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/"))],
+    },
+    Case {
+        name: "should enforce policy based on PodSelector or NamespaceSelector",
+        pods: &["x/a", "x/b", "x/c", "y/a"],
+        policies: &[(
+            "x",
+            "allow-ns-y-match-selector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [x]}]}}, {podSelector: {matchLabels: {pod: b}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| !(t == "x/a" && f == "x/c"))],
+    },
+    Case {
+        name: "should enforce policy based on PodSelector and NamespaceSelector",
+        pods: &["x/a", "x/b", "y/a", "y/b", "z/b"],
+        policies: &[(
+            "x",
+            "allow-ns-y-podselector-and-nsselector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [x]}]}, podSelector: {matchLabels: {pod: b}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| {
+            t != "x/a" || f == "y/b" || f == "z/b"
+        })],
+    },
+    Case {
+        name: "should enforce policy based on Multiple PodSelectors and NamespaceSelectors",
+        pods: &["x/a", "x/b", "y/a", "y/b", "y/c"],
+        policies: &[(
+            "x",
+            "allow-ns-y-z-pod-b-c",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [x]}]}, podSelector: {matchExpressions: [{key: pod, operator: In, values: [b, c]}]}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| {
+            t != "x/a" || !(f.starts_with("x/") || f == "y/a")
+        })],
+    },
+    Case {
+        name: "should enforce policy based on any PodSelectors",
+        pods: &["x/a", "x/b", "x/c"],
+        policies: &[(
+            "x",
+            "allow-ns-x-pod-b-c",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{podSelector: {matchLabels: {pod: b}}}, {podSelector: {matchLabels: {pod: c}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| {
+            t != "x/a" || f == "x/b" || f == "x/c"
+        })],
+    },
+    Case {
+        name: "should enforce policy to allow traffic only from a pod in a different namespace based on PodSelector and NamespaceSelector",
+        pods: &["x/a", "x/b", "y/a", "y/b", "z/a"],
+        policies: &[(
+            "x",
+            "allow-ns-y-pod-a-via-namespace-pod-selector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}, podSelector: {matchLabels: {pod: a}}}]}]\n",
+        )],
+        checks: &[(80, Protocol::Tcp, |f, t| t != "x/a" || f == "y/a")],
+    },
+    Case {
+        name: "should enforce policy based on Ports",
+        pods: &["x/a", "x/b", "y/a", "y/b", "z/a"],
+        policies: &[(
+            "x",
+            "allow-client-a-via-ns-selector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}}], ports: [{port: 81, protocol: TCP}]}]\n",
+        )],
+        checks: &[(81, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/"))],
+    },
+    Case {
+        name: "should enforce multiple, stacked policies with overlapping podSelectors (first policy only)",
+        pods: &["x/a", "x/b", "y/a", "y/b", "z/a"],
+        policies: &[(
+            "x",
+            "allow-client-a-via-ns-selector",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}}], ports: [{port: 81, protocol: TCP}]}]\n",
+        )],
+        checks: &[
+            (81, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/")),
+            (80, Protocol::Tcp, |_, t| t != "x/a"),
+        ],
+    },
+    Case {
+        name: "should enforce multiple, stacked policies with overlapping podSelectors (both policies)",
+        pods: &["x/a", "x/b", "y/a", "y/b", "z/a"],
+        policies: &[
+            (
+                "x",
+                "allow-client-a-via-ns-selector",
+                "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}}], ports: [{port: 81, protocol: TCP}]}]\n",
+            ),
+            (
+                "x",
+                "allow-client-a-via-ns-selector-80",
+                "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}}], ports: [{port: 80, protocol: TCP}]}]\n",
+            ),
+        ],
+        checks: &[
+            (81, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/")),
+            (80, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/")),
+        ],
+    },
+    Case {
+        name: "should support allow-all policy",
+        pods: &["x/a", "x/b", "y/a"],
+        policies: &[("x", "allow-all", "  podSelector: {}\n  ingress: [{}]\n")],
+        checks: &[
+            (80, Protocol::Tcp, |_, _| true),
+            (81, Protocol::Tcp, |_, _| true),
+        ],
+    },
+    Case {
+        name: "should allow ingress access on one named port",
+        pods: &["x/a", "x/b", "y/a"],
+        policies: &[(
+            "x",
+            "allow-all",
+            "  podSelector: {}\n  ingress: [{ports: [{port: serve-81-tcp}]}]\n",
+        )],
+        checks: &[
+            (81, Protocol::Tcp, |_, _| true),
+            (80, Protocol::Tcp, |_, t| !to_x(t)),
+        ],
+    },
+    Case {
+        name: "should allow ingress access from namespace on one named port",
+        pods: &["x/a", "x/b", "y/a", "z/a"],
+        policies: &[(
+            "x",
+            "allow-client-a-via-ns-selector-80",
+            "  podSelector: {matchLabels: {pod: a}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: y}}}], ports: [{port: serve-80-tcp, protocol: TCP}]}]\n",
+        )],
+        checks: &[
+            (80, Protocol::Tcp, |f, t| t != "x/a" || f.starts_with("y/")),
+            (81, Protocol::Tcp, |_, t| t != "x/a"),
+        ],
+    },
+    Case {
+        name: "should allow egress access on one named port",
+        pods: &["x/a", "y/a"],
+        policies: &[(
+            "x",
+            "allow-egress",
+            "  podSelector: {}\n  policyTypes: [Egress]\n  egress: [{ports: [{port: serve-80-tcp}]}]\n",
+        )],
+        checks: &[
+            (80, Protocol::Tcp, |_, _| true),
+            (81, Protocol::Tcp, |f, _| !to_x(f)),
+        ],
+    },
+];
+
+#[test]
+fn upstream_truth_tables() {
+    let mut failures = Vec::new();
+    for case in CASES {
+        let all = pods(case.pods);
+        let policies = Policies {
+            policies: case
+                .policies
+                .iter()
+                .map(|(ns, name, spec)| policy(ns, name, spec))
+                .collect(),
+        };
+        let id = |p: &Pod| format!("{}/{}", p.namespace, p.name);
+        for &(port, proto, want) in case.checks {
+            for (from, from_ns) in &all {
+                for (to, to_ns) in &all {
+                    if from == to {
+                        continue; // upstream's ignoreLoopback
+                    }
+                    let src = Peer::Pod {
+                        pod: from,
+                        namespace_labels: from_ns,
+                        ip: from.ips[0],
+                    };
+                    let dst = Peer::Pod {
+                        pod: to,
+                        namespace_labels: to_ns,
+                        ip: to.ips[0],
+                    };
+                    let got = policies.allows(&src, &dst, port, proto);
+                    let expected = want(&id(from), &id(to));
+                    if got != expected {
+                        failures.push(format!(
+                            "{}: {} -> {} port {port}/{proto}: got {got}, upstream expects {expected}",
+                            case.name,
+                            id(from),
+                            id(to)
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn ip_block_with_except_and_end_port_against_outside_addresses() {
+    let all = pods(&["x/a"]);
+    let (a, a_ns) = &all[0];
+    let policies = Policies {
+        policies: vec![policy(
+            "x",
+            "outside",
+            "  podSelector: {}\n  ingress: [{from: [{ipBlock: {cidr: 192.0.2.0/24, except: [192.0.2.128/25]}}], \
+             ports: [{port: 8000, endPort: 8010, protocol: UDP}]}]\n",
+        )],
+    };
+    let dst = Peer::Pod {
+        pod: a,
+        namespace_labels: a_ns,
+        ip: a.ips[0],
+    };
+    let from = |ip: [u8; 4]| Peer::External(IpAddr::from(ip));
+    assert!(policies.allows(&from([192, 0, 2, 5]), &dst, 8005, Protocol::Udp));
+    assert!(policies.allows(&from([192, 0, 2, 5]), &dst, 8010, Protocol::Udp));
+    assert!(!policies.allows(&from([192, 0, 2, 5]), &dst, 8011, Protocol::Udp));
+    assert!(!policies.allows(&from([192, 0, 2, 5]), &dst, 8005, Protocol::Tcp));
+    assert!(
+        !policies.allows(&from([192, 0, 2, 200]), &dst, 8005, Protocol::Udp),
+        "except"
+    );
+    assert!(!policies.allows(&from([198, 51, 100, 1]), &dst, 8005, Protocol::Udp));
+    let d = policies.decide(
+        Direction::Ingress,
+        a,
+        &from([198, 51, 100, 1]),
+        8005,
+        Protocol::Udp,
+    );
+    assert_eq!(
+        d,
+        Decision::Denied {
+            policies: vec!["x/outside".into()]
+        }
+    );
+    let d = policies.decide(
+        Direction::Ingress,
+        a,
+        &from([192, 0, 2, 1]),
+        8000,
+        Protocol::Udp,
+    );
+    assert_eq!(
+        d,
+        Decision::AllowedBy {
+            policy: "x/outside".into(),
+            rule: 0
+        }
+    );
+    // An outside address is never a pod: a namespaceSelector or podSelector peer does not
+    // match it, and a named port of an egress rule never matches a destination that is
+    // not a pod.
+    let p = Policies {
+        policies: vec![policy(
+            "x",
+            "pods-only",
+            "  podSelector: {}\n  policyTypes: [Ingress, Egress]\n  ingress: [{from: [{namespaceSelector: {}}]}]\n  egress: [{ports: [{port: serve-80-tcp}]}]\n",
+        )],
+    };
+    assert!(!p.allows(&from([192, 0, 2, 5]), &dst, 80, Protocol::Tcp));
+    let src = Peer::Pod {
+        pod: a,
+        namespace_labels: a_ns,
+        ip: a.ips[0],
+    };
+    assert!(!p.allows(&src, &from([192, 0, 2, 5]), 80, Protocol::Tcp));
+}
+
+#[test]
+fn bad_fields_are_errors_naming_the_field() {
+    for (spec, field) in [
+        (
+            "  podSelector: {matchExpressions: [{key: a, operator: Maybe}]}\n",
+            "spec.podSelector.matchExpressions[0].operator",
+        ),
+        (
+            "  podSelector: {}\n  ingress: [{from: [{ipBlock: {cidr: 10.0.0.0/33}}]}]\n",
+            "spec.ingress[0].from[0].ipBlock.cidr",
+        ),
+        (
+            "  podSelector: {}\n  ingress: [{ports: [{port: 80, endPort: 70}]}]\n",
+            "spec.ingress[0].ports[0].endPort",
+        ),
+        (
+            "  podSelector: {}\n  egress: [{ports: [{protocol: ICMP}]}]\n",
+            "spec.egress[0].ports[0].protocol",
+        ),
+        (
+            "  podSelector: {}\n  policyTypes: [Sideways]\n",
+            "spec.policyTypes[0]",
+        ),
+    ] {
+        let text = format!(
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: p, namespace: x}}\nspec:\n{spec}"
+        );
+        let np: NetworkPolicy = serde_yaml::from_str(&text).unwrap();
+        let e = Policy::read(&np).unwrap_err();
+        assert_eq!(e.field, field, "{e}");
+        assert_eq!(e.policy, "x/p");
+    }
+}
+
+#[test]
+fn policy_types_default_to_ingress_and_to_egress_when_there_are_egress_rules() {
+    let all = pods(&["x/a", "y/a"]);
+    let peer = |i: usize| Peer::Pod {
+        pod: &all[i].0,
+        namespace_labels: &all[i].1,
+        ip: all[i].0.ips[0],
+    };
+    // Egress rules and no policyTypes: Ingress and Egress, so x/a takes nothing in.
+    let both = Policies {
+        policies: vec![policy(
+            "x",
+            "p",
+            "  podSelector: {}\n  egress: [{ports: [{port: 80}]}]\n",
+        )],
+    };
+    assert!(!both.allows(&peer(1), &peer(0), 80, Protocol::Tcp));
+    assert!(both.allows(&peer(0), &peer(1), 80, Protocol::Tcp));
+    assert!(!both.allows(&peer(0), &peer(1), 81, Protocol::Tcp));
+    // No rules and no policyTypes: Ingress only.
+    let ingress = Policies {
+        policies: vec![policy("x", "p", "  podSelector: {}\n")],
+    };
+    assert!(!ingress.allows(&peer(1), &peer(0), 80, Protocol::Tcp));
+    assert!(ingress.allows(&peer(0), &peer(1), 81, Protocol::Tcp));
+    // No policy in y: y/a is not isolated either way.
+    assert_eq!(
+        ingress.decide(Direction::Ingress, &all[1].0, &peer(0), 80, Protocol::Tcp),
+        Decision::NotIsolated
+    );
+}
