@@ -4,6 +4,9 @@
 pub mod fakeapi;
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use controlplane::demo::{KxpProcess, wait_healthy};
 
 /// The `kxp` binary the tests run: `KXP_BIN`, else `target/debug/kxp` of this workspace
 /// (the tests build nothing themselves: `cargo build -p controlplane` first).
@@ -53,4 +56,47 @@ pub fn metric(metrics: &str, name_and_labels: &str) -> f64 {
         .lines()
         .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// Starts `kxp run` in namespace `ns` as a node of a test cluster: attached to
+/// `interfaces`, reading `state` (a `--state-file`) and `config`, its health on
+/// 127.0.0.1:10256, with `workers` workers, logging to `log`; returns once it is healthy.
+///
+/// # Panics
+/// When kxp cannot be started or does not become healthy within 30 s (the test cannot go
+/// on).
+pub fn start_node_kxp(
+    ns: &str,
+    interfaces: &[&str],
+    state: &Path,
+    config: &Path,
+    workers: usize,
+    log: &Path,
+) -> KxpProcess {
+    let mut args: Vec<String> = interfaces
+        .iter()
+        .flat_map(|i| ["--interface".to_string(), i.to_string()])
+        .collect();
+    args.extend(
+        [
+            "--state-file",
+            state.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--healthz-bind-address",
+            "127.0.0.1:10256",
+            "--workers",
+            &workers.to_string(),
+        ]
+        .map(String::from),
+    );
+    let mut k = KxpProcess::spawn_exe(&kxp_bin(), ns, &args, log).unwrap();
+    wait_healthy(
+        ns,
+        "127.0.0.1:10256".parse().unwrap(),
+        Duration::from_secs(30),
+        &mut k,
+    )
+    .unwrap();
+    k
 }

@@ -384,32 +384,14 @@ impl Lab {
                 o.config_extra
             };
             let config = config_of("node-b", extra);
-            let args: Vec<String> = [
-                "--interface",
-                "n-web3",
-                "--interface",
-                "n-wire",
-                "--state-file",
-                state.to_str().unwrap(),
-                "--config",
-                config.to_str().unwrap(),
-                "--healthz-bind-address",
-                "127.0.0.1:10256",
-                "--workers",
-                &o.workers.to_string(),
-            ]
-            .map(String::from)
-            .to_vec();
-            let mut k = KxpProcess::spawn_exe(&kxp_bin(), peer, &args, &dir.join("kxp-node-b.log"))
-                .unwrap();
-            wait_healthy(
+            kxp_tests::start_node_kxp(
                 peer,
-                "127.0.0.1:10256".parse().unwrap(),
-                Duration::from_secs(30),
-                &mut k,
+                &["n-web3", "n-wire"],
+                &state,
+                &config,
+                o.workers,
+                &dir.join("kxp-node-b.log"),
             )
-            .unwrap();
-            k
         });
         let api = if o.api {
             let text = std::fs::read_to_string(&state).unwrap();

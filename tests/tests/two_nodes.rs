@@ -33,9 +33,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use controlplane::demo::{Backend, KxpProcess, http_get, spawn_in, wait_healthy};
+use controlplane::demo::{Backend, KxpProcess, http_get, spawn_in};
 use controlplane::netns::{Topology, in_ns};
-use kxp_tests::{CT_INVALID_DROP, add6, kxp_bin, metric};
+use kxp_tests::{CT_INVALID_DROP, add6, metric};
 use socket2::{Domain, Protocol, Socket, Type};
 
 const NODE_A_IP: &str = "198.18.30.1";
@@ -287,34 +287,13 @@ impl Cluster {
                 ),
             )
             .unwrap();
-            let mut args: Vec<String> = [
-                "--interface",
-                pods_glob,
-                "--interface",
-                "wire0",
-                "--state-file",
-                state.to_str().unwrap(),
-                "--config",
-                config.to_str().unwrap(),
-                "--healthz-bind-address",
-                "127.0.0.1:10256",
-                "--workers",
-                "1",
-            ]
-            .map(String::from)
-            .to_vec();
-            if name == "node-a" {
-                args.extend(["--interface".to_string(), "uplink".to_string()]);
-            }
+            let interfaces: &[&str] = if name == "node-a" {
+                &[pods_glob, "wire0", "uplink"]
+            } else {
+                &[pods_glob, "wire0"]
+            };
             let log = dir.join(format!("kxp-{name}.log"));
-            let mut p = KxpProcess::spawn_exe(&kxp_bin(), node, &args, &log).unwrap();
-            wait_healthy(
-                node,
-                "127.0.0.1:10256".parse().unwrap(),
-                Duration::from_secs(30),
-                &mut p,
-            )
-            .unwrap();
+            let p = kxp_tests::start_node_kxp(node, interfaces, &state, &config, 1, &log);
             kxp.push(p);
         }
         Cluster {
