@@ -227,6 +227,10 @@ pub struct KxpSection {
     /// directory's `kxp.sock`; `""` for none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_socket: Option<std::path::PathBuf>,
+    /// `enforce` (default): NetworkPolicy is checked on every connection kxp
+    /// translates; `off`: not (clusters whose CNI enforces no policy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<String>,
 }
 
 /// A value as a generated configuration writes an unset field: null, false, 0, "", "0",
@@ -482,7 +486,20 @@ impl KubeProxyConfiguration {
                 ),
             ));
         }
+        if let Some(np) = cfg.kxp.as_ref().and_then(|k| k.network_policy.as_deref())
+            && !["", "enforce", "off"].contains(&np)
+        {
+            return Err(invalid(
+                "kxp.networkPolicy".into(),
+                format!("{np:?} is not enforce or off"),
+            ));
+        }
         Ok(cfg)
+    }
+
+    /// Whether NetworkPolicy is enforced (`kxp.networkPolicy`, default `enforce`).
+    pub fn network_policy(&self) -> bool {
+        self.kxp.as_ref().and_then(|k| k.network_policy.as_deref()) != Some("off")
     }
 
     /// `iptables.masqueradeAll` or `nftables.masqueradeAll`.

@@ -494,6 +494,9 @@ impl KubeSource {
             endpoint_slices: copy(&self.slices),
             nodes: copy(&self.nodes),
             service_cidrs: copy(&self.cidrs),
+            // Not watched from the API server yet: NetworkPolicy is enforced in
+            // --state-file mode only (run.rs says so at start).
+            ..ClusterState::default()
         }
     }
 

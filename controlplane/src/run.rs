@@ -172,6 +172,19 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             &stop,
         )?,
     };
+    match (&input, settings.network_policy) {
+        (_, false) => tracing::info!("NetworkPolicy is not enforced (kxp.networkPolicy: off)"),
+        (Input::File { .. }, true) => tracing::info!(
+            "NetworkPolicy enforced on the connections kxp translates (the state file's \
+             NetworkPolicies, Pods and Namespaces)"
+        ),
+        (Input::Kube { .. }, true) => tracing::warn!(
+            "NetworkPolicy is not enforced on the connections kxp translates: kxp does not \
+             watch NetworkPolicies, Pods and Namespaces from the API server yet (a state \
+             file's are enforced); the node's CNI does not see them either (README, \
+             \"NetworkPolicy\")"
+        ),
+    }
     let (min_sync, resync) = sync_periods(cfg.as_ref());
     let mut tracker = Tracker::new(settings.clone());
     let listed = Instant::now();

@@ -157,6 +157,7 @@ pub fn node_settings(
         // writes it) and IPVS mode answer NodePorts on every local address; nftables on
         // the primary IPs.
         node_ports_on_every_address: cfg.mode.as_deref().map(str::trim) != Some("nftables"),
+        network_policy: cfg.network_policy(),
         masquerade_all: cfg.masquerade_all(),
         default_scheduler,
         service_proxy_name: cfg.service_proxy_name.clone().filter(|n| !n.is_empty()),

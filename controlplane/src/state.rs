@@ -120,6 +120,11 @@ fn add_object(
             .endpoint_slices
             .push(typed::<EndpointSlice>(v).map_err(wrap)?),
         ("v1", "Node") => state.nodes.push(typed::<Node>(v).map_err(wrap)?),
+        ("v1", "Pod") => state.pods.push(typed(v).map_err(wrap)?),
+        ("v1", "Namespace") => state.namespaces.push(typed(v).map_err(wrap)?),
+        ("networking.k8s.io/v1", "NetworkPolicy") => {
+            state.network_policies.push(typed(v).map_err(wrap)?)
+        }
         ("networking.k8s.io/v1" | "networking.k8s.io/v1beta1", "ServiceCIDR") => {
             let mut v = v;
             if let Some(m) = v.as_mapping_mut() {
@@ -140,7 +145,9 @@ fn add_object(
                 place.clone(),
                 format!(
                     "kxp does not read {kind} ({api}); a state file holds v1 Service, \
-                     discovery.k8s.io/v1 EndpointSlice, v1 Node and networking.k8s.io/v1 ServiceCIDR"
+                     discovery.k8s.io/v1 EndpointSlice, v1 Node, networking.k8s.io/v1 \
+                     ServiceCIDR, and for NetworkPolicy v1 Pod, v1 Namespace and \
+                     networking.k8s.io/v1 NetworkPolicy"
                 ),
             ));
         }
@@ -197,10 +204,29 @@ items:
 
     #[test]
     fn unknown_kind_and_bad_yaml() {
-        let e = parse_state("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n", "s")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("does not read Pod"), "{e}");
+        let e = parse_state(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: p}\n",
+            "s",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("does not read ConfigMap"), "{e}");
+        // Pods, Namespaces and NetworkPolicies are read (for NetworkPolicy).
+        let st = parse_state(
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: p, namespace: n}\n---\n\
+             apiVersion: v1\nkind: Namespace\nmetadata: {name: n}\n---\n\
+             apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: d, namespace: n}\nspec: {podSelector: {}}\n",
+            "s",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                st.pods.len(),
+                st.namespaces.len(),
+                st.network_policies.len()
+            ),
+            (1, 1, 1)
+        );
         let e = parse_state("a: [\n", "s").unwrap_err().to_string();
         assert!(e.contains("document 1"), "{e}");
         let e = parse_state("just text\n", "s").unwrap_err().to_string();

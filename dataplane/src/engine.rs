@@ -64,6 +64,9 @@ pub enum DropCause {
     RejectUnanswerable,
     /// An ICMP error about a packet from a Service frontend that no tracked flow sent.
     IcmpErrorUntracked,
+    /// A NetworkPolicy denies the connection (the endpoint pod's ingress, or the client
+    /// pod's egress): its first packet is dropped, as the CNI drops it.
+    NetworkPolicy,
 }
 
 impl DropCause {
@@ -87,6 +90,7 @@ impl DropCause {
             DropCause::TtlExceeded => "ttl_exceeded",
             DropCause::RejectUnanswerable => "reject_unanswerable",
             DropCause::IcmpErrorUntracked => "icmp_error_untracked",
+            DropCause::NetworkPolicy => "network_policy",
         }
     }
 }
@@ -530,6 +534,13 @@ impl Engine {
         let Some(ep) = sp.endpoints.get(choice.endpoint as usize) else {
             return Verdict::Drop(DropCause::RejectUnanswerable);
         };
+        // NetworkPolicy, as the CNI would check the packet after DNAT (the endpoint's
+        // address and port) and before SNAT (the client's own address).
+        if let Some(policy) = &snap.policy
+            && !policy.check(t.src, ep.addr, t.proto).allowed()
+        {
+            return Verdict::Drop(DropCause::NetworkPolicy);
+        }
         let from_host = self.is_host_interface(in_interface);
         let reply_dst = if from_host || choice.masquerade_for(t.src, ep) {
             // The node's own connection keeps the address the node chose for it (its own);

@@ -96,6 +96,9 @@ pub struct NodeSettings {
     /// `service.kubernetes.io/service-proxy-name` label holds it; when not, only the
     /// Services without that label (kube-proxy's label selector, either way).
     pub service_proxy_name: Option<String>,
+    /// Enforce NetworkPolicy on the connections kxp carries (`kxp.networkPolicy:
+    /// enforce`, the default); off, policies are not read.
+    pub network_policy: bool,
 }
 
 /// Everything read from the cluster.
@@ -105,6 +108,10 @@ pub struct ClusterState {
     pub endpoint_slices: Vec<EndpointSlice>,
     pub nodes: Vec<Node>,
     pub service_cidrs: Vec<ServiceCIDR>,
+    /// What NetworkPolicy decisions need (see [`crate::policy`]).
+    pub pods: Vec<k8s_openapi::api::core::v1::Pod>,
+    pub namespaces: Vec<k8s_openapi::api::core::v1::Namespace>,
+    pub network_policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
 }
 
 /// A snapshot and what was noticed while building it.

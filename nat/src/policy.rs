@@ -23,8 +23,9 @@
 //!
 //! Pure: the caller gives the pods and namespaces it knows; this module does no I/O.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::{
@@ -494,6 +495,181 @@ impl Policies {
             Peer::External(_) => Decision::NotIsolated,
         };
         egress.allowed() && ingress.allowed()
+    }
+}
+
+/// One pod as a [`PolicyView`] keeps it.
+#[derive(Debug, Clone)]
+struct PodEntry {
+    pod: Pod,
+    namespace_labels: Arc<Labels>,
+    /// Scheduled on this node (its egress policies are this node's to enforce).
+    on_node: bool,
+}
+
+/// Everything a node needs to decide NetworkPolicy for the connections it carries: the
+/// policies by namespace and the pods by IP (with their namespaces' labels).
+#[derive(Debug, Clone, Default)]
+pub struct PolicyView {
+    by_namespace: HashMap<String, Policies>,
+    pods: HashMap<IpAddr, PodEntry>,
+}
+
+/// A connection's NetworkPolicy verdict: both directions' decisions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// The destination pod's ingress decision (`NotIsolated` when it is no pod).
+    pub ingress: Decision,
+    /// The source pod's egress decision (`NotIsolated` when it is no pod of this node).
+    pub egress: Decision,
+}
+
+impl Verdict {
+    pub fn allowed(&self) -> bool {
+        self.ingress.allowed() && self.egress.allowed()
+    }
+}
+
+impl PolicyView {
+    /// Reads the cluster's pods, namespaces and policies for node `node`; `None` when
+    /// there is no policy (nothing is isolated). A policy that cannot be read is left out
+    /// and its error returned (the API server would have refused it).
+    pub fn build<'a>(
+        pods: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Pod>,
+        namespaces: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Namespace>,
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+        node: &str,
+    ) -> (Option<PolicyView>, Vec<PolicyError>) {
+        let mut errors = Vec::new();
+        let mut by_namespace: HashMap<String, Policies> = HashMap::new();
+        for np in policies {
+            match Policy::read(np) {
+                Ok(p) => by_namespace
+                    .entry(p.namespace.clone())
+                    .or_default()
+                    .policies
+                    .push(p),
+                Err(e) => errors.push(e),
+            }
+        }
+        if by_namespace.is_empty() {
+            return (None, errors);
+        }
+        let ns_labels: HashMap<String, Arc<Labels>> = namespaces
+            .into_iter()
+            .filter_map(|n| {
+                let name = n.metadata.name.clone()?;
+                let mut labels: Labels = n.metadata.labels.clone().unwrap_or_default();
+                // Set by the API server on every namespace since 1.22.
+                labels
+                    .entry("kubernetes.io/metadata.name".into())
+                    .or_insert_with(|| name.clone());
+                Some((name, Arc::new(labels)))
+            })
+            .collect();
+        let mut view = PolicyView {
+            by_namespace,
+            pods: HashMap::new(),
+        };
+        for p in pods {
+            let spec = p.spec.as_ref();
+            let status = p.status.as_ref();
+            // Host-network pods have the node's address: not pods to policies.
+            if spec.and_then(|s| s.host_network).unwrap_or(false) {
+                continue;
+            }
+            let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("");
+            if phase == "Succeeded" || phase == "Failed" {
+                continue; // its IP may be another pod's by now
+            }
+            let namespace = p.metadata.namespace.clone().unwrap_or_default();
+            let mut ips: Vec<IpAddr> = status
+                .and_then(|s| s.pod_ips.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i.ip.parse().ok())
+                .collect();
+            if let Some(ip) = status
+                .and_then(|s| s.pod_ip.as_deref())
+                .and_then(|i| i.parse().ok())
+                && !ips.contains(&ip)
+            {
+                ips.push(ip);
+            }
+            let named_ports = spec
+                .map(|s| s.containers.iter())
+                .into_iter()
+                .flatten()
+                .flat_map(|c| c.ports.iter().flatten())
+                .filter_map(|cp| {
+                    let name = cp.name.clone()?;
+                    let port = u16::try_from(cp.container_port).ok()?;
+                    let proto = match cp.protocol.as_deref().unwrap_or("TCP") {
+                        "UDP" => Protocol::Udp,
+                        "SCTP" => Protocol::Sctp,
+                        _ => Protocol::Tcp,
+                    };
+                    Some((name, port, proto))
+                })
+                .collect();
+            let entry = PodEntry {
+                pod: Pod {
+                    namespace: namespace.clone(),
+                    name: p.metadata.name.clone().unwrap_or_default(),
+                    labels: p.metadata.labels.clone().unwrap_or_default(),
+                    ips: ips.clone(),
+                    named_ports,
+                },
+                namespace_labels: ns_labels.get(&namespace).cloned().unwrap_or_else(|| {
+                    Arc::new(Labels::from([(
+                        "kubernetes.io/metadata.name".to_string(),
+                        namespace.clone(),
+                    )]))
+                }),
+                on_node: spec.and_then(|s| s.node_name.as_deref()) == Some(node),
+            };
+            for ip in ips {
+                view.pods.insert(ip, entry.clone());
+            }
+        }
+        (Some(view), errors)
+    }
+
+    fn peer(&self, ip: IpAddr) -> Peer<'_> {
+        match self.pods.get(&ip) {
+            Some(e) => Peer::Pod {
+                pod: &e.pod,
+                namespace_labels: &e.namespace_labels,
+                ip,
+            },
+            None => Peer::External(ip),
+        }
+    }
+
+    /// The verdict for a connection from `src` to `dst` (the endpoint, after DNAT; the
+    /// client's own address, before SNAT): the destination pod's ingress policies, and
+    /// the source pod's egress policies when it runs on this node.
+    pub fn check(&self, src: IpAddr, dst: std::net::SocketAddr, proto: Protocol) -> Verdict {
+        let (from, to) = (self.peer(src), self.peer(dst.ip()));
+        let ingress = match (&to, self.pods.get(&dst.ip())) {
+            (Peer::Pod { pod, .. }, Some(_)) => self
+                .by_namespace
+                .get(&pod.namespace)
+                .map_or(Decision::NotIsolated, |p| {
+                    p.decide(Direction::Ingress, pod, &from, dst.port(), proto)
+                }),
+            _ => Decision::NotIsolated,
+        };
+        let egress = match self.pods.get(&src) {
+            Some(e) if e.on_node => self
+                .by_namespace
+                .get(&e.pod.namespace)
+                .map_or(Decision::NotIsolated, |p| {
+                    p.decide(Direction::Egress, &e.pod, &to, dst.port(), proto)
+                }),
+            _ => Decision::NotIsolated,
+        };
+        Verdict { ingress, egress }
     }
 }
 

@@ -108,6 +108,9 @@ pub struct Snapshot {
     cluster_ips: FastSet<IpAddr>,
     /// Frontends claimed by two Service ports: the first in name order keeps it.
     pub conflicts: Vec<String>,
+    /// The cluster's NetworkPolicies and the pods they select, when any policy exists
+    /// and enforcement is on (see [`crate::policy`]).
+    pub policy: Option<Arc<crate::policy::PolicyView>>,
 }
 
 /// A snapshot to publish and how it differs from the previous one.
@@ -185,6 +188,7 @@ impl Snapshot {
             node_ports: FastMap::default(),
             cluster_ips: FastSet::default(),
             conflicts: Vec::new(),
+            policy: None,
         }
     }
 

@@ -105,6 +105,13 @@ pub struct Tracker {
     changed_slices: BTreeSet<ObjKey>,
     trigger_times: Vec<String>,
     pending_notes: Vec<String>,
+    /// What NetworkPolicy decisions are made of, and the view built from them (rebuilt
+    /// whole when any of them changed).
+    pods: Vec<k8s_openapi::api::core::v1::Pod>,
+    namespaces: Vec<k8s_openapi::api::core::v1::Namespace>,
+    policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
+    policy_dirty: bool,
+    policy: Option<Arc<crate::policy::PolicyView>>,
     /// Snapshots made by copying (the previous one was still in use) and by catching up.
     pub copies: u64,
     pub reuses: u64,
@@ -135,6 +142,11 @@ impl Tracker {
             changed_slices: BTreeSet::new(),
             trigger_times: Vec::new(),
             pending_notes: Vec::new(),
+            pods: Vec::new(),
+            namespaces: Vec::new(),
+            policies: Vec::new(),
+            policy_dirty: false,
+            policy: None,
             copies: 0,
             reuses: 0,
         }
@@ -142,6 +154,8 @@ impl Tracker {
 
     /// New node settings (e.g. the host's addresses once known): every Service is rebuilt.
     pub fn set_settings(&mut self, settings: NodeSettings) {
+        self.policy_dirty |= settings.network_policy != self.settings.network_policy
+            || settings.node_name != self.settings.node_name;
         self.settings = settings;
         self.node_dirty = true;
     }
@@ -296,11 +310,20 @@ impl Tracker {
         self.replace_slices(state.endpoint_slices.iter().cloned().map(Arc::new));
         self.replace_nodes(state.nodes.iter().cloned().map(Arc::new));
         self.replace_service_cidrs(state.service_cidrs.iter().cloned().map(Arc::new));
+        if state.pods != self.pods
+            || state.namespaces != self.namespaces
+            || state.network_policies != self.policies
+        {
+            self.pods = state.pods.clone();
+            self.namespaces = state.namespaces.clone();
+            self.policies = state.network_policies.clone();
+            self.policy_dirty = true;
+        }
     }
 
     /// Whether anything changed since the last sync.
     pub fn has_changes(&self) -> bool {
-        self.node_dirty || !self.dirty.is_empty()
+        self.node_dirty || self.policy_dirty || !self.dirty.is_empty()
     }
 
     /// Rebuilds what changed and produces the next snapshot (see the module docs).
@@ -327,6 +350,21 @@ impl Tracker {
                 }
                 Err(e) => errors.push(e),
             }
+        }
+
+        if std::mem::take(&mut self.policy_dirty) {
+            self.policy = if self.settings.network_policy {
+                let (view, errs) = crate::policy::PolicyView::build(
+                    &self.pods,
+                    &self.namespaces,
+                    &self.policies,
+                    &self.settings.node_name,
+                );
+                notes.extend(errs.iter().map(|e| format!("{e}: left out")));
+                view.map(Arc::new)
+            } else {
+                None
+            };
         }
 
         let mut removed = Vec::new();
@@ -391,6 +429,7 @@ impl Tracker {
             s.generation = generation;
             s.node = self.node.clone();
             s.conflicts = self.indexer.conflicts();
+            s.policy = self.policy.clone();
         }
         if let Some(prev) = self.current.replace(next.clone()) {
             self.spare = Some((prev, ops));

@@ -5115,3 +5115,158 @@ fn sctp_through_a_cluster_ip() {
     assert_eq!(got.values().sum::<usize>(), 30, "{got:?}\n{}", lab.log());
     assert_eq!(got.len(), 3, "{got:?}");
 }
+
+/// The lab's pods as the API has them (namespace `demo`, labels `app: web` and `name:
+/// web-N`, their IPs, nodes and named ports), for NetworkPolicy, and `policies`.
+fn with_pods_and_policies(state: &str, policies: &str) -> String {
+    let mut text = state.to_string();
+    text.push_str(
+        "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: demo, labels: {team: web}}\n",
+    );
+    for (i, ip) in WEB.iter().enumerate() {
+        let node = if i == 2 { "node-b" } else { "node-a" };
+        text.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: web-{n}, namespace: demo, labels: {{app: web, name: web-{n}}}}}\n\
+             spec:\n  nodeName: {node}\n  containers:\n  - name: web\n    ports: [{{name: http, containerPort: 8080}}, \
+             {{name: sink, containerPort: 9000, protocol: UDP}}]\nstatus: {{phase: Running, podIP: {ip}, podIPs: [{{ip: {ip}}}]}}\n",
+            n = i + 1
+        ));
+    }
+    text.push_str(policies);
+    text
+}
+
+/// Which pods answered `n` connections (TCP, or UDP datagrams each from a new socket)
+/// from `ns` to `addr`, and how many got no answer within `wait`.
+fn tally(
+    lab: &Lab,
+    ns: &str,
+    addr: SocketAddr,
+    udp: bool,
+    n: usize,
+) -> (BTreeMap<String, usize>, usize) {
+    lab.in_ns(ns, move || {
+        let wait = Duration::from_millis(600);
+        let mut got = BTreeMap::<String, usize>::new();
+        let mut none = 0;
+        for _ in 0..n {
+            let who = if udp {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(wait)).unwrap();
+                let mut buf = [0u8; 64];
+                s.send_to(b"?", addr)
+                    .and_then(|_| s.recv_from(&mut buf))
+                    .map(|(k, _)| String::from_utf8_lossy(&buf[..k]).into_owned())
+                    .ok()
+            } else {
+                http_get(addr, wait)
+                    .ok()
+                    .and_then(|b| b.split_whitespace().next().map(str::to_string))
+            };
+            match who {
+                Some(w) => *got.entry(w).or_insert(0) += 1,
+                None => none += 1,
+            }
+        }
+        (got, none)
+    })
+}
+
+#[test]
+fn network_policy_is_enforced_on_the_connections_kxp_translates() {
+    // web-1 admits only the pods' network (198.18.2.0/24) on its named port http: the
+    // client outside (198.18.1.2) never reaches it, through the ClusterIP or a NodePort,
+    // TCP or UDP (its first packets dropped, as the CNI drops them, and counted); web-2
+    // does, and web-2 and web-3 take the client's connections. A policy added while
+    // connections are open applies to new ones; `kxp.networkPolicy: off` enforces none.
+    let deny_web1 = "---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n\
+         metadata: {name: web-1-from-pods, namespace: demo}\nspec:\n  podSelector: {matchLabels: {name: web-1}}\n  \
+         ingress: [{from: [{ipBlock: {cidr: 198.18.2.0/24}}], ports: [{port: http}, {port: sink, protocol: UDP}]}]\n";
+    let open = with_pods_and_policies(&node_state(&WEB, ""), "");
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe57",
+        state: Some(open.clone()),
+        ..Default::default()
+    });
+    assert!(
+        lab.log().contains("NetworkPolicy enforced"),
+        "{}",
+        lab.log()
+    );
+    let client = lab.client.clone();
+    // No policy yet: web-1 serves the client.
+    let (got, none) = tally(&lab, &client, vip(80), false, 30);
+    assert!(
+        got.contains_key("web-1") && none == 0,
+        "{got:?} {none}\n{}",
+        lab.log()
+    );
+    // A long-lived connection to web-1, opened before the policy.
+    let mut kept = lab.in_client(|| {
+        loop {
+            let mut s = TcpStream::connect_timeout(&vip(7), Duration::from_secs(2)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s.write_all(b"hi").unwrap();
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf).unwrap();
+            if buf[..n].starts_with(b"web-1") {
+                break s;
+            }
+        }
+    });
+
+    lab.set_state(&with_pods_and_policies(&node_state(&WEB, ""), deny_web1));
+    let np: SocketAddr = "198.18.1.1:30080".parse().unwrap();
+    let np_udp: SocketAddr = "198.18.1.1:30009".parse().unwrap();
+    for (what, addr, udp) in [
+        ("ClusterIP TCP", vip(80), false),
+        ("NodePort TCP", np, false),
+        ("ClusterIP UDP", vip(9), true),
+        ("NodePort UDP", np_udp, true),
+    ] {
+        let (got, none) = tally(&lab, &client, addr, udp, 30);
+        assert!(!got.contains_key("web-1"), "{what}: {got:?}\n{}", lab.log());
+        assert!(
+            got.contains_key("web-2") && got.contains_key("web-3") && none > 0,
+            "{what}: the others serve, web-1's share is dropped: {got:?} {none}"
+        );
+    }
+    // A pod inside 198.18.2.0/24 is admitted (web-2 through the ClusterIP).
+    let web2 = lab.backends[1].clone();
+    let (got, _) = tally(&lab, &web2, vip(80), false, 30);
+    assert!(
+        got.contains_key("web-1"),
+        "web-2 is admitted: {got:?}\n{}",
+        lab.log()
+    );
+    // The connection opened before the policy: established flows keep going (the
+    // policy applies to new connections, as a CNI's conntrack lets established ones be).
+    kept.write_all(b"again").unwrap();
+    let mut buf = [0u8; 64];
+    let n = kept.read(&mut buf).unwrap();
+    assert_eq!(&buf[..n], b"web-1:again");
+    let m = node_http(&lab, 10249, "/metrics");
+    assert!(
+        metric(&m, "kxp_drops_total{reason=\"network_policy\"}") > 0.0,
+        "{m}"
+    );
+    drop(lab);
+
+    // kxp.networkPolicy: off.
+    let lab = Lab::new(Opts {
+        prefix: "kxe58",
+        state: Some(with_pods_and_policies(&node_state(&WEB, ""), deny_web1)),
+        config_extra: "kxp:\n  networkPolicy: \"off\"\n",
+        ..Default::default()
+    });
+    let (got, none) = tally(&lab, &lab.client.clone(), vip(80), false, 30);
+    assert!(
+        got.contains_key("web-1") && none == 0,
+        "off: {got:?} {none}\n{}",
+        lab.log()
+    );
+    assert!(
+        lab.log()
+            .contains("NetworkPolicy is not enforced (kxp.networkPolicy: off)")
+    );
+}
