@@ -6,7 +6,8 @@
 //!   `serviceProxyName` is set), field selector `spec.clusterIP!=None`;
 //! - EndpointSlices: `!service.kubernetes.io/headless`;
 //! - ServiceCIDRs: all;
-//! - Node: `metadata.name=<node name>`.
+//! - Node: `metadata.name=<node name>`;
+//! - for NetworkPolicy (when enforced): Pods, Namespaces and NetworkPolicies, all.
 //!
 //! [`KubeSource`] is driven by the caller's tokio runtime: [`KubeSource::start`] must be
 //! called from inside one (it spawns one task per resource), and [`KubeSource::stop`] (or
@@ -27,9 +28,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::networking::v1::ServiceCIDR;
+use k8s_openapi::api::networking::v1::{NetworkPolicy, ServiceCIDR};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -47,10 +48,23 @@ pub struct SourceConfig {
     pub node_name: String,
     /// `KubeProxyConfiguration.serviceProxyName`: watch only Services labelled with it.
     pub service_proxy_name: Option<String>,
+    /// Also watch Pods, Namespaces and NetworkPolicies (NetworkPolicy is enforced).
+    pub network_policy: bool,
 }
 
 /// The resources watched, in [`SourceStatus::resources`] order.
-pub const RESOURCES: [&str; 4] = ["services", "endpointslices", "servicecidrs", "nodes"];
+pub const RESOURCES: [&str; 7] = [
+    "services",
+    "endpointslices",
+    "servicecidrs",
+    "nodes",
+    "pods",
+    "namespaces",
+    "networkpolicies",
+];
+
+/// The resources NetworkPolicy decisions are made of (indexes in [`RESOURCES`]).
+const POLICY_RESOURCES: std::ops::Range<usize> = 4..7;
 
 /// Counters of one watched resource.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -354,6 +368,17 @@ pub struct Changes {
     pub slices: Change<EndpointSlice>,
     pub cidrs: Change<ServiceCIDR>,
     pub nodes: Change<Node>,
+    /// Every Pod, Namespace and NetworkPolicy, when one of them changed (NetworkPolicy
+    /// decisions are rebuilt whole).
+    pub policy: Option<PolicyInputs>,
+}
+
+/// The objects NetworkPolicy decisions are made of.
+#[derive(Debug, Default)]
+pub struct PolicyInputs {
+    pub pods: Vec<Arc<Pod>>,
+    pub namespaces: Vec<Arc<Namespace>>,
+    pub policies: Vec<Arc<NetworkPolicy>>,
 }
 
 impl Changes {
@@ -377,12 +402,15 @@ impl Changes {
             Change::Full(v) => t.replace_nodes(v),
             Change::Keys(v) => v.into_iter().for_each(|(k, o)| t.apply_node(k.1, o)),
         }
+        if let Some(p) = self.policy {
+            t.replace_policy_inputs(owned(p.pods), owned(p.namespaces), owned(p.policies));
+        }
     }
 }
 
 #[derive(Debug)]
 struct Shared {
-    counters: [Mutex<Counters>; 4],
+    counters: [Mutex<Counters>; 7],
     observer: ApiObserver,
     bump: watch::Sender<u64>,
 }
@@ -404,12 +432,14 @@ pub struct KubeSource {
     slices: Store<EndpointSlice>,
     cidrs: Store<ServiceCIDR>,
     nodes: Store<Node>,
+    /// Pods, Namespaces, NetworkPolicies: watched when NetworkPolicy is enforced.
+    policy: Option<(Store<Pod>, Store<Namespace>, Store<NetworkPolicy>)>,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl KubeSource {
-    /// Starts the four watchers on the current tokio runtime (panics outside one).
+    /// Starts the watchers on the current tokio runtime (panics outside one).
     pub fn start(api: ApiClient, cfg: SourceConfig) -> KubeSource {
         let ApiClient { client, observer } = api;
         let (bump, _) = watch::channel(0u64);
@@ -454,12 +484,44 @@ impl KubeSource {
             2,
             &shared,
         );
+        let policy = if cfg.network_policy {
+            Some((
+                spawn(
+                    &mut tasks,
+                    Api::<Pod>::all(client.clone()),
+                    watcher::Config::default(),
+                    4,
+                    &shared,
+                ),
+                spawn(
+                    &mut tasks,
+                    Api::<Namespace>::all(client.clone()),
+                    watcher::Config::default(),
+                    5,
+                    &shared,
+                ),
+                spawn(
+                    &mut tasks,
+                    Api::<NetworkPolicy>::all(client.clone()),
+                    watcher::Config::default(),
+                    6,
+                    &shared,
+                ),
+            ))
+        } else {
+            // Not watched: nothing to wait for.
+            for i in POLICY_RESOURCES {
+                shared.counters(i).st.synced = true;
+            }
+            None
+        };
         let nodes = spawn(&mut tasks, Api::<Node>::all(client), node_cfg, 3, &shared);
         KubeSource {
             services,
             slices,
             cidrs,
             nodes,
+            policy,
             shared,
             tasks,
         }
@@ -494,9 +556,9 @@ impl KubeSource {
             endpoint_slices: copy(&self.slices),
             nodes: copy(&self.nodes),
             service_cidrs: copy(&self.cidrs),
-            // Not watched from the API server yet: NetworkPolicy is enforced in
-            // --state-file mode only (run.rs says so at start).
-            ..ClusterState::default()
+            pods: self.policy.as_ref().map(|p| copy(&p.0)).unwrap_or_default(),
+            namespaces: self.policy.as_ref().map(|p| copy(&p.1)).unwrap_or_default(),
+            network_policies: self.policy.as_ref().map(|p| copy(&p.2)).unwrap_or_default(),
         }
     }
 
@@ -508,7 +570,25 @@ impl KubeSource {
             slices: self.take(1, &self.slices),
             cidrs: self.take(2, &self.cidrs),
             nodes: self.take(3, &self.nodes),
+            policy: self.take_policy(false),
         }
+    }
+
+    /// Every Pod, Namespace and NetworkPolicy when one of them changed since the last
+    /// call (or `all`).
+    fn take_policy(&self, all: bool) -> Option<PolicyInputs> {
+        let (pods, namespaces, policies) = self.policy.as_ref()?;
+        let mut changed = all;
+        for i in POLICY_RESOURCES {
+            let mut c = self.shared.counters(i);
+            changed |= std::mem::take(&mut c.dirty_full) || !c.dirty.is_empty();
+            c.dirty.clear();
+        }
+        changed.then(|| PolicyInputs {
+            pods: sorted(pods.state()),
+            namespaces: sorted(namespaces.state()),
+            policies: sorted(policies.state()),
+        })
     }
 
     /// Every store in full (for the periodic re-sync; unchanged objects cost a pointer
@@ -524,6 +604,7 @@ impl KubeSource {
             slices: Change::Full(self.slices.state()),
             cidrs: Change::Full(self.cidrs.state()),
             nodes: Change::Full(self.nodes.state()),
+            policy: self.take_policy(true),
         }
     }
 
@@ -568,11 +649,17 @@ impl KubeSource {
 
     /// Per-resource counters.
     pub fn status(&self) -> SourceStatus {
+        let (pods, namespaces, policies) = self.policy.as_ref().map_or((0, 0, 0), |(p, n, np)| {
+            (p.state().len(), n.state().len(), np.state().len())
+        });
         let stores = [
             self.services.len(),
             self.slices.len(),
             self.cidrs.len(),
             self.nodes.len(),
+            pods,
+            namespaces,
+            policies,
         ];
         SourceStatus {
             resources: (0..RESOURCES.len())
@@ -613,6 +700,24 @@ where
     K::DynamicType: Eq + Hash + Clone,
 {
     let mut objs: Vec<K> = store.state().iter().map(|o| (**o).clone()).collect();
+    objs.sort_by(|a, b| {
+        let (a, b) = (a.meta(), b.meta());
+        (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))
+    });
+    objs
+}
+
+/// The objects themselves, out of the store's `Arc`s.
+fn owned<K: Clone>(v: Vec<Arc<K>>) -> Vec<K> {
+    v.into_iter().map(|o| (*o).clone()).collect()
+}
+
+/// A store's objects sorted by namespace and name (so that an unchanged set compares
+/// equal whatever order the store keeps).
+fn sorted<K>(mut objs: Vec<Arc<K>>) -> Vec<Arc<K>>
+where
+    K: Resource,
+{
     objs.sort_by(|a, b| {
         let (a, b) = (a.meta(), b.meta());
         (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))

@@ -169,21 +169,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
                 .and_then(|c| crate::kube_source::RateLimit::from_config(c.qps, c.burst)),
             &settings.node_name,
             service_proxy_name,
+            settings.network_policy,
             &stop,
         )?,
     };
-    match (&input, settings.network_policy) {
-        (_, false) => tracing::info!("NetworkPolicy is not enforced (kxp.networkPolicy: off)"),
-        (Input::File { .. }, true) => tracing::info!(
-            "NetworkPolicy enforced on the connections kxp translates (the state file's \
-             NetworkPolicies, Pods and Namespaces)"
-        ),
-        (Input::Kube { .. }, true) => tracing::warn!(
-            "NetworkPolicy is not enforced on the connections kxp translates: kxp does not \
-             watch NetworkPolicies, Pods and Namespaces from the API server yet (a state \
-             file's are enforced); the node's CNI does not see them either (README, \
-             \"NetworkPolicy\")"
-        ),
+    if settings.network_policy {
+        tracing::info!(
+            "NetworkPolicy enforced on the connections kxp translates (NetworkPolicies, Pods \
+             and Namespaces watched)"
+        );
+    } else {
+        tracing::info!("NetworkPolicy is not enforced (kxp.networkPolicy: off)");
     }
     let (min_sync, resync) = sync_periods(cfg.as_ref());
     let mut tracker = Tracker::new(settings.clone());
@@ -626,6 +622,7 @@ impl Input {
         limit: Option<crate::kube_source::RateLimit>,
         node_name: &str,
         service_proxy_name: Option<String>,
+        network_policy: bool,
         stop: &AtomicBool,
     ) -> anyhow::Result<Input> {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -642,6 +639,7 @@ impl Input {
                 crate::kube_source::SourceConfig {
                     node_name: node_name.to_string(),
                     service_proxy_name,
+                    network_policy,
                 },
             )
         };

@@ -314,9 +314,26 @@ impl Tracker {
             || state.namespaces != self.namespaces
             || state.network_policies != self.policies
         {
-            self.pods = state.pods.clone();
-            self.namespaces = state.namespaces.clone();
-            self.policies = state.network_policies.clone();
+            self.replace_policy_inputs(
+                state.pods.clone(),
+                state.namespaces.clone(),
+                state.network_policies.clone(),
+            );
+        }
+    }
+
+    /// The Pods, Namespaces and NetworkPolicies NetworkPolicy decisions are made of, all
+    /// of them (the decisions are rebuilt whole at the next sync when they differ).
+    pub fn replace_policy_inputs(
+        &mut self,
+        pods: Vec<k8s_openapi::api::core::v1::Pod>,
+        namespaces: Vec<k8s_openapi::api::core::v1::Namespace>,
+        policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
+    ) {
+        if pods != self.pods || namespaces != self.namespaces || policies != self.policies {
+            self.pods = pods;
+            self.namespaces = namespaces;
+            self.policies = policies;
             self.policy_dirty = true;
         }
     }

@@ -5252,6 +5252,44 @@ fn network_policy_is_enforced_on_the_connections_kxp_translates() {
     );
     drop(lab);
 
+    // From the API server (the DaemonSet's way): the same policy, then deleted while
+    // kxp runs.
+    let lab = Lab::new(Opts {
+        prefix: "kxe59",
+        api: true,
+        state: Some(with_pods_and_policies(&node_state(&WEB, ""), deny_web1)),
+        ..Default::default()
+    });
+    let client = lab.client.clone();
+    let (got, none) = tally(&lab, &client, vip(80), false, 30);
+    assert!(
+        !got.contains_key("web-1") && none > 0,
+        "API: {got:?} {none}\n{}",
+        lab.log()
+    );
+    lab.api
+        .as_ref()
+        .unwrap()
+        .delete_named(
+            kxp_tests::fakeapi::Kind::NetworkPolicy,
+            "demo",
+            "web-1-from-pods",
+        )
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (got, _) = tally(&lab, &client, vip(80), false, 10);
+        if got.contains_key("web-1") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web-1 still denied after the policy's deletion\n{}",
+            lab.log()
+        );
+    }
+    drop(lab);
+
     // kxp.networkPolicy: off.
     let lab = Lab::new(Opts {
         prefix: "kxe58",

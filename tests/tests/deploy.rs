@@ -112,6 +112,10 @@ fn rbac_covers_what_kxp_watches() {
         ("", "nodes"),
         ("discovery.k8s.io", "endpointslices"),
         ("networking.k8s.io", "servicecidrs"),
+        // NetworkPolicy (kxp.networkPolicy: enforce, the default).
+        ("", "pods"),
+        ("", "namespaces"),
+        ("networking.k8s.io", "networkpolicies"),
     ] {
         let ok = rules.iter().any(|r| {
             let has = |key: &str, want: &str| {

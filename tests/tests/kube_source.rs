@@ -64,6 +64,7 @@ async fn start(api: &FakeApi, proxy_name: Option<&str>) -> KubeSource {
         SourceConfig {
             node_name: "node-a".into(),
             service_proxy_name: proxy_name.map(str::to_string),
+            network_policy: true,
         },
     );
     assert!(
@@ -361,6 +362,7 @@ async fn client_from_errors_are_clear() {
         SourceConfig {
             node_name: "node-b".into(),
             service_proxy_name: None,
+            network_policy: false,
         },
     );
     assert!(src.wait_synced(Duration::from_secs(10)).await);
@@ -419,6 +421,7 @@ async fn tls_with_a_bearer_token() {
                 SourceConfig {
                     node_name: "node-a".into(),
                     service_proxy_name: None,
+                    network_policy: false,
                 },
             );
             assert!(!src.wait_synced(Duration::from_secs(2)).await);

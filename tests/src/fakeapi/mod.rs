@@ -48,15 +48,24 @@ pub enum Kind {
     Node,
     /// networking.k8s.io/v1 ServiceCIDR (cluster-scoped).
     ServiceCidr,
+    /// v1 Pod (namespaced).
+    Pod,
+    /// v1 Namespace (cluster-scoped).
+    Namespace,
+    /// networking.k8s.io/v1 NetworkPolicy (namespaced).
+    NetworkPolicy,
 }
 
 impl Kind {
     /// Every kind served.
-    pub const ALL: [Kind; 4] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Service,
         Kind::EndpointSlice,
         Kind::Node,
         Kind::ServiceCidr,
+        Kind::Pod,
+        Kind::Namespace,
+        Kind::NetworkPolicy,
     ];
 
     /// The `kind` string.
@@ -66,15 +75,18 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
             Kind::ServiceCidr => "ServiceCIDR",
+            Kind::Pod => "Pod",
+            Kind::Namespace => "Namespace",
+            Kind::NetworkPolicy => "NetworkPolicy",
         }
     }
 
     /// The API group ("" for core).
     pub fn group(self) -> &'static str {
         match self {
-            Kind::Service | Kind::Node => "",
+            Kind::Service | Kind::Node | Kind::Pod | Kind::Namespace => "",
             Kind::EndpointSlice => "discovery.k8s.io",
-            Kind::ServiceCidr => "networking.k8s.io",
+            Kind::ServiceCidr | Kind::NetworkPolicy => "networking.k8s.io",
         }
     }
 
@@ -88,9 +100,9 @@ impl Kind {
     /// The `apiVersion` string.
     pub fn api_version(self) -> &'static str {
         match self {
-            Kind::Service | Kind::Node => "v1",
+            Kind::Service | Kind::Node | Kind::Pod | Kind::Namespace => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
-            Kind::ServiceCidr => "networking.k8s.io/v1",
+            Kind::ServiceCidr | Kind::NetworkPolicy => "networking.k8s.io/v1",
         }
     }
 
@@ -101,12 +113,18 @@ impl Kind {
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "nodes",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::Pod => "pods",
+            Kind::Namespace => "namespaces",
+            Kind::NetworkPolicy => "networkpolicies",
         }
     }
 
     /// Whether objects live in namespaces.
     pub fn namespaced(self) -> bool {
-        matches!(self, Kind::Service | Kind::EndpointSlice)
+        matches!(
+            self,
+            Kind::Service | Kind::EndpointSlice | Kind::Pod | Kind::NetworkPolicy
+        )
     }
 
     /// Field paths the real apiserver accepts in a fieldSelector for this kind.
@@ -116,6 +134,7 @@ impl Kind {
             "metadata.namespace" => self.namespaced(),
             "spec.clusterIP" | "spec.type" => self == Kind::Service,
             "spec.unschedulable" => self == Kind::Node,
+            "spec.nodeName" | "status.phase" => self == Kind::Pod,
             "addressType" => self == Kind::EndpointSlice,
             _ => false,
         }
