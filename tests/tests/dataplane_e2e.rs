@@ -5174,14 +5174,14 @@ fn tally(
 
 #[test]
 fn network_policy_is_enforced_on_the_connections_kxp_translates() {
-    // web-1 admits only the pods' network (198.18.2.0/24) on its named port http: the
-    // client outside (198.18.1.2) never reaches it, through the ClusterIP or a NodePort,
+    // web-1 admits 198.18.0.0/16 except the client's network (198.18.1.0/24) on its named
+    // ports http and sink: the client (198.18.1.2) never reaches it, through the ClusterIP or a NodePort,
     // TCP or UDP (its first packets dropped, as the CNI drops them, and counted); web-2
     // does, and web-2 and web-3 take the client's connections. A policy added while
     // connections are open applies to new ones; `kxp.networkPolicy: off` enforces none.
     let deny_web1 = "---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n\
          metadata: {name: web-1-from-pods, namespace: demo}\nspec:\n  podSelector: {matchLabels: {name: web-1}}\n  \
-         ingress: [{from: [{ipBlock: {cidr: 198.18.2.0/24}}], ports: [{port: http}, {port: sink, protocol: UDP}]}]\n";
+         ingress: [{from: [{ipBlock: {cidr: 198.18.0.0/16, except: [198.18.1.0/24]}}], ports: [{port: http}, {port: sink, protocol: UDP}]}]\n";
     let open = with_pods_and_policies(&node_state(&WEB, ""), "");
     let mut lab = Lab::new(Opts {
         prefix: "kxe57",
@@ -5250,6 +5250,26 @@ fn network_policy_is_enforced_on_the_connections_kxp_translates() {
         metric(&m, "kxp_drops_total{reason=\"network_policy\"}") > 0.0,
         "{m}"
     );
+    // An egress policy on web-2 (a client pod on this node): only UDP 9000 goes out. Its
+    // HTTP through the ClusterIP reaches nobody; its UDP still does.
+    let egress = "---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n\
+         metadata: {name: web-2-out, namespace: demo}\nspec:\n  podSelector: {matchLabels: {name: web-2}}\n  \
+         policyTypes: [Egress]\n  egress: [{ports: [{port: 9000, protocol: UDP}]}]\n";
+    lab.set_state(&with_pods_and_policies(
+        &node_state(&WEB, ""),
+        &format!("{deny_web1}{egress}"),
+    ));
+    let (got, none) = tally(&lab, &web2, vip(80), false, 10);
+    assert!(
+        got.is_empty() && none == 10,
+        "web-2's egress: {got:?}\n{}",
+        lab.log()
+    );
+    let (got, none) = tally(&lab, &web2, vip(9), true, 20);
+    assert!(none == 0 && got.len() == 3, "web-2's UDP: {got:?} {none}");
+    // The client is no pod: no egress policy of its own.
+    let (got, _) = tally(&lab, &client, vip(80), false, 20);
+    assert!(got.contains_key("web-2"), "{got:?}");
     drop(lab);
 
     // From the API server (the DaemonSet's way): the same policy, then deleted while
