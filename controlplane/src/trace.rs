@@ -20,6 +20,10 @@ pub struct TraceResult {
     /// `namespace/name:port` of the Service port, if one is involved.
     pub service: Option<String>,
     pub reason: String,
+    /// The endpoints NetworkPolicy denies this client, each with why (a connection
+    /// that lands on one is dropped); empty when none or no policy applies.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub network_policy_denied: Vec<String>,
 }
 
 /// The packet to trace.
@@ -64,6 +68,7 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
             masquerade: false,
             service: None,
             reason: format!("{dest} is not a Service frontend: the kernel handles it"),
+            network_policy_denied: vec![],
         },
         Decision::Drop { reason, port } => TraceResult {
             verdict: "drop",
@@ -71,6 +76,7 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
             masquerade: false,
             service: port.map(|p| p.name.to_string()),
             reason: reason.to_string(),
+            network_policy_denied: vec![],
         },
         Decision::Reject { reason, port } => TraceResult {
             verdict: "reject",
@@ -78,6 +84,7 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
             masquerade: false,
             service: port.map(|p| p.name.to_string()),
             reason: reason.to_string(),
+            network_policy_denied: vec![],
         },
         Decision::Forward(fwd) => {
             let mut endpoints: Vec<String> = fwd.candidate_endpoints().map(|e| e.key()).collect();
@@ -108,16 +115,58 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
             if hairpin {
                 reason.push_str("; hairpin: the source is one of the endpoints");
             }
+            // NetworkPolicy, per endpoint: the client's connection is checked once an
+            // endpoint is chosen (after DNAT, before SNAT).
+            let mut denied = Vec::new();
+            if let Some(pv) = &snap.policy {
+                let mut eps: Vec<_> = fwd.candidate_endpoints().collect();
+                eps.sort_by_key(|e| e.key());
+                for e in eps {
+                    let v = pv.check(input.src, e.addr, input.proto);
+                    if !v.allowed() {
+                        denied.push(format!("{} ({})", e.key(), policy_why(&v)));
+                    }
+                }
+            }
+            let all_denied = !denied.is_empty() && denied.len() == endpoints.len();
+            if all_denied {
+                reason.push_str("; NetworkPolicy denies every endpoint to this client: dropped");
+            } else if !denied.is_empty() {
+                reason.push_str(&format!(
+                    "; NetworkPolicy denies {} of them to this client (a connection that lands on one is dropped)",
+                    denied.len()
+                ));
+            }
             TraceResult {
-                verdict: "dnat",
+                verdict: if all_denied { "drop" } else { "dnat" },
                 endpoints,
                 masquerade,
                 service: Some(fwd.port.name.to_string()),
                 reason,
+                network_policy_denied: denied,
             }
         }
     };
     (result, detail)
+}
+
+/// Which policies deny a connection, and on which side.
+fn policy_why(v: &nat::policy::Verdict) -> String {
+    use nat::policy::Decision;
+    let mut parts = Vec::new();
+    if let Decision::Denied { policies } = &v.ingress {
+        parts.push(format!(
+            "the endpoint pod's ingress, where none of {} allows it",
+            policies.join(", ")
+        ));
+    }
+    if let Decision::Denied { policies } = &v.egress {
+        parts.push(format!(
+            "the client pod's egress, where none of {} allows it",
+            policies.join(", ")
+        ));
+    }
+    format!("denied by NetworkPolicy, {}", parts.join("; "))
 }
 
 /// The text form of a trace, for a person.
@@ -151,6 +200,9 @@ pub fn render_text(input: &TraceInput, r: &TraceResult, d: &TraceDetail) -> Stri
     let _ = writeln!(s, "  verdict:    {verdict}");
     for e in &r.endpoints {
         let _ = writeln!(s, "                {e}");
+    }
+    for e in &r.network_policy_denied {
+        let _ = writeln!(s, "  denied:     {e}");
     }
     if let Some(p) = d.policy {
         let _ = writeln!(s, "  policy:     {p}");

@@ -624,3 +624,59 @@ fn missing_capabilities_are_named() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("missing: CAP_NET_RAW, CAP_BPF"), "{err}");
 }
+
+#[test]
+fn trace_names_the_endpoints_network_policy_denies_and_why() {
+    // Two endpoints in namespace demo; a policy admits only 10.0.0.0/8 to web-1. A client
+    // outside is denied web-1 (named, with the policy), not web-2; when both are under
+    // the policy, the trace's verdict is a drop.
+    let dir = std::env::temp_dir().join(format!("kxp-trace-np-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("state.yaml");
+    let mut text = controlplane::demo::state_yaml_with(&["10.1.0.2", "10.1.0.3"], "");
+    for (n, ip) in [(1, "10.1.0.2"), (2, "10.1.0.3")] {
+        text.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: web-{n}, namespace: demo, labels: {{name: web-{n}, app: web}}}}\n\
+             spec: {{nodeName: node-a, containers: [{{name: w}}]}}\nstatus: {{podIP: {ip}}}\n"
+        ));
+    }
+    let policy = |selector: &str| {
+        format!(
+            "---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: inside-only, namespace: demo}}\n\
+             spec:\n  podSelector: {selector}\n  ingress: [{{from: [{{ipBlock: {{cidr: 10.0.0.0/8}}}}]}}]\n"
+        )
+    };
+    let run = |extra: &str, out: &str| {
+        std::fs::write(&state, format!("{text}{extra}")).unwrap();
+        let o = Command::new(kxp_bin())
+            .args(["trace", "--state"])
+            .arg(&state)
+            .args(["--hostname-override", "node-a", "--src", "192.0.2.7"])
+            .args(["--dst", "198.19.0.10", "--dport", "80", "--output", out])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let json: serde_json::Value =
+        serde_json::from_str(&run(&policy("{matchLabels: {name: web-1}}"), "json")).unwrap();
+    let trace = &json;
+    assert_eq!(trace["verdict"], "dnat", "{json}");
+    let denied = trace["network_policy_denied"].as_array().unwrap();
+    assert_eq!(denied.len(), 1, "{json}");
+    let d = denied[0].as_str().unwrap();
+    assert!(
+        d.starts_with("10.1.0.2:8080") && d.contains("demo/inside-only"),
+        "{d}"
+    );
+    let text_out = run(&policy("{matchLabels: {name: web-1}}"), "text");
+    assert!(text_out.contains("denied:     10.1.0.2:8080"), "{text_out}");
+    let json: serde_json::Value =
+        serde_json::from_str(&run(&policy("{matchLabels: {app: web}}"), "json")).unwrap();
+    assert_eq!(json["verdict"], "drop", "{json}");
+    // No policy: nothing denied, the field left out.
+    let json: serde_json::Value = serde_json::from_str(&run("", "json")).unwrap();
+    assert!(json.get("network_policy_denied").is_none(), "{json}");
+    assert_eq!(json["verdict"], "dnat");
+    let _ = std::fs::remove_dir_all(&dir);
+}
