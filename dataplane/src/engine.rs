@@ -537,7 +537,7 @@ impl Engine {
         // NetworkPolicy, as the CNI would check the packet after DNAT (the endpoint's
         // address and port) and before SNAT (the client's own address).
         if let Some(policy) = &snap.policy
-            && !policy.check(t.src, ep.addr, t.proto).allowed()
+            && !policy.allows(t.src, ep.addr, t.proto)
         {
             return Verdict::Drop(DropCause::NetworkPolicy);
         }

@@ -505,6 +505,11 @@ struct PodEntry {
     namespace_labels: Arc<Labels>,
     /// Scheduled on this node (its egress policies are this node's to enforce).
     on_node: bool,
+    /// The policies of its namespace that isolate it, per direction (indexes into the
+    /// namespace's [`Policies`]), found once when the view is built: a connection looks
+    /// at these only.
+    ingress_by: Vec<u32>,
+    egress_by: Vec<u32>,
 }
 
 /// Everything a node needs to decide NetworkPolicy for the connections it carries: the
@@ -627,7 +632,20 @@ impl PolicyView {
                     )]))
                 }),
                 on_node: spec.and_then(|s| s.node_name.as_deref()) == Some(node),
+                ingress_by: Vec::new(),
+                egress_by: Vec::new(),
             };
+            let mut entry = entry;
+            if let Some(ps) = view.by_namespace.get(&namespace) {
+                for (i, pol) in ps.policies.iter().enumerate() {
+                    if pol.selects(&entry.pod, Direction::Ingress) {
+                        entry.ingress_by.push(i as u32);
+                    }
+                    if pol.selects(&entry.pod, Direction::Egress) {
+                        entry.egress_by.push(i as u32);
+                    }
+                }
+            }
             for ip in ips {
                 view.pods.insert(ip, entry.clone());
             }
@@ -643,6 +661,55 @@ impl PolicyView {
                 ip,
             },
             None => Peer::External(ip),
+        }
+    }
+
+    /// Whether a connection from `src` to `dst` is allowed, as [`PolicyView::check`]
+    /// decides, without saying why (no allocation: the packet path's form).
+    pub fn allows(&self, src: IpAddr, dst: std::net::SocketAddr, proto: Protocol) -> bool {
+        let to = self.pods.get(&dst.ip());
+        let from = self.pods.get(&src);
+        fn peer_of(e: Option<&PodEntry>, ip: IpAddr) -> Peer<'_> {
+            match e {
+                Some(e) => Peer::Pod {
+                    pod: &e.pod,
+                    namespace_labels: &e.namespace_labels,
+                    ip,
+                },
+                None => Peer::External(ip),
+            }
+        }
+        let side = |e: &PodEntry, by: &[u32], d: Direction, peer: &Peer<'_>, dest: Option<&Pod>| {
+            let Some(ps) = self.by_namespace.get(&e.pod.namespace) else {
+                return true;
+            };
+            by.is_empty()
+                || by.iter().any(|&i| {
+                    ps.policies[i as usize]
+                        .allowing_rule(d, peer, dest, dst.port(), proto)
+                        .is_some()
+                })
+        };
+        if let Some(t) = to
+            && !side(
+                t,
+                &t.ingress_by,
+                Direction::Ingress,
+                &peer_of(from, src),
+                Some(&t.pod),
+            )
+        {
+            return false;
+        }
+        match from {
+            Some(f) if f.on_node => side(
+                f,
+                &f.egress_by,
+                Direction::Egress,
+                &peer_of(to, dst.ip()),
+                to.map(|t| &t.pod),
+            ),
+            _ => true,
         }
     }
 

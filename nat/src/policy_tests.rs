@@ -491,3 +491,76 @@ fn policy_types_default_to_ingress_and_to_egress_when_there_are_egress_rules() {
         Decision::NotIsolated
     );
 }
+
+/// The node's view (pods by IP, each with the policies that isolate it) agrees with the
+/// truth tables, in its fast form and in its explained one, every client pod on the node.
+#[test]
+fn the_nodes_view_agrees_with_upstream_truth_tables() {
+    use k8s_openapi::api::core::v1::{Namespace, Pod as K8sPod};
+    for case in CASES {
+        let all = pods(case.pods);
+        let k8s_pods: Vec<K8sPod> = all
+            .iter()
+            .map(|(p, _)| {
+                serde_yaml::from_str(&format!(
+                    "apiVersion: v1\nkind: Pod\nmetadata: {{name: {}, namespace: {}, labels: {{pod: {}}}}}\n\
+                     spec:\n  nodeName: node-a\n  containers:\n  - name: c\n    ports: [{{name: serve-80-tcp, containerPort: 80}}, \
+                     {{name: serve-81-tcp, containerPort: 81}}, {{name: serve-80-udp, containerPort: 80, protocol: UDP}}, \
+                     {{name: serve-81-udp, containerPort: 81, protocol: UDP}}]\nstatus: {{podIP: \"{}\"}}\n",
+                    p.name, p.namespace, p.name, p.ips[0]
+                ))
+                .unwrap()
+            })
+            .collect();
+        let namespaces: Vec<Namespace> = ["x", "y", "z"]
+            .iter()
+            .map(|n| {
+                serde_yaml::from_str(&format!(
+                    "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {n}}}\n"
+                ))
+                .unwrap()
+            })
+            .collect();
+        let nps: Vec<NetworkPolicy> = case
+            .policies
+            .iter()
+            .map(|(ns, name, spec)| {
+                serde_yaml::from_str(&format!(
+                    "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n{spec}"
+                ))
+                .unwrap()
+            })
+            .collect();
+        let (view, errors) = PolicyView::build(&k8s_pods, &namespaces, &nps, "node-a");
+        assert!(errors.is_empty(), "{errors:?}");
+        let view = view.expect("policies exist");
+        let id = |p: &Pod| format!("{}/{}", p.namespace, p.name);
+        for &(port, proto, want) in case.checks {
+            for (from, _) in &all {
+                for (to, _) in &all {
+                    if from == to {
+                        continue;
+                    }
+                    let dst = std::net::SocketAddr::new(to.ips[0], port);
+                    let expected = want(&id(from), &id(to));
+                    assert_eq!(
+                        view.allows(from.ips[0], dst, proto),
+                        expected,
+                        "{}: {} -> {} port {port}",
+                        case.name,
+                        id(from),
+                        id(to)
+                    );
+                    assert_eq!(
+                        view.check(from.ips[0], dst, proto).allowed(),
+                        expected,
+                        "{}: {} -> {} port {port} (explained)",
+                        case.name,
+                        id(from),
+                        id(to)
+                    );
+                }
+            }
+        }
+    }
+}
