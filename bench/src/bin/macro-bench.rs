@@ -203,6 +203,10 @@ enum Case {
     Kxp8q,
     /// Kxp8q with the --kxp-baseline binary.
     Kxp8qBase,
+    /// kxp with 1,000 NetworkPolicies in the endpoints' namespace (one admits the
+    /// generator's traffic to the endpoint pods, the others select other pods): the
+    /// check every new connection makes.
+    KxpPol,
     /// Plain forwarding on the generator's link with 8 queues (RPS: CPU1 on every
     /// queue): what 8 queues cost the lab's generator side, whatever the router.
     Plain8q,
@@ -221,7 +225,7 @@ const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     /// Every case, in the order the error message lists them.
-    const ALL: [Case; 17] = [
+    const ALL: [Case; 18] = [
         Case::Plain,
         Case::Nft,
         Case::Ipt,
@@ -239,6 +243,7 @@ impl Case {
         Case::Kxp8q,
         Case::Kxp8qBase,
         Case::Plain8q,
+        Case::KxpPol,
     ];
 
     fn parse(s: &str) -> anyhow::Result<Case> {
@@ -269,6 +274,7 @@ impl Case {
             Case::KxpPods => "kxp-110pods",
             Case::Kxp8q => "kxp-8q",
             Case::Kxp8qBase => "kxp-8q-base",
+            Case::KxpPol => "kxp-1kpol",
             Case::Plain8q => "plain-8q",
         }
     }
@@ -283,7 +289,8 @@ impl Case {
             | Case::Kxp1mBase
             | Case::KxpPods
             | Case::Kxp8q
-            | Case::Kxp8qBase => Case::Kxp,
+            | Case::Kxp8qBase
+            | Case::KxpPol => Case::Kxp,
             Case::Plain8q => Case::Plain,
             c => c,
         }
@@ -329,6 +336,7 @@ impl Case {
                 "kxp, 1 worker, the generator's link with 8 queues (flows spread over them)"
             }
             Case::Kxp8qBase => "kxp-8q with the --kxp-baseline binary (before)",
+            Case::KxpPol => "kxp with 1,000 NetworkPolicies (one admits the traffic)",
             Case::Plain8q => "plain forwarding, the generator's link with 8 queues (RPS: CPU1)",
         }
     }
@@ -346,6 +354,7 @@ impl Case {
                 | Case::KxpPods
                 | Case::Kxp8q
                 | Case::Kxp8qBase
+                | Case::KxpPol
         )
     }
     /// A case of the --kxp-baseline binary.
@@ -1157,6 +1166,40 @@ fn kube_proxy_iptables(services: u32) -> String {
     r
 }
 
+/// The endpoints as Pods of namespace `bench` (labels `app: sink`), and `n`
+/// NetworkPolicies there: the first admits 198.18.0.0/16 to them on the sink port, the
+/// others select pods that do not exist (each with a rule of its own).
+fn policy_yaml(n: u32) -> String {
+    let mut out = String::from("---\napiVersion: v1\nkind: Namespace\nmetadata: {name: bench}\n");
+    for (i, ep) in ENDPOINTS.iter().enumerate() {
+        let _ = write!(
+            out,
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: sink-{i}, namespace: bench, labels: {{app: sink}}}}\n\
+             spec: {{containers: [{{name: s}}]}}\nstatus: {{phase: Running, podIP: {ep}}}\n"
+        );
+    }
+    for i in 0..n {
+        let (selector, from) = if i == 0 {
+            (
+                "{matchLabels: {app: sink}}".to_string(),
+                "198.18.0.0/16".to_string(),
+            )
+        } else {
+            (
+                format!("{{matchLabels: {{app: other-{i}}}}}"),
+                format!("10.{}.{}.0/24", i / 256, i % 256),
+            )
+        };
+        let _ = write!(
+            out,
+            "---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: p{i}, namespace: bench}}\n\
+             spec:\n  podSelector: {selector}\n  ingress: [{{from: [{{ipBlock: {{cidr: {from}}}}}], \
+             ports: [{{port: {SINK_PORT}, protocol: UDP}}]}}]\n"
+        );
+    }
+    out
+}
+
 fn state_yaml(services: u32) -> String {
     let mut out = String::new();
     for svc in bench_services(services) {
@@ -1283,7 +1326,11 @@ impl<'a> Router<'a> {
             _ => {
                 let state = lab.dir.join("state.yaml");
                 let config = lab.dir.join("kube-proxy.yaml");
-                std::fs::write(&state, state_yaml(case.services()))?;
+                let mut text = state_yaml(case.services());
+                if case == Case::KxpPol {
+                    text.push_str(&policy_yaml(1000));
+                }
+                std::fs::write(&state, text)?;
                 // A table for the flows (one worker) when they outgrow the default.
                 let conntrack = if case.flows() > 200_000 {
                     format!(
@@ -2496,6 +2543,7 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
         (Case::Kxp8q, Case::Plain8q),
         (Case::Kxp8q, Case::Kxp8qBase),
         (Case::Kxp, Case::KxpBase),
+        (Case::KxpPol, Case::Kxp),
     ] {
         if let (Some(x), Some(y)) = (find(a), find(b)) {
             println!(
