@@ -651,8 +651,31 @@ impl Input {
             }
             waited += 1;
             if waited % 10 == 0 {
+                // Which lists are missing, and why (a 403 names the RBAC rule to add).
+                let missing: Vec<String> = source
+                    .status()
+                    .resources
+                    .iter()
+                    .filter(|r| !r.synced)
+                    .map(|r| match &r.last_error {
+                        Some(e) => format!("{} ({e})", r.resource),
+                        None => r.resource.to_string(),
+                    })
+                    .collect();
+                let policy_hint = if missing.iter().any(|m| {
+                    m.starts_with("pods")
+                        || m.starts_with("namespaces")
+                        || m.starts_with("networkpolicies")
+                }) {
+                    "; NetworkPolicy enforcement needs list and watch on pods, namespaces and \
+                     networking.k8s.io networkpolicies (deploy/kxp.yaml's ClusterRole), or \
+                     kxp.networkPolicy: off"
+                } else {
+                    ""
+                };
                 tracing::warn!(
-                    "still waiting for the first lists from the API server ({waited} s)"
+                    "still waiting for the first lists from the API server ({waited} s): {}{policy_hint}",
+                    missing.join(", ")
                 );
             }
         }
