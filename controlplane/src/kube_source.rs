@@ -243,6 +243,53 @@ pub struct ApiClient {
     pub observer: ApiObserver,
 }
 
+/// API groups of policy objects that are not Kubernetes NetworkPolicy, and what they
+/// hold: kxp does not enforce them.
+const FOREIGN_POLICY_GROUPS: [(&str, &str); 5] = [
+    (
+        "crd.projectcalico.org",
+        "Calico's NetworkPolicy and GlobalNetworkPolicy",
+    ),
+    (
+        "projectcalico.org",
+        "Calico's NetworkPolicy and GlobalNetworkPolicy",
+    ),
+    (
+        "cilium.io",
+        "CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy",
+    ),
+    (
+        "policy.networking.k8s.io",
+        "AdminNetworkPolicy and BaselineAdminNetworkPolicy",
+    ),
+    (
+        "crd.antrea.io",
+        "Antrea's NetworkPolicy and ClusterNetworkPolicy",
+    ),
+];
+
+/// The policy object kinds the API server serves besides Kubernetes NetworkPolicy (by
+/// API group, from discovery), each as `group (kinds)`; empty when none, or when
+/// discovery fails (logged at debug level).
+pub async fn foreign_policy_groups(api: &ApiClient) -> Vec<String> {
+    match api.client.list_api_groups().await {
+        Ok(list) => list
+            .groups
+            .iter()
+            .filter_map(|g| {
+                FOREIGN_POLICY_GROUPS
+                    .iter()
+                    .find(|(name, _)| *name == g.name)
+                    .map(|(name, what)| format!("{name} ({what})"))
+            })
+            .collect(),
+        Err(e) => {
+            tracing::debug!("API discovery: {e}");
+            Vec::new()
+        }
+    }
+}
+
 impl std::fmt::Debug for ApiClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApiClient")

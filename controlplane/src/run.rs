@@ -632,6 +632,18 @@ impl Input {
             .build()
             .context("starting the Kubernetes client's runtime")?;
         let client = rt.block_on(crate::kube_source::client_from(kubeconfig, master, limit))?;
+        // Policy objects kxp does not enforce: the CNI enforces them in the kernel, which
+        // never sees the connections kxp translates.
+        let foreign = rt.block_on(crate::kube_source::foreign_policy_groups(&client));
+        if !foreign.is_empty() {
+            tracing::warn!(
+                "the API server serves policy objects kxp does not enforce on the connections \
+                 it translates: {}; kxp enforces Kubernetes NetworkPolicy only, and the CNI, \
+                 which enforces these in the kernel, does not see those connections (README, \
+                 \"NetworkPolicy\")",
+                foreign.join(", ")
+            );
+        }
         let source = {
             let _guard = rt.enter();
             crate::kube_source::KubeSource::start(

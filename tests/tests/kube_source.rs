@@ -5,7 +5,9 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use controlplane::kube_source::{KubeSource, RateLimit, SourceConfig, client_from};
+use controlplane::kube_source::{
+    KubeSource, RateLimit, SourceConfig, client_from, foreign_policy_groups,
+};
 use kxp_tests::fakeapi::{FakeApi, Kind};
 use nat::k8s::ClusterState;
 use serde_json::{Value, json};
@@ -441,4 +443,29 @@ async fn tls_with_a_bearer_token() {
     let err = attempt(no_ca).await;
     assert!(err.to_lowercase().contains("certificate"), "{err}");
     let _ = std::fs::remove_dir_all(kc.parent().unwrap());
+}
+
+/// Policy objects that are not Kubernetes NetworkPolicy (a CNI's CRDs) are found by API
+/// discovery, for kxp's warning at start.
+#[tokio::test]
+async fn policy_objects_kxp_does_not_enforce_are_found_by_discovery() {
+    let api = FakeApi::start();
+    let client = client_from(None, Some(&api.url()), None).await.unwrap();
+    assert!(foreign_policy_groups(&client).await.is_empty());
+    api.add_api_group(
+        "crd.projectcalico.org",
+        &["GlobalNetworkPolicy", "NetworkPolicy"],
+    );
+    api.add_api_group("example.com", &["Widget"]);
+    api.add_api_group("cilium.io", &["CiliumNetworkPolicy"]);
+    let found = foreign_policy_groups(&client).await;
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(
+        found[0].starts_with("crd.projectcalico.org (Calico"),
+        "{found:?}"
+    );
+    assert!(
+        found[1].starts_with("cilium.io (CiliumNetworkPolicy"),
+        "{found:?}"
+    );
 }

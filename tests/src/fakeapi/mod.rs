@@ -208,6 +208,9 @@ pub(crate) struct Shared {
     pub(crate) token: Option<String>,
     /// Bumped on every change watches must look at (writes, drops, silence, compaction).
     poke: tokio::sync::watch::Sender<u64>,
+    /// API groups listed by discovery besides the served kinds' (as a cluster's CRDs
+    /// add theirs), with the kinds each lists.
+    pub(crate) extra_groups: Mutex<Vec<(String, Vec<String>)>>,
 }
 
 impl Shared {
@@ -251,6 +254,7 @@ impl FakeApi {
             state: Mutex::new(State::default()),
             token: token.clone(),
             poke: tokio::sync::watch::Sender::new(0),
+            extra_groups: Mutex::new(Vec::new()),
         });
         let tls = tls.then(tls::make);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
@@ -282,6 +286,19 @@ impl FakeApi {
     }
 
     /// The CA certificate (PEM) of a TLS server.
+    /// Lists API group `group` (version v1) with these kinds in discovery, as a CRD's
+    /// group appears on a real cluster (nothing of it is served).
+    pub fn add_api_group(&self, group: &str, kinds: &[&str]) {
+        self.shared
+            .extra_groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((
+                group.to_string(),
+                kinds.iter().map(|k| k.to_string()).collect(),
+            ));
+    }
+
     pub fn ca_pem(&self) -> Option<&str> {
         self.tls.as_ref().map(|t| t.ca_pem.as_str())
     }

@@ -194,7 +194,7 @@ fn parse_target(segs: &[&str]) -> Option<Target> {
     })
 }
 
-fn discovery(segs: &[&str], addr: &str) -> Option<Value> {
+fn discovery(segs: &[&str], addr: &str, extra: &[(String, Vec<String>)]) -> Option<Value> {
     let group = |g: &str| {
         let gv = json!({"groupVersion": format!("{g}/v1"), "version": "v1"});
         json!({"name": g, "versions": [gv], "preferredVersion": gv})
@@ -223,7 +223,22 @@ fn discovery(segs: &[&str], addr: &str) -> Option<Value> {
         };
         json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": rs})
     };
-    let groups = ["discovery.k8s.io", "networking.k8s.io"];
+    let mut groups = vec!["discovery.k8s.io", "networking.k8s.io"];
+    groups.extend(extra.iter().map(|(g, _)| g.as_str()));
+    if let ["apis", g, "v1"] = segs
+        && let Some((_, kinds)) = extra.iter().find(|(name, _)| name == g)
+    {
+        let rs: Vec<Value> = kinds
+            .iter()
+            .map(|k| {
+                json!({"name": format!("{}s", k.to_lowercase()), "singularName": k.to_lowercase(),
+                       "namespaced": true, "kind": k, "verbs": ["get", "list", "watch"]})
+            })
+            .collect();
+        return Some(
+            json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": format!("{g}/v1"), "resources": rs}),
+        );
+    }
     Some(match segs {
         ["version"] => json!({
             "major": "1", "minor": "34", "gitVersion": "v1.34.0", "gitCommit": "fakeapi",
@@ -305,7 +320,14 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         .and_then(|h| h.to_str().ok())
         .unwrap_or("");
     if req.method() == Method::GET
-        && let Some(v) = discovery(&segs, host)
+        && let Some(v) = discovery(
+            &segs,
+            host,
+            &shared
+                .extra_groups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
     {
         return Ok(json_response(200, &v));
     }
