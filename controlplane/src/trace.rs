@@ -122,7 +122,12 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
                 let mut eps: Vec<_> = fwd.candidate_endpoints().collect();
                 eps.sort_by_key(|e| e.key());
                 for e in eps {
-                    let v = pv.check(input.src, e.addr, input.proto);
+                    let v = pv.check(
+                        input.src,
+                        e.addr,
+                        input.proto,
+                        snap.node.is_local_addr(input.src),
+                    );
                     if !v.allowed() {
                         denied.push(format!("{} ({})", e.key(), policy_why(&v)));
                     }

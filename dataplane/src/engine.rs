@@ -534,14 +534,20 @@ impl Engine {
         let Some(ep) = sp.endpoints.get(choice.endpoint as usize) else {
             return Verdict::Drop(DropCause::RejectUnanswerable);
         };
+        let from_host = self.is_host_interface(in_interface);
         // NetworkPolicy, as the CNI would check the packet after DNAT (the endpoint's
-        // address and port) and before SNAT (the client's own address).
+        // address and port) and before SNAT (the client's own address). The node's own
+        // connections are admitted by its pods.
         if let Some(policy) = &snap.policy
-            && !policy.allows(t.src, ep.addr, t.proto)
+            && !policy.allows(
+                t.src,
+                ep.addr,
+                t.proto,
+                from_host || snap.node.is_local_addr(t.src),
+            )
         {
             return Verdict::Drop(DropCause::NetworkPolicy);
         }
-        let from_host = self.is_host_interface(in_interface);
         let reply_dst = if from_host || choice.masquerade_for(t.src, ep) {
             // The node's own connection keeps the address the node chose for it (its own);
             // only its port comes from the SNAT range.

@@ -82,6 +82,10 @@ pub enum Direction {
 pub enum Decision {
     /// No policy selects the pod for this direction.
     NotIsolated,
+    /// The connection comes from the pod's own node (a host process), which an isolated
+    /// pod always admits ("the only allowed connections into the pod are those from the
+    /// pod's node and those allowed by the ingress list").
+    FromItsNode,
     /// Rule `rule` (0-based) of this policy (`namespace/name`) allows it.
     AllowedBy { policy: String, rule: usize },
     /// Policies select the pod for this direction and none of their rules allows it.
@@ -666,7 +670,13 @@ impl PolicyView {
 
     /// Whether a connection from `src` to `dst` is allowed, as [`PolicyView::check`]
     /// decides, without saying why (no allocation: the packet path's form).
-    pub fn allows(&self, src: IpAddr, dst: std::net::SocketAddr, proto: Protocol) -> bool {
+    pub fn allows(
+        &self,
+        src: IpAddr,
+        dst: std::net::SocketAddr,
+        proto: Protocol,
+        from_node: bool,
+    ) -> bool {
         let to = self.pods.get(&dst.ip());
         let from = self.pods.get(&src);
         fn peer_of(e: Option<&PodEntry>, ip: IpAddr) -> Peer<'_> {
@@ -691,6 +701,7 @@ impl PolicyView {
                 })
         };
         if let Some(t) = to
+            && !(from_node && t.on_node)
             && !side(
                 t,
                 &t.ingress_by,
@@ -715,10 +726,18 @@ impl PolicyView {
 
     /// The verdict for a connection from `src` to `dst` (the endpoint, after DNAT; the
     /// client's own address, before SNAT): the destination pod's ingress policies, and
-    /// the source pod's egress policies when it runs on this node.
-    pub fn check(&self, src: IpAddr, dst: std::net::SocketAddr, proto: Protocol) -> Verdict {
+    /// the source pod's egress policies when it runs on this node. `from_node`: the
+    /// connection is the node's own (a host process), admitted by a pod of this node.
+    pub fn check(
+        &self,
+        src: IpAddr,
+        dst: std::net::SocketAddr,
+        proto: Protocol,
+        from_node: bool,
+    ) -> Verdict {
         let (from, to) = (self.peer(src), self.peer(dst.ip()));
         let ingress = match (&to, self.pods.get(&dst.ip())) {
+            (_, Some(e)) if from_node && e.on_node => Decision::FromItsNode,
             (Peer::Pod { pod, .. }, Some(_)) => self
                 .by_namespace
                 .get(&pod.namespace)

@@ -544,7 +544,7 @@ fn the_nodes_view_agrees_with_upstream_truth_tables() {
                     let dst = std::net::SocketAddr::new(to.ips[0], port);
                     let expected = want(&id(from), &id(to));
                     assert_eq!(
-                        view.allows(from.ips[0], dst, proto),
+                        view.allows(from.ips[0], dst, proto, false),
                         expected,
                         "{}: {} -> {} port {port}",
                         case.name,
@@ -552,7 +552,7 @@ fn the_nodes_view_agrees_with_upstream_truth_tables() {
                         id(to)
                     );
                     assert_eq!(
-                        view.check(from.ips[0], dst, proto).allowed(),
+                        view.check(from.ips[0], dst, proto, false).allowed(),
                         expected,
                         "{}: {} -> {} port {port} (explained)",
                         case.name,
@@ -563,4 +563,44 @@ fn the_nodes_view_agrees_with_upstream_truth_tables() {
             }
         }
     }
+}
+
+/// "When the pod is isolated for ingress, the only allowed connections into the pod are
+/// those from the pod's node and those allowed by the ingress list": the node's own
+/// connection reaches a pod of this node whatever the policy, not one of another node.
+#[test]
+fn the_pods_node_is_admitted() {
+    use k8s_openapi::api::core::v1::Pod as K8sPod;
+    let pod = |name: &str, node: &str, ip: &str| -> K8sPod {
+        serde_yaml::from_str(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x}}\nspec: {{nodeName: {node}, containers: [{{name: c}}]}}\nstatus: {{podIP: {ip}}}\n"
+        ))
+        .unwrap()
+    };
+    let pods = [
+        pod("here", "node-a", "10.0.0.1"),
+        pod("there", "node-b", "10.0.0.2"),
+    ];
+    let deny: NetworkPolicy = serde_yaml::from_str(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: x}\nspec: {podSelector: {}}\n",
+    )
+    .unwrap();
+    let (view, _) = PolicyView::build(&pods, &[], &[deny], "node-a");
+    let view = view.unwrap();
+    let node: IpAddr = "192.0.2.1".parse().unwrap();
+    let to = |ip: &str| std::net::SocketAddr::new(ip.parse().unwrap(), 80);
+    assert!(view.allows(node, to("10.0.0.1"), Protocol::Tcp, true));
+    assert_eq!(
+        view.check(node, to("10.0.0.1"), Protocol::Tcp, true)
+            .ingress,
+        Decision::FromItsNode
+    );
+    assert!(
+        !view.allows(node, to("10.0.0.2"), Protocol::Tcp, true),
+        "another node's pod"
+    );
+    assert!(
+        !view.allows(node, to("10.0.0.1"), Protocol::Tcp, false),
+        "not the node"
+    );
 }

@@ -5231,6 +5231,14 @@ fn network_policy_is_enforced_on_the_connections_kxp_translates() {
             "{what}: the others serve, web-1's share is dropped: {got:?} {none}"
         );
     }
+    // The node's own connections (a host process) are admitted by the node's pods.
+    let node = lab.node.clone();
+    let (got, _) = tally(&lab, &node, vip(80), false, 30);
+    assert!(
+        got.contains_key("web-1"),
+        "the node reaches its own pod: {got:?}\n{}",
+        lab.log()
+    );
     // A pod inside 198.18.2.0/24 is admitted (web-2 through the ClusterIP).
     let web2 = lab.backends[1].clone();
     let (got, _) = tally(&lab, &web2, vip(80), false, 30);
