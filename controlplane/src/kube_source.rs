@@ -450,7 +450,7 @@ impl Changes {
             Change::Keys(v) => v.into_iter().for_each(|(k, o)| t.apply_node(k.1, o)),
         }
         if let Some(p) = self.policy {
-            t.replace_policy_inputs(owned(p.pods), owned(p.namespaces), owned(p.policies));
+            t.replace_policy_inputs(p.pods, p.namespaces, p.policies);
         }
     }
 }
@@ -752,11 +752,6 @@ where
         (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))
     });
     objs
-}
-
-/// The objects themselves, out of the store's `Arc`s.
-fn owned<K: Clone>(v: Vec<Arc<K>>) -> Vec<K> {
-    v.into_iter().map(|o| (*o).clone()).collect()
 }
 
 /// A store's objects sorted by namespace and name (so that an unchanged set compares

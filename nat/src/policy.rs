@@ -521,7 +521,11 @@ struct PodEntry {
 #[derive(Debug, Clone, Default)]
 pub struct PolicyView {
     by_namespace: HashMap<String, Policies>,
-    pods: HashMap<IpAddr, PodEntry>,
+    pods: HashMap<IpAddr, Arc<PodEntry>>,
+    /// (namespace, name) → the pod's IPs in `pods`, to take them out when it changes.
+    by_key: HashMap<(String, String), Vec<IpAddr>>,
+    ns_labels: HashMap<String, Arc<Labels>>,
+    node: String,
 }
 
 /// A connection's NetworkPolicy verdict: both directions' decisions.
@@ -579,82 +583,113 @@ impl PolicyView {
         let mut view = PolicyView {
             by_namespace,
             pods: HashMap::new(),
+            by_key: HashMap::new(),
+            ns_labels,
+            node: node.to_string(),
         };
         for p in pods {
-            let spec = p.spec.as_ref();
-            let status = p.status.as_ref();
-            // Host-network pods have the node's address: not pods to policies.
-            if spec.and_then(|s| s.host_network).unwrap_or(false) {
-                continue;
-            }
-            let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("");
-            if phase == "Succeeded" || phase == "Failed" {
-                continue; // its IP may be another pod's by now
-            }
-            let namespace = p.metadata.namespace.clone().unwrap_or_default();
-            let mut ips: Vec<IpAddr> = status
-                .and_then(|s| s.pod_ips.as_ref())
-                .into_iter()
-                .flatten()
-                .filter_map(|i| i.ip.parse().ok())
-                .collect();
-            if let Some(ip) = status
-                .and_then(|s| s.pod_ip.as_deref())
-                .and_then(|i| i.parse().ok())
-                && !ips.contains(&ip)
-            {
-                ips.push(ip);
-            }
-            let named_ports = spec
-                .map(|s| s.containers.iter())
-                .into_iter()
-                .flatten()
-                .flat_map(|c| c.ports.iter().flatten())
-                .filter_map(|cp| {
-                    let name = cp.name.clone()?;
-                    let port = u16::try_from(cp.container_port).ok()?;
-                    let proto = match cp.protocol.as_deref().unwrap_or("TCP") {
-                        "UDP" => Protocol::Udp,
-                        "SCTP" => Protocol::Sctp,
-                        _ => Protocol::Tcp,
-                    };
-                    Some((name, port, proto))
-                })
-                .collect();
-            let entry = PodEntry {
-                pod: Pod {
-                    namespace: namespace.clone(),
-                    name: p.metadata.name.clone().unwrap_or_default(),
-                    labels: p.metadata.labels.clone().unwrap_or_default(),
-                    ips: ips.clone(),
-                    named_ports,
-                },
-                namespace_labels: ns_labels.get(&namespace).cloned().unwrap_or_else(|| {
-                    Arc::new(Labels::from([(
-                        "kubernetes.io/metadata.name".to_string(),
-                        namespace.clone(),
-                    )]))
-                }),
-                on_node: spec.and_then(|s| s.node_name.as_deref()) == Some(node),
-                ingress_by: Vec::new(),
-                egress_by: Vec::new(),
-            };
-            let mut entry = entry;
-            if let Some(ps) = view.by_namespace.get(&namespace) {
-                for (i, pol) in ps.policies.iter().enumerate() {
-                    if pol.selects(&entry.pod, Direction::Ingress) {
-                        entry.ingress_by.push(i as u32);
-                    }
-                    if pol.selects(&entry.pod, Direction::Egress) {
-                        entry.egress_by.push(i as u32);
-                    }
-                }
-            }
-            for ip in ips {
-                view.pods.insert(ip, entry.clone());
-            }
+            view.set_pod(p);
         }
         (Some(view), errors)
+    }
+
+    /// Takes pod `namespace/name` out of the view (it was deleted, or is about to be
+    /// set again).
+    pub fn remove_pod(&mut self, namespace: &str, name: &str) {
+        let key = (namespace.to_string(), name.to_string());
+        for ip in self.by_key.remove(&key).unwrap_or_default() {
+            // Only if the address is still this pod's (a new pod may have taken it).
+            if self
+                .pods
+                .get(&ip)
+                .is_some_and(|e| e.pod.namespace == key.0 && e.pod.name == key.1)
+            {
+                self.pods.remove(&ip);
+            }
+        }
+    }
+
+    /// Puts pod `p` in the view (replacing what it held before): its addresses, named
+    /// ports, namespace labels and the policies of its namespace that isolate it. The
+    /// cost of one pod's change: its namespace's policies, once.
+    pub fn set_pod(&mut self, p: &k8s_openapi::api::core::v1::Pod) {
+        let namespace = p.metadata.namespace.clone().unwrap_or_default();
+        let name = p.metadata.name.clone().unwrap_or_default();
+        self.remove_pod(&namespace, &name);
+        let spec = p.spec.as_ref();
+        let status = p.status.as_ref();
+        // Host-network pods have the node's address: not pods to policies.
+        if spec.and_then(|s| s.host_network).unwrap_or(false) {
+            return;
+        }
+        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("");
+        if phase == "Succeeded" || phase == "Failed" {
+            return; // its IP may be another pod's by now
+        }
+        let mut ips: Vec<IpAddr> = status
+            .and_then(|s| s.pod_ips.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|i| i.ip.parse().ok())
+            .collect();
+        if let Some(ip) = status
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|i| i.parse().ok())
+            && !ips.contains(&ip)
+        {
+            ips.push(ip);
+        }
+        let named_ports = spec
+            .map(|s| s.containers.iter())
+            .into_iter()
+            .flatten()
+            .flat_map(|c| c.ports.iter().flatten())
+            .filter_map(|cp| {
+                let name = cp.name.clone()?;
+                let port = u16::try_from(cp.container_port).ok()?;
+                let proto = match cp.protocol.as_deref().unwrap_or("TCP") {
+                    "UDP" => Protocol::Udp,
+                    "SCTP" => Protocol::Sctp,
+                    _ => Protocol::Tcp,
+                };
+                Some((name, port, proto))
+            })
+            .collect();
+        let mut entry = PodEntry {
+            pod: Pod {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                labels: p.metadata.labels.clone().unwrap_or_default(),
+                ips: ips.clone(),
+                named_ports,
+            },
+            namespace_labels: self.ns_labels.get(&namespace).cloned().unwrap_or_else(|| {
+                Arc::new(Labels::from([(
+                    "kubernetes.io/metadata.name".to_string(),
+                    namespace.clone(),
+                )]))
+            }),
+            on_node: spec.and_then(|s| s.node_name.as_deref()) == Some(self.node.as_str()),
+            ingress_by: Vec::new(),
+            egress_by: Vec::new(),
+        };
+        if let Some(ps) = self.by_namespace.get(&namespace) {
+            for (i, pol) in ps.policies.iter().enumerate() {
+                if pol.selects(&entry.pod, Direction::Ingress) {
+                    entry.ingress_by.push(i as u32);
+                }
+                if pol.selects(&entry.pod, Direction::Egress) {
+                    entry.egress_by.push(i as u32);
+                }
+            }
+        }
+        let entry = Arc::new(entry);
+        for &ip in &ips {
+            self.pods.insert(ip, entry.clone());
+        }
+        if !ips.is_empty() {
+            self.by_key.insert((namespace, name), ips);
+        }
     }
 
     fn peer(&self, ip: IpAddr) -> Peer<'_> {
@@ -677,8 +712,8 @@ impl PolicyView {
         proto: Protocol,
         from_node: bool,
     ) -> bool {
-        let to = self.pods.get(&dst.ip());
-        let from = self.pods.get(&src);
+        let to = self.pods.get(&dst.ip()).map(|e| &**e);
+        let from = self.pods.get(&src).map(|e| &**e);
         fn peer_of(e: Option<&PodEntry>, ip: IpAddr) -> Peer<'_> {
             match e {
                 Some(e) => Peer::Pod {

@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
@@ -603,4 +604,67 @@ fn the_pods_node_is_admitted() {
         !view.allows(node, to("10.0.0.1"), Protocol::Tcp, false),
         "not the node"
     );
+}
+
+/// Pods that change are brought up to date one by one (a namespace or policy change
+/// rebuilds everything): labels that come and go, a pod deleted, its address reused.
+#[test]
+fn pods_that_change_are_followed_one_by_one() {
+    use crate::k8s::NodeSettings;
+    use crate::tracker::Tracker;
+    use k8s_openapi::api::core::v1::Pod as K8sPod;
+    let pod = |name: &str, app: &str, ip: &str| -> Arc<K8sPod> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x, labels: {{app: {app}}}}}\n\
+                 spec: {{nodeName: node-a, containers: [{{name: c}}]}}\nstatus: {{podIP: {ip}}}\n"
+            ))
+            .unwrap(),
+        )
+    };
+    let np = |cidr: &str| -> Arc<NetworkPolicy> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: p, namespace: x}}\n\
+                 spec:\n  podSelector: {{matchLabels: {{app: guarded}}}}\n  ingress: [{{from: [{{ipBlock: {{cidr: {cidr}}}}}]}}]\n"
+            ))
+            .unwrap(),
+        )
+    };
+    let mut t = Tracker::new(NodeSettings {
+        node_name: "node-a".into(),
+        network_policy: true,
+        ..Default::default()
+    });
+    let client: IpAddr = "192.0.2.9".parse().unwrap();
+    let to = |ip: &str| std::net::SocketAddr::new(ip.parse().unwrap(), 80);
+    let mut generation = 1;
+    let mut allowed = |t: &mut Tracker, ip: &str| {
+        generation += 1;
+        let s = t.sync(generation);
+        s.update
+            .snapshot
+            .policy
+            .as_ref()
+            .expect("a policy exists")
+            .allows(client, to(ip), Protocol::Tcp, false)
+    };
+    let a = pod("a", "guarded", "10.0.0.1");
+    let b = pod("b", "open", "10.0.0.2");
+    t.replace_policy_inputs(vec![a.clone(), b.clone()], vec![], vec![np("10.9.0.0/16")]);
+    assert!(!allowed(&mut t, "10.0.0.1"));
+    assert!(allowed(&mut t, "10.0.0.2"));
+    // b becomes guarded (a new object, same name): only b is looked at again.
+    let b2 = pod("b", "guarded", "10.0.0.2");
+    t.replace_policy_inputs(vec![a.clone(), b2.clone()], vec![], vec![np("10.9.0.0/16")]);
+    assert!(!allowed(&mut t, "10.0.0.2"));
+    // a goes; its address is no pod's: not isolated. Then another pod takes it.
+    t.replace_policy_inputs(vec![b2.clone()], vec![], vec![np("10.9.0.0/16")]);
+    assert!(allowed(&mut t, "10.0.0.1"));
+    let c = pod("c", "open", "10.0.0.1");
+    t.replace_policy_inputs(vec![b2.clone(), c.clone()], vec![], vec![np("10.9.0.0/16")]);
+    assert!(allowed(&mut t, "10.0.0.1"));
+    // The policy changes: everything rebuilt, the client admitted.
+    t.replace_policy_inputs(vec![b2, c], vec![], vec![np("192.0.2.0/24")]);
+    assert!(allowed(&mut t, "10.0.0.2"));
 }

@@ -105,12 +105,14 @@ pub struct Tracker {
     changed_slices: BTreeSet<ObjKey>,
     trigger_times: Vec<String>,
     pending_notes: Vec<String>,
-    /// What NetworkPolicy decisions are made of, and the view built from them (rebuilt
-    /// whole when any of them changed).
-    pods: Vec<k8s_openapi::api::core::v1::Pod>,
-    namespaces: Vec<k8s_openapi::api::core::v1::Namespace>,
-    policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
+    /// What NetworkPolicy decisions are made of, and the view built from them: rebuilt
+    /// whole when a namespace or policy changed (`policy_dirty`), else brought up to date
+    /// pod by pod (`dirty_pods`).
+    pods: HashMap<ObjKey, Arc<k8s_openapi::api::core::v1::Pod>>,
+    namespaces: Vec<Arc<k8s_openapi::api::core::v1::Namespace>>,
+    policies: Vec<Arc<k8s_openapi::api::networking::v1::NetworkPolicy>>,
     policy_dirty: bool,
+    dirty_pods: BTreeSet<ObjKey>,
     policy: Option<Arc<crate::policy::PolicyView>>,
     /// Snapshots made by copying (the previous one was still in use) and by catching up.
     pub copies: u64,
@@ -142,10 +144,11 @@ impl Tracker {
             changed_slices: BTreeSet::new(),
             trigger_times: Vec::new(),
             pending_notes: Vec::new(),
-            pods: Vec::new(),
+            pods: HashMap::new(),
             namespaces: Vec::new(),
             policies: Vec::new(),
             policy_dirty: false,
+            dirty_pods: BTreeSet::new(),
             policy: None,
             copies: 0,
             reuses: 0,
@@ -310,37 +313,74 @@ impl Tracker {
         self.replace_slices(state.endpoint_slices.iter().cloned().map(Arc::new));
         self.replace_nodes(state.nodes.iter().cloned().map(Arc::new));
         self.replace_service_cidrs(state.service_cidrs.iter().cloned().map(Arc::new));
-        if state.pods != self.pods
-            || state.namespaces != self.namespaces
-            || state.network_policies != self.policies
-        {
-            self.replace_policy_inputs(
-                state.pods.clone(),
-                state.namespaces.clone(),
-                state.network_policies.clone(),
-            );
-        }
+        self.replace_policy_inputs(
+            state.pods.iter().cloned().map(Arc::new).collect(),
+            state.namespaces.iter().cloned().map(Arc::new).collect(),
+            state
+                .network_policies
+                .iter()
+                .cloned()
+                .map(Arc::new)
+                .collect(),
+        );
     }
 
     /// The Pods, Namespaces and NetworkPolicies NetworkPolicy decisions are made of, all
-    /// of them (the decisions are rebuilt whole at the next sync when they differ).
+    /// of them: a changed namespace or policy rebuilds the decisions whole at the next
+    /// sync, a changed pod only that pod's.
     pub fn replace_policy_inputs(
         &mut self,
-        pods: Vec<k8s_openapi::api::core::v1::Pod>,
-        namespaces: Vec<k8s_openapi::api::core::v1::Namespace>,
-        policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
+        pods: Vec<Arc<k8s_openapi::api::core::v1::Pod>>,
+        namespaces: Vec<Arc<k8s_openapi::api::core::v1::Namespace>>,
+        policies: Vec<Arc<k8s_openapi::api::networking::v1::NetworkPolicy>>,
     ) {
-        if pods != self.pods || namespaces != self.namespaces || policies != self.policies {
-            self.pods = pods;
+        if namespaces.len() != self.namespaces.len()
+            || !namespaces
+                .iter()
+                .zip(&self.namespaces)
+                .all(|(a, b)| same(a, b))
+        {
             self.namespaces = namespaces;
+            self.policy_dirty = true;
+        }
+        if policies.len() != self.policies.len()
+            || !policies.iter().zip(&self.policies).all(|(a, b)| same(a, b))
+        {
             self.policies = policies;
             self.policy_dirty = true;
         }
+        let mut next: HashMap<ObjKey, Arc<k8s_openapi::api::core::v1::Pod>> = pods
+            .into_iter()
+            .map(|p| {
+                let key = (
+                    p.metadata.namespace.clone().unwrap_or_default(),
+                    p.metadata.name.clone().unwrap_or_default(),
+                );
+                (key, p)
+            })
+            .collect();
+        for (key, old) in &self.pods {
+            match next.get(key) {
+                Some(new) if same(new, old) => {}
+                _ => {
+                    self.dirty_pods.insert(key.clone());
+                }
+            }
+        }
+        for key in next.keys() {
+            if !self.pods.contains_key(key) {
+                self.dirty_pods.insert(key.clone());
+            }
+        }
+        std::mem::swap(&mut self.pods, &mut next);
     }
 
     /// Whether anything changed since the last sync.
     pub fn has_changes(&self) -> bool {
-        self.node_dirty || self.policy_dirty || !self.dirty.is_empty()
+        self.node_dirty
+            || self.policy_dirty
+            || !self.dirty_pods.is_empty()
+            || !self.dirty.is_empty()
     }
 
     /// Rebuilds what changed and produces the next snapshot (see the module docs).
@@ -369,12 +409,13 @@ impl Tracker {
             }
         }
 
+        let dirty_pods = std::mem::take(&mut self.dirty_pods);
         if std::mem::take(&mut self.policy_dirty) {
             self.policy = if self.settings.network_policy {
                 let (view, errs) = crate::policy::PolicyView::build(
-                    &self.pods,
-                    &self.namespaces,
-                    &self.policies,
+                    self.pods.values().map(|p| &**p),
+                    self.namespaces.iter().map(|n| &**n),
+                    self.policies.iter().map(|p| &**p),
                     &self.settings.node_name,
                 );
                 notes.extend(errs.iter().map(|e| format!("{e}: left out")));
@@ -382,6 +423,18 @@ impl Tracker {
             } else {
                 None
             };
+        } else if let Some(view) = &mut self.policy
+            && !dirty_pods.is_empty()
+        {
+            // Only the pods that changed (a copy of the view's index when a snapshot
+            // still holds it: pointers, not pods).
+            let view = Arc::make_mut(view);
+            for key in &dirty_pods {
+                match self.pods.get(key) {
+                    Some(p) => view.set_pod(p),
+                    None => view.remove_pod(&key.0, &key.1),
+                }
+            }
         }
 
         let mut removed = Vec::new();
@@ -490,6 +543,11 @@ impl Tracker {
             notes,
         )
     }
+}
+
+/// The same object: the same `Arc` (a watch store's, unchanged), or equal.
+fn same<T: PartialEq>(a: &Arc<T>, b: &Arc<T>) -> bool {
+    Arc::ptr_eq(a, b) || a == b
 }
 
 #[cfg(any(test, feature = "test-util"))]
