@@ -696,9 +696,10 @@ impl KubeSource {
 
     /// Per-resource counters.
     pub fn status(&self) -> SourceStatus {
-        let (pods, namespaces, policies) = self.policy.as_ref().map_or((0, 0, 0), |(p, n, np)| {
-            (p.state().len(), n.state().len(), np.state().len())
-        });
+        let (pods, namespaces, policies) = self
+            .policy
+            .as_ref()
+            .map_or((0, 0, 0), |(p, n, np)| (p.len(), n.len(), np.len()));
         let stores = [
             self.services.len(),
             self.slices.len(),

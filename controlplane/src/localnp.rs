@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nat::Protocol;
-use nat::snapshot::Snapshot;
+use nat::snapshot::{Snapshot, Update};
 
 /// TCP connections relayed at once per NodePort.
 pub const MAX_CONNECTIONS: usize = 256;
@@ -40,6 +40,8 @@ const TICK: Duration = Duration::from_millis(200);
 #[derive(Debug, Default)]
 pub struct LocalhostNodePorts {
     running: BTreeMap<(Protocol, u16), Forwarder>,
+    /// A NodePort could not be served at the last sync: look again at the next.
+    retry: bool,
 }
 
 #[derive(Debug)]
@@ -74,10 +76,16 @@ pub fn wanted(snap: &Snapshot) -> BTreeMap<(Protocol, u16), SocketAddr> {
 }
 
 impl LocalhostNodePorts {
-    /// Brings the forwarders in line with `snap`; returns one line per NodePort that
-    /// could not be served on 127.0.0.1 (its port taken), retried at the next sync.
-    pub fn sync(&mut self, snap: &Snapshot) -> Vec<String> {
-        let want = wanted(snap);
+    /// Brings the forwarders in line with `u`'s snapshot; returns one line per NodePort
+    /// that could not be served on 127.0.0.1 (its port taken), retried at the next sync.
+    /// A sync that changed no NodePort (and has nothing to retry) costs nothing.
+    pub fn sync(&mut self, u: &Update) -> Vec<String> {
+        let node_ports_changed =
+            u.full || u.added.iter().chain(&u.removed).any(|sp| sp.node_port != 0);
+        if !node_ports_changed && !self.retry {
+            return Vec::new();
+        }
+        let want = wanted(&u.snapshot);
         self.running
             .retain(|k, f| want.get(k).is_some_and(|t| *t == f.target));
         let mut errors = Vec::new();
@@ -94,6 +102,7 @@ impl LocalhostNodePorts {
                 )),
             }
         }
+        self.retry = !errors.is_empty();
         errors
     }
 

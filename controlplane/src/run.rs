@@ -233,7 +233,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut localnp = crate::settings::localhost_node_ports(cfg.as_ref())
         .then(crate::localnp::LocalhostNodePorts::default);
     if let Some(l) = &mut localnp {
-        for e in l.sync(&first.update.snapshot) {
+        for e in l.sync(&first.update) {
             tracing::warn!("{e}");
         }
         tracing::info!(
@@ -442,7 +442,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             dataplane::warn_limited!(text, "{text}");
         }
         if let Some(l) = &mut localnp {
-            for text in l.sync(&update.snapshot) {
+            for text in l.sync(&update) {
                 dataplane::warn_limited!(text, "{text}");
             }
         }

@@ -189,6 +189,12 @@ struct Rule {
     ports: Vec<PortRule>,
 }
 
+/// A rule as the object has it: its peers (`from` or `to`) and ports.
+type RawRule<'a> = (
+    Option<&'a [NetworkPolicyPeer]>,
+    Option<&'a [NetworkPolicyPort]>,
+);
+
 /// A NetworkPolicy, read and checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
@@ -230,30 +236,46 @@ impl Policy {
                 });
             }
         }
-        let mut ingress = None;
-        if types.iter().any(|t| t == "Ingress") {
-            let mut rules = Vec::new();
-            for (i, r) in spec.ingress.iter().flatten().enumerate() {
-                let f = format!("spec.ingress[{i}]");
-                rules.push(Rule {
-                    peers: read_peers(r.from.as_deref(), &format!("{f}.from"), &id)?,
-                    ports: read_ports(r.ports.as_deref(), &format!("{f}.ports"), &id)?,
+        // The rules of one direction (`field`: spec.ingress / spec.egress, its peers
+        // under `peers_field`), when the policy has that type.
+        let read_rules = |on: &str,
+                          field: &str,
+                          peers_field: &str,
+                          rules: Vec<RawRule<'_>>|
+         -> Result<Option<Vec<Rule>>, PolicyError> {
+            if !types.iter().any(|t| t == on) {
+                return Ok(None);
+            }
+            let mut out = Vec::new();
+            for (i, (peers, ports)) in rules.into_iter().enumerate() {
+                let f = format!("{field}[{i}]");
+                out.push(Rule {
+                    peers: read_peers(peers, &format!("{f}.{peers_field}"), &id)?,
+                    ports: read_ports(ports, &format!("{f}.ports"), &id)?,
                 });
             }
-            ingress = Some(rules);
-        }
-        let mut egress = None;
-        if types.iter().any(|t| t == "Egress") {
-            let mut rules = Vec::new();
-            for (i, r) in spec.egress.iter().flatten().enumerate() {
-                let f = format!("spec.egress[{i}]");
-                rules.push(Rule {
-                    peers: read_peers(r.to.as_deref(), &format!("{f}.to"), &id)?,
-                    ports: read_ports(r.ports.as_deref(), &format!("{f}.ports"), &id)?,
-                });
-            }
-            egress = Some(rules);
-        }
+            Ok(Some(out))
+        };
+        let ingress = read_rules(
+            "Ingress",
+            "spec.ingress",
+            "from",
+            spec.ingress
+                .iter()
+                .flatten()
+                .map(|r| (r.from.as_deref(), r.ports.as_deref()))
+                .collect(),
+        )?;
+        let egress = read_rules(
+            "Egress",
+            "spec.egress",
+            "to",
+            spec.egress
+                .iter()
+                .flatten()
+                .map(|r| (r.to.as_deref(), r.ports.as_deref()))
+                .collect(),
+        )?;
         Ok(Policy {
             namespace,
             name,
