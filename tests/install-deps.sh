@@ -8,6 +8,8 @@ PACKAGES=(
   clang llvm libelf-dev zlib1g-dev pkg-config m4 libpcap-dev
   # network namespaces, veth, the kernel's NAT for comparisons, traffic generation
   iproute2 iputils-ping nftables iptables ethtool netsniff-ng
+  # captures with their 802.1Q tags (the VLAN trunk test)
+  tcpdump
   # libFuzzer (C++), which the fuzz targets link (fuzz/run)
   g++
   # systemd-analyze, which checks deploy/kxp.service

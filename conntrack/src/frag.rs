@@ -20,8 +20,9 @@ use nat::rewrite::FragKey;
 /// What a later fragment should do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FragVerdict {
-    /// Rewrite its addresses to these (source, destination).
-    Translate(IpAddr, IpAddr),
+    /// Rewrite its addresses to these (source, destination); the third is the tag
+    /// learned with them (the caller's: kxp keeps the VLAN id it leaves with).
+    Translate(IpAddr, IpAddr, u16),
     /// Its first fragment has not been seen: park it (or drop it).
     Unknown,
 }
@@ -41,7 +42,7 @@ pub struct FragStats {
 
 #[derive(Debug)]
 struct Entry {
-    to: Option<(IpAddr, IpAddr)>,
+    to: Option<(IpAddr, IpAddr, u16)>,
     expires: u64,
     parked: Vec<Vec<u8>>,
 }
@@ -75,7 +76,8 @@ impl FragTable {
         }
     }
 
-    /// The first fragment of datagram `key` was translated to (`src`, `dst`). Returns the
+    /// The first fragment of datagram `key` was translated to (`src`, `dst`), and left
+    /// with `tag` (the caller's, given back to its later fragments). Returns the
     /// fragments parked for it, to translate and send now. `false` in the second place
     /// when the table is full (the later fragments will be dropped).
     pub fn learn(
@@ -83,6 +85,7 @@ impl FragTable {
         key: FragKey,
         src: IpAddr,
         dst: IpAddr,
+        tag: u16,
         now: u64,
     ) -> (Vec<Vec<u8>>, bool) {
         self.expire(now);
@@ -95,7 +98,7 @@ impl FragTable {
             expires: 0,
             parked: Vec::new(),
         });
-        e.to = Some((src, dst));
+        e.to = Some((src, dst, tag));
         e.expires = now + self.timeout;
         let parked = std::mem::take(&mut e.parked);
         let bytes: usize = parked.iter().map(Vec::len).sum();
@@ -108,10 +111,10 @@ impl FragTable {
     pub fn lookup(&mut self, key: &FragKey, now: u64) -> FragVerdict {
         match self.map.get_mut(key) {
             Some(e) if e.expires > now => match e.to {
-                Some((s, d)) => {
+                Some((s, d, tag)) => {
                     e.expires = now + self.timeout;
                     self.stats.translated += 1;
-                    FragVerdict::Translate(s, d)
+                    FragVerdict::Translate(s, d, tag)
                 }
                 None => FragVerdict::Unknown,
             },
@@ -203,11 +206,11 @@ mod tests {
         assert_eq!(t.lookup(&key(1), 0), FragVerdict::Unknown);
         assert!(t.park(key(1), b"last", 0));
         // The first fragment is translated: the parked one comes back.
-        let (parked, ok) = t.learn(key(1), s, d, S);
+        let (parked, ok) = t.learn(key(1), s, d, 7, S);
         assert!(ok);
         assert_eq!(parked, vec![b"last".to_vec()]);
         // The middle one is translated at once.
-        assert_eq!(t.lookup(&key(1), 2 * S), FragVerdict::Translate(s, d));
+        assert_eq!(t.lookup(&key(1), 2 * S), FragVerdict::Translate(s, d, 7));
         assert_eq!(t.lookup(&key(2), 2 * S), FragVerdict::Unknown);
         let st = t.stats();
         assert_eq!((st.translated, st.parked, st.dropped), (2, 1, 0));
@@ -217,9 +220,9 @@ mod tests {
     fn entries_expire_and_parked_fragments_are_dropped_with_them() {
         let mut t = FragTable::new(16, 1 << 20, 30 * S);
         let (s, d) = addrs();
-        t.learn(key(1), s, d, 0);
+        t.learn(key(1), s, d, 0, 0);
         assert!(t.park(key(2), b"orphan", 0));
-        assert_eq!(t.lookup(&key(1), 29 * S), FragVerdict::Translate(s, d));
+        assert_eq!(t.lookup(&key(1), 29 * S), FragVerdict::Translate(s, d, 0));
         // Refreshed by that fragment: still there at 58 s, not at 60 s; the sweep (every
         // quarter of the timeout) then frees it.
         t.expire(58 * S);
@@ -234,10 +237,10 @@ mod tests {
     fn bounds_hold_and_refusals_are_counted() {
         let mut t = FragTable::new(2, 10, 30 * S);
         let (s, d) = addrs();
-        assert!(t.learn(key(1), s, d, 0).1);
-        assert!(t.learn(key(2), s, d, 0).1);
+        assert!(t.learn(key(1), s, d, 0, 0).1);
+        assert!(t.learn(key(2), s, d, 0, 0).1);
         assert!(
-            !t.learn(key(3), s, d, 0).1,
+            !t.learn(key(3), s, d, 0, 0).1,
             "full: a third datagram is refused"
         );
         assert_eq!(t.stats().full, 1);

@@ -42,6 +42,9 @@ pub struct DataplaneCounters {
     pub handoffs: u64,
     /// Packets forwarded untranslated whose partial checksum kxp completed.
     pub pass_checksums_completed: u64,
+    /// Frames that came with an 802.1Q tag (taken off), and frames tagged back.
+    pub vlan_untagged: u64,
+    pub vlan_tagged: u64,
     /// Generation of the snapshot the workers run.
     pub generation: u64,
     pub snapshot_age_secs: f64,
@@ -120,6 +123,7 @@ pub struct Metrics {
     affinity_evictions: Counter,
     handoffs: Counter,
     pass_checksums_completed: Counter,
+    vlan_frames: Family<Labels, Counter>,
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
@@ -217,6 +221,7 @@ impl Metrics {
             affinity_evictions: Counter::default(),
             handoffs: Counter::default(),
             pass_checksums_completed: Counter::default(),
+            vlan_frames: Family::default(),
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
@@ -395,6 +400,13 @@ impl Metrics {
                 m.pass_checksums_completed.clone(),
             );
             kxp.register(
+                "vlan_frames",
+                "Frames with one 802.1Q/802.1ad tag on an interface kxp drives (a trunk): \
+                 untagged, the tag taken off a frame that came with one (its flow keeps the \
+                 VLAN id); tagged, the tag put on a frame going back to such a client",
+                m.vlan_frames.clone(),
+            );
+            kxp.register(
                 "snapshot_generation",
                 "Generation of the snapshot the dataplane runs",
                 m.generation.clone(),
@@ -431,7 +443,7 @@ impl Metrics {
             );
             kxp.register(
                 "xdp_packets",
-                "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged, passed); dropped (held while kxp restarts, or on the service device and not for the node)",
+                "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged frames not looked inside, passed: looking inside is off, or the tag is cut short); dropped (held while kxp restarts, or on the service device and not for the node)",
                 m.xdp.clone(),
             );
             kxp.register(
@@ -656,6 +668,13 @@ impl Metrics {
             c.pass_checksums_completed,
             &self.pass_checksums_completed,
         );
+        for (key, total) in [("untagged", c.vlan_untagged), ("tagged", c.vlan_tagged)] {
+            t.advance(
+                &format!("vlan/{key}"),
+                total,
+                &self.vlan_frames.get_or_create(&label("action", key)),
+            );
+        }
         self.conntrack_entries.set(to_i64(c.conntrack_entries));
         self.generation.set(to_i64(c.generation));
         self.snapshot_age.set(c.snapshot_age_secs);
@@ -1066,6 +1085,8 @@ mod tests {
             conntrack_inserts: 9,
             handoffs: 1,
             pass_checksums_completed: 0,
+            vlan_untagged: 3,
+            vlan_tagged: 2,
             generation: 4,
             snapshot_age_secs: 1.5,
             busy_ratio: vec![0.25, 0.5],

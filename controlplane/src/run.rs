@@ -584,6 +584,8 @@ fn update_metrics(m: &crate::metrics::Metrics, dp: &Dataplane, last_sync: Instan
         affinity_evictions: t.affinity.evictions,
         handoffs: t.handoffs,
         pass_checksums_completed: t.pass_checksums_completed,
+        vlan_untagged: t.vlan_untagged,
+        vlan_tagged: t.vlan_tagged,
         generation: t.generation,
         snapshot_age_secs: last_sync.elapsed().as_secs_f64(),
         busy_ratio: t.busy_ratio,

@@ -149,7 +149,7 @@ enum {
 	ST_ICMP_ERROR, /* rule (d) */
 	ST_CLUSTER_IP, /* rule (e) */
 	ST_UNPARSED, /* IPv4/IPv6 whose headers cannot be read (passed: the kernel drops it) */
-	ST_VLAN, /* 802.1Q/802.1ad-tagged, not looked inside (passed) */
+	ST_VLAN, /* 802.1Q/802.1ad-tagged, not looked inside: off, cut short or QinQ (passed) */
 	ST_KERNEL_FLOW, /* a reply rule matched, but the kernel tracks the flow (passed) */
 	ST_FRAGMENT, /* rule (f): a later fragment of a datagram whose first was taken */
 	ST_MAX,
@@ -616,6 +616,10 @@ int kxp_steer(struct xdp_md *ctx)
 		}
 		h_proto = vh->encap_proto;
 		l3 = vh + 1;
+		if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD)) {
+			count(base, ST_VLAN); /* two tags (QinQ): not looked into */
+			goto pass;
+		}
 	}
 
 	if (h_proto == bpf_htons(ETH_P_IP)) {

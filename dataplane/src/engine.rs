@@ -105,6 +105,10 @@ pub enum Verdict {
         /// The packet's tuple as it arrived (to quote it in an ICMP error, e.g. when it
         /// is too big for the next link); `None` for a translated ICMP error.
         from: Option<Tuple>,
+        /// The 802.1Q VLAN id to tag it with (0: none): a packet going back to a client
+        /// that came tagged leaves with its tag, unless its route names a VLAN device
+        /// (which tags it itself).
+        vlan: u16,
     },
     /// REJECT: an answer (TCP RST / ICMP port unreachable) was written to `out[..len]`;
     /// send it back towards `dst` (the client). The packet itself is dropped.
@@ -271,6 +275,24 @@ pub struct Engine {
     /// source is already a node address, and they are always given a SNAT port so that
     /// the endpoints' answers, addressed to the node, come back to kxp.
     pub host_interface: Option<String>,
+    /// The VLAN id of the packet being processed (0: it came untagged), set by the
+    /// worker before each packet: a flow opened by a tagged packet keeps it, and the
+    /// packets that go back to its client leave with it ([`Verdict::Forward`]'s `vlan`).
+    pub ingress_vlan: u16,
+}
+
+/// A flow's conntrack tag: the Service port's index (informational) in its low
+/// [`TAG_PORT_BITS`] bits, the client side's VLAN id above. The tag is journaled with
+/// the flow, so the VLAN a client came from survives a restart.
+const TAG_PORT_BITS: u32 = 20;
+
+fn flow_tag(port_index: u32, vlan: u16) -> u32 {
+    (port_index & ((1 << TAG_PORT_BITS) - 1)) | (u32::from(vlan & 0xfff) << TAG_PORT_BITS)
+}
+
+/// The client side's VLAN id of a flow with conntrack tag `tag` (0: untagged).
+pub fn tag_vlan(tag: u32) -> u16 {
+    (tag >> TAG_PORT_BITS) as u16 & 0xfff
 }
 
 const SEC: u64 = 1_000_000_000;
@@ -294,6 +316,7 @@ impl Engine {
             node,
             rng: seed | 1,
             host_interface: None,
+            ingress_vlan: 0,
         }
     }
 
@@ -382,7 +405,11 @@ impl Engine {
                         return Verdict::Drop(DropCause::InvalidState);
                     }
                     let to = hit.rewrite_to();
-                    return forward(pkt, &f, &to, false);
+                    let vlan = match hit.dir {
+                        Direction::Reply => tag_vlan(hit.entry.tag()),
+                        Direction::Original => 0,
+                    };
+                    return forward(pkt, &f, &to, false, vlan);
                 }
                 self.new_flow(snap, pkt, &f, prepared, now, in_interface, masq, out)
             }
@@ -574,7 +601,7 @@ impl Engine {
         let inserted = self.table.insert_first(
             *t,
             reply,
-            choice.port_index,
+            flow_tag(choice.port_index, self.ingress_vlan),
             f.tcp_flags(),
             now,
             len,
@@ -586,7 +613,7 @@ impl Engine {
             Err(InsertError::Clash { .. }) => return Verdict::Drop(DropCause::Clash),
             Err(_) => return Verdict::Drop(DropCause::NotNew),
         }
-        forward(pkt, f, &reply.reversed(), true)
+        forward(pkt, f, &reply.reversed(), true, 0)
     }
 
     /// For a packet of a received batch that likely opens a connection (the worker's
@@ -668,7 +695,7 @@ impl Engine {
             }
             return Verdict::Pass;
         };
-        let (orig, reply) = (*entry.orig(), *entry.reply());
+        let (orig, reply, tag) = (*entry.orig(), *entry.reply(), entry.tag());
         // The error travels in `dir`; its quote is a packet of the opposite direction.
         let (inner_to, outer_dst, outer_src) = match dir {
             Direction::Reply => (orig, orig.src, (e.src() == reply.src).then_some(orig.dst)),
@@ -688,6 +715,11 @@ impl Engine {
             new_flow: false,
             dst: outer_dst,
             from: None,
+            // Towards the client: with its VLAN's tag.
+            vlan: match dir {
+                Direction::Reply => tag_vlan(tag),
+                Direction::Original => 0,
+            },
         }
     }
 }
@@ -735,7 +767,13 @@ fn decide_tuple<'s>(snap: &'s Snapshot, t: &Tuple, in_interface: Option<&str>) -
     )
 }
 
-fn forward(pkt: &mut [u8], f: &rewrite::FlowPacket, to: &Tuple, new_flow: bool) -> Verdict {
+fn forward(
+    pkt: &mut [u8],
+    f: &rewrite::FlowPacket,
+    to: &Tuple,
+    new_flow: bool,
+    vlan: u16,
+) -> Verdict {
     if let Err(e) = rewrite::rewrite(pkt, f, to) {
         let _ = e;
         return Verdict::Drop(DropCause::Malformed("rewrite"));
@@ -745,6 +783,7 @@ fn forward(pkt: &mut [u8], f: &rewrite::FlowPacket, to: &Tuple, new_flow: bool) 
             new_flow,
             dst: to.dst,
             from: Some(f.tuple()),
+            vlan,
         },
         Ok(false) => Verdict::Drop(DropCause::TtlExceeded),
         Err(e) => Verdict::Drop(DropCause::Malformed(ParseError::reason(&e))),

@@ -299,6 +299,15 @@ impl FibView {
         t.links.get(&master).map(|l| l.name.clone())
     }
 
+    /// Whether `ifindex` is a VLAN device (the kernel tags what is sent on it).
+    pub fn is_vlan_device(&self, ifindex: u32) -> bool {
+        self.table
+            .load()
+            .links
+            .get(&ifindex)
+            .is_some_and(|l| l.vlan)
+    }
+
     /// Every link of the host (this network namespace), as netlink last said.
     pub fn links(&self) -> Vec<LinkInfo> {
         let t = self.table.load();

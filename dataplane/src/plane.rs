@@ -576,6 +576,9 @@ pub struct Totals {
     pub to_kernel: u64,
     /// Packets forwarded untranslated whose partial checksum kxp completed.
     pub pass_checksums_completed: u64,
+    /// Frames untagged (arrived with an 802.1Q tag) and tagged (back to such a client).
+    pub vlan_untagged: u64,
+    pub vlan_tagged: u64,
 }
 
 /// A seed for a worker's random endpoint choice from the OS, so that nodes and restarts
@@ -747,6 +750,10 @@ impl Dataplane {
         times.lap("steering program", &mut lap);
         service_prog.prepare_for(&service.dp, service.dp_ifindex)?;
         service_prog.set_snat_range(lo, hi)?;
+        // Frames with one 802.1Q tag (a trunk) are looked into: a tagged client's
+        // Service traffic is kxp's like an untagged one's, its tag taken off by the
+        // worker and put back on what goes back to it.
+        service_prog.set_vlan_steering(true)?;
         service_prog.set_service_device()?;
         if keep {
             service_prog.set_hold(cfg.workers as u32)?;
@@ -1085,6 +1092,8 @@ impl Dataplane {
             t.too_big_icmp += g(&s.too_big_icmp);
             t.to_kernel += g(&s.to_kernel);
             t.pass_checksums_completed += g(&s.pass_checksums_completed);
+            t.vlan_untagged += g(&s.vlan_untagged);
+            t.vlan_tagged += g(&s.vlan_tagged);
             *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
             // Dropped after waiting for their next hop's MAC (the queue full, or 1 s
             // passed), and with no route at all: drops like the others.

@@ -52,6 +52,8 @@ const HOLD_MAX_BATCH: u64 = 8;
 /// traffic whatever the size of its batches (see [`keeps_up`]).
 const SPARE_BUSY: f64 = 0.5;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
 const ETH_P_IPV6: u16 = 0x86DD;
 
 /// A packet copied to another worker: to the one that owns its flow (to process it), or,
@@ -64,6 +66,8 @@ pub struct Handoff {
     /// Where it arrived (to process) or where it must leave (to transmit).
     pub ifindex: u32,
     pub transmit: bool,
+    /// The VLAN id it arrived with (its tag already taken off; 0: untagged).
+    pub vlan: u16,
 }
 
 /// A request from the control plane to a worker.
@@ -204,6 +208,10 @@ pub struct WorkerStats {
     pub to_kernel: AtomicU64,
     /// Packets forwarded untranslated (passed) whose partial checksum kxp completed.
     pub pass_checksums_completed: AtomicU64,
+    /// Frames whose 802.1Q tag kxp took off (they came tagged on a trunk) and frames it
+    /// tagged (going back to a client that came tagged).
+    pub vlan_untagged: AtomicU64,
+    pub vlan_tagged: AtomicU64,
     pub conntrack_entries: AtomicU64,
     pub conntrack_evictions: AtomicU64,
     pub conntrack_inserts: AtomicU64,
@@ -401,7 +409,7 @@ pub struct Worker<'id> {
     /// How to hand a packet to the node's own stack (kxp's service device).
     pub local_delivery: Option<LocalDelivery>,
     /// Packets waiting for their next hop's MAC (destination, since when).
-    waiting: std::collections::VecDeque<(Frame<'id>, IpAddr, u64)>,
+    waiting: std::collections::VecDeque<(Frame<'id>, IpAddr, u16, u64)>,
     /// The loop's clock, for `waiting`.
     now: u64,
     /// Kick the sockets' receive processing every iteration (preferred busy polling).
@@ -446,6 +454,8 @@ struct Local {
     too_big_dropped: u64,
     to_kernel: u64,
     pass_checksums_completed: u64,
+    vlan_untagged: u64,
+    vlan_tagged: u64,
     stalls: Stalls,
 }
 
@@ -674,7 +684,17 @@ impl<'id> Worker<'id> {
                     continue;
                 }
                 f.port = self.io.port_of(h.ifindex).unwrap_or(usize::MAX);
-                self.handle(f, h.ifindex, &snap, now, workers, &mut answer, true, None);
+                self.handle(
+                    f,
+                    h.ifindex,
+                    h.vlan,
+                    &snap,
+                    now,
+                    workers,
+                    &mut answer,
+                    true,
+                    None,
+                );
             }
             if self.busy_poll {
                 self.io.busy_poll_kick();
@@ -700,7 +720,7 @@ impl<'id> Worker<'id> {
                 }
                 for (i, f) in batch.drain(..).enumerate() {
                     let pre = parsed.get(i).copied().flatten();
-                    self.handle(f, ifindex, &snap, now, workers, &mut answer, false, pre);
+                    self.handle(f, ifindex, 0, &snap, now, workers, &mut answer, false, pre);
                 }
             }
             handled = crate::sys::monotonic_ns();
@@ -811,6 +831,8 @@ impl<'id> Worker<'id> {
             (&s.too_big_dropped, l.too_big_dropped),
             (&s.to_kernel, l.to_kernel),
             (&s.pass_checksums_completed, l.pass_checksums_completed),
+            (&s.vlan_untagged, l.vlan_untagged),
+            (&s.vlan_tagged, l.vlan_tagged),
         ] {
             a.store(v, Ordering::Relaxed);
         }
@@ -943,6 +965,7 @@ impl<'id> Worker<'id> {
                 frame: self.io.bytes(&mut f).to_vec(),
                 ifindex,
                 transmit: true,
+                vlan: 0,
             };
             if self.shared.inbox[0].push(h).is_ok() {
                 self.local.handoffs_out += 1;
@@ -999,7 +1022,13 @@ impl<'id> Worker<'id> {
         keys.clear();
         for f in batch.iter_mut() {
             let frame = self.io.bytes(f);
-            let fl = match frame.get(ETH_HLEN..).map(rewrite::parse) {
+            // Tagged frames (and what is not IP) are parsed by `handle` alone.
+            let ip = frame.len() > ETH_HLEN
+                && matches!(
+                    u16::from_be_bytes([frame[12], frame[13]]),
+                    ETH_P_IP | ETH_P_IPV6
+                );
+            let fl = match ip.then(|| rewrite::parse(&frame[ETH_HLEN..])) {
                 Some(Ok(Parsed::Flow(fl))) => Some(fl),
                 _ => None,
             };
@@ -1038,6 +1067,7 @@ impl<'id> Worker<'id> {
         &mut self,
         mut f: Frame<'id>,
         in_ifindex: u32,
+        mut vlan: u16,
         snap: &Snapshot,
         now: u64,
         workers: usize,
@@ -1054,11 +1084,26 @@ impl<'id> Worker<'id> {
             self.io.recycle(f);
             return;
         }
-        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        let mut ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        if (ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD) && frame.len() > ETH_HLEN + 4 {
+            // One 802.1Q / 802.1ad tag (the steering program looks inside one): taken
+            // off, its VLAN id kept for the flow, whose packets back to this client are
+            // tagged again (`send_routed`).
+            vlan = u16::from_be_bytes([frame[14], frame[15]]) & 0xfff;
+            ethertype = u16::from_be_bytes([frame[16], frame[17]]);
+            if ethertype == ETH_P_IP || ethertype == ETH_P_IPV6 {
+                let len = frame.len();
+                frame.copy_within(ETH_HLEN + 2..len, 12);
+                self.io.set_len(&mut f, len - 4);
+                self.local.vlan_untagged += 1;
+            }
+        }
         if ethertype != ETH_P_IP && ethertype != ETH_P_IPV6 {
             self.io.recycle(f);
             return;
         }
+        self.engine.ingress_vlan = vlan;
+        let frame = self.io.bytes(&mut f);
         // Fragments: a later one follows its first fragment's translation; a first one
         // goes through the engine like any packet and teaches the others.
         let mut first_fragment = None;
@@ -1082,6 +1127,7 @@ impl<'id> Worker<'id> {
                     frame: frame.to_vec(),
                     ifindex: in_ifindex,
                     transmit: false,
+                    vlan,
                 };
                 if self.shared.inbox[owner].push(h).is_ok() {
                     self.local.handoffs_out += 1;
@@ -1130,11 +1176,13 @@ impl<'id> Worker<'id> {
             }
         };
         match verdict {
-            Verdict::Forward { dst, from, .. } => {
+            Verdict::Forward {
+                dst, from, vlan, ..
+            } => {
                 if let Some(key) = first_fragment {
-                    self.learn_fragments(&mut f, key, now);
+                    self.learn_fragments(&mut f, key, vlan, now);
                 }
-                self.route_out_checked(f, dst, from, answer)
+                self.route_out_checked(f, dst, from, vlan, answer)
             }
             Verdict::Pass => {
                 // Redirected by the XDP program but not part of a translated flow (an
@@ -1161,11 +1209,11 @@ impl<'id> Worker<'id> {
                 // The datagram's later fragments (steered here too, as from an endpoint)
                 // follow it unchanged.
                 if let Some(key) = first_fragment {
-                    self.learn_fragments(&mut f, key, now);
+                    self.learn_fragments(&mut f, key, 0, now);
                 }
                 let l3 = &mut self.io.bytes(&mut f)[ETH_HLEN..];
                 match rewrite::decrement_ttl(l3) {
-                    Ok(true) => self.route_out_checked(f, dst, from, answer),
+                    Ok(true) => self.route_out_checked(f, dst, from, 0, answer),
                     _ => self.io.recycle(f),
                 }
             }
@@ -1192,6 +1240,15 @@ impl<'id> Worker<'id> {
                     })
                     .to_be_bytes(),
                 );
+                // On the VLAN it came from.
+                let f = if vlan != 0 {
+                    match self.push_vlan(f, vlan) {
+                        Some(f) => f,
+                        None => return,
+                    }
+                } else {
+                    f
+                };
                 self.transmit(f, in_ifindex);
             }
             Verdict::Drop(_) => self.io.recycle(f),
@@ -1210,11 +1267,11 @@ impl<'id> Worker<'id> {
                     t.park(fp.key(), frame, now);
                     None
                 }
-                conntrack::FragVerdict::Translate(src, dst) => Some((src, dst)),
+                conntrack::FragVerdict::Translate(src, dst, vlan) => Some((src, dst, vlan)),
             }
         };
         match verdict {
-            Some((src, dst)) => self.send_fragment(f, fp, src, dst),
+            Some((src, dst, vlan)) => self.send_fragment(f, fp, src, dst, vlan),
             None => self.io.recycle(f),
         }
     }
@@ -1225,6 +1282,7 @@ impl<'id> Worker<'id> {
         fp: &rewrite::FragmentPacket,
         src: IpAddr,
         dst: IpAddr,
+        vlan: u16,
     ) {
         let frame = self.io.bytes(&mut f);
         let l3 = &mut frame[ETH_HLEN..];
@@ -1245,12 +1303,13 @@ impl<'id> Worker<'id> {
         // Forwarded as its first fragment was: counted the same way.
         c.forwarded += 1;
         c.forwarded_bytes += len;
-        self.route_out(f, dst);
+        self.route_out(f, dst, vlan);
     }
 
-    /// After the first fragment of `key` was translated (in `f`): records its addresses
-    /// for the datagram's other fragments and sends those that came before it.
-    fn learn_fragments(&mut self, f: &mut Frame<'id>, key: rewrite::FragKey, now: u64) {
+    /// After the first fragment of `key` was translated (in `f`, leaving with `vlan`):
+    /// records its addresses for the datagram's other fragments and sends those that
+    /// came before it.
+    fn learn_fragments(&mut self, f: &mut Frame<'id>, key: rewrite::FragKey, vlan: u16, now: u64) {
         let frame = self.io.bytes(f);
         let Ok(p) = rewrite::parse(&frame[ETH_HLEN..]) else {
             return;
@@ -1261,13 +1320,13 @@ impl<'id> Worker<'id> {
             .frags
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .learn(key, src, dst, now);
+            .learn(key, src, dst, vlan, now);
         for bytes in parked {
             let Some(mut g) = self.io.frame_from(&bytes) else {
                 break;
             };
             match rewrite::parse(&self.io.bytes(&mut g)[ETH_HLEN..]) {
-                Ok(Parsed::Fragment(fp)) => self.send_fragment(g, &fp, src, dst),
+                Ok(Parsed::Fragment(fp)) => self.send_fragment(g, &fp, src, dst, vlan),
                 _ => self.io.recycle(g),
             }
         }
@@ -1283,6 +1342,7 @@ impl<'id> Worker<'id> {
         mut f: Frame<'id>,
         dst: IpAddr,
         from: Option<Tuple>,
+        vlan: u16,
         scratch: &mut [u8],
     ) {
         let len = self.io.bytes(&mut f).len() - ETH_HLEN;
@@ -1293,13 +1353,20 @@ impl<'id> Worker<'id> {
             && let Some(mtu) = self.fib.mtu(nh.ifindex)
             && len > mtu as usize
         {
-            self.too_big(f, mtu, from, scratch);
+            self.too_big(f, mtu, from, vlan, scratch);
             return;
         }
-        self.send_routed(f, dst, route);
+        self.send_routed(f, dst, route, vlan);
     }
 
-    fn too_big(&mut self, mut f: Frame<'id>, mtu: u32, from: Option<Tuple>, scratch: &mut [u8]) {
+    fn too_big(
+        &mut self,
+        mut f: Frame<'id>,
+        mtu: u32,
+        from: Option<Tuple>,
+        vlan: u16,
+        scratch: &mut [u8],
+    ) {
         let frame = self.io.bytes(&mut f);
         let l3 = &frame[ETH_HLEN..];
         if let Ok(n) = rewrite::ipv4_fragment_count(l3, mtu as usize) {
@@ -1332,7 +1399,7 @@ impl<'id> Worker<'id> {
             }
             self.local.fragmented_out += 1;
             for g in out {
-                self.route_out(g, dst);
+                self.route_out(g, dst, vlan);
             }
             return;
         }
@@ -1362,23 +1429,22 @@ impl<'id> Worker<'id> {
         let frame = self.io.bytes(&mut f);
         frame[ETH_HLEN..ETH_HLEN + n].copy_from_slice(&scratch[..n]);
         self.local.too_big_icmp += 1;
-        self.route_out(f, from.src);
+        // To the sender, on the VLAN the packet came from.
+        let back = self.engine.ingress_vlan;
+        self.route_out(f, from.src, back);
     }
 
-    fn route_out(&mut self, f: Frame<'id>, dst: IpAddr) {
+    fn route_out(&mut self, f: Frame<'id>, dst: IpAddr, vlan: u16) {
         let route = self.fib.route(dst);
-        self.send_routed(f, dst, route);
+        self.send_routed(f, dst, route, vlan);
     }
 
-    /// Sends `f` (for `dst`) as `route`, the FIB's answer for it, says.
-    fn send_routed(&mut self, mut f: Frame<'id>, dst: IpAddr, route: Route) {
+    /// Sends `f` (for `dst`) as `route`, the FIB's answer for it, says; tagged with
+    /// `vlan` (unless 0) when it leaves through an interface kxp drives that is not a
+    /// VLAN device (the trunk a tagged client came through).
+    fn send_routed(&mut self, mut f: Frame<'id>, dst: IpAddr, route: Route, vlan: u16) {
         match route {
-            Route::Forward(nh) => {
-                let frame = self.io.bytes(&mut f);
-                frame[..6].copy_from_slice(&nh.dst_mac);
-                frame[6..12].copy_from_slice(&nh.src_mac);
-                self.transmit(f, nh.ifindex);
-            }
+            Route::Forward(nh) => self.send_to(f, nh, vlan),
             Route::Local if self.local_delivery.is_some() => {
                 let Some(d) = self.local_delivery else { return };
                 let frame = self.io.bytes(&mut f);
@@ -1401,7 +1467,7 @@ impl<'id> Worker<'id> {
                 // As the kernel queues packets for a neighbour being resolved (unres_qlen),
                 // a few wait here, bounded in number and time; the rest are dropped.
                 if self.waiting.len() < WAITING_MAX {
-                    self.waiting.push_back((f, dst, self.now));
+                    self.waiting.push_back((f, dst, vlan, self.now));
                 } else {
                     self.local.neighbour_pending += 1;
                     self.io.recycle(f);
@@ -1418,29 +1484,73 @@ impl<'id> Worker<'id> {
     /// that waited longer than [`WAITING_NS`] (counted).
     fn retry_waiting(&mut self) {
         for _ in 0..self.waiting.len() {
-            let Some((mut f, dst, since)) = self.waiting.pop_front() else {
+            let Some((f, dst, vlan, since)) = self.waiting.pop_front() else {
                 break;
             };
             match self.fib.route(dst) {
                 Route::Pending if self.now.saturating_sub(since) < WAITING_NS => {
-                    self.waiting.push_back((f, dst, since));
+                    self.waiting.push_back((f, dst, vlan, since));
                 }
                 Route::Pending => {
                     self.local.neighbour_pending += 1;
                     self.io.recycle(f);
                 }
-                Route::Forward(nh) => {
-                    let frame = self.io.bytes(&mut f);
-                    frame[..6].copy_from_slice(&nh.dst_mac);
-                    frame[6..12].copy_from_slice(&nh.src_mac);
-                    self.transmit(f, nh.ifindex);
-                }
+                Route::Forward(nh) => self.send_to(f, nh, vlan),
                 _ => {
                     self.local.no_route += 1;
                     self.io.recycle(f);
                 }
             }
         }
+    }
+
+    /// Sends `f` to the next hop `nh`, tagged with `vlan` (unless 0) when `nh`'s
+    /// interface is not a VLAN device.
+    fn send_to(&mut self, mut f: Frame<'id>, nh: crate::fib::NextHop, vlan: u16) {
+        let frame = self.io.bytes(&mut f);
+        frame[..6].copy_from_slice(&nh.dst_mac);
+        frame[6..12].copy_from_slice(&nh.src_mac);
+        let f = if vlan != 0 && !self.fib.is_vlan_device(nh.ifindex) {
+            match self.push_vlan(f, vlan) {
+                Some(f) => f,
+                None => return,
+            }
+        } else {
+            f
+        };
+        self.transmit(f, nh.ifindex);
+    }
+
+    /// `f` with an 802.1Q tag with VLAN id `vlan` after its MAC addresses. `None` (the
+    /// frame dropped and counted) when no frame was free for a packet that no longer
+    /// fits its own.
+    fn push_vlan(&mut self, mut f: Frame<'id>, vlan: u16) -> Option<Frame<'id>> {
+        let len = self.io.bytes(&mut f).len();
+        let tag = |b: &mut [u8]| {
+            b[12..14].copy_from_slice(&ETH_P_8021Q.to_be_bytes());
+            b[14..16].copy_from_slice(&(vlan & 0xfff).to_be_bytes());
+        };
+        self.local.vlan_tagged += 1;
+        if f.is_umem() && len + 4 > self.io.frame_capacity() {
+            // No longer fits one frame: a copy, sent as a chain.
+            let b = self.io.bytes(&mut f);
+            let mut bytes = Vec::with_capacity(len + 4);
+            bytes.extend_from_slice(&b[..12]);
+            bytes.extend_from_slice(&[0; 4]);
+            bytes.extend_from_slice(&b[12..]);
+            tag(&mut bytes);
+            self.io.recycle(f);
+            let g = self.io.frame_from(&bytes);
+            if g.is_none() {
+                self.local.no_route += 1;
+            }
+            return g;
+        }
+        self.io.set_len(&mut f, len + 4);
+        let b = self.io.bytes(&mut f);
+        b.copy_within(12..len, 16);
+        tag(b);
+        Some(f)
     }
 }
 

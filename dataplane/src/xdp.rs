@@ -102,8 +102,8 @@ pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
 pub const XDP_REDIRECT: u32 = 4;
 
-/// `config.flags` bit: look inside one 802.1Q / 802.1ad tag (off by default: the
-/// workers must then handle tagged frames).
+/// `config.flags` bit: look inside one 802.1Q / 802.1ad tag (the workers take the tag
+/// off and keep the VLAN id with the flow; kxp sets it at start).
 const CFG_STEER_VLAN: u32 = 1;
 /// `ifaces[..].flags` bit: this is kxp's service device; drop instead of passing.
 const IF_SERVICE_DEVICE: u32 = 2;
@@ -656,7 +656,7 @@ impl Steering {
     }
 
     /// Whether frames with one 802.1Q / 802.1ad tag are looked into (and so may be
-    /// redirected, tag included). Off by default.
+    /// redirected, tag included). Off in a freshly loaded program; kxp turns it on.
     ///
     /// # Errors
     /// [`XdpError::Map`].

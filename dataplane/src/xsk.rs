@@ -52,6 +52,13 @@ pub struct Frame<'id> {
     _brand: Brand<'id>,
 }
 
+impl Frame<'_> {
+    /// Whether the packet is in one UMEM frame (else a heap buffer, sent as a chain).
+    pub fn is_umem(&self) -> bool {
+        matches!(self.buf, Buf::Umem(_))
+    }
+}
+
 /// An invariant lifetime: `'id` can be neither shortened nor lengthened, so two brands
 /// are never confused (see the module docs).
 type Brand<'id> = PhantomData<fn(&'id ()) -> &'id ()>;

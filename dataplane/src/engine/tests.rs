@@ -712,3 +712,54 @@ fn a_choice_prepared_on_another_snapshot_is_made_again() {
     }
     assert_eq!(e.counters.new_flows, 32);
 }
+
+/// A flow opened by a tagged packet keeps its VLAN id: what goes back to the client
+/// (answers, ICMP errors about its packets) carries it, what goes to the endpoint does
+/// not, and another client's untagged flow has none; the id survives in the flow's
+/// journaled tag.
+#[test]
+fn a_tagged_clients_flow_sends_its_answers_back_on_its_vlan() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    let client = sa("198.18.1.1:5000");
+    let orig = Tuple::new(client, sa("198.19.0.10:53"), Protocol::Udp);
+    let vlan_of = |v: &Verdict| match v {
+        Verdict::Forward { vlan, .. } => *vlan,
+        other => panic!("{other:?}"),
+    };
+    r.e.ingress_vlan = 61;
+    let mut q = build_tuple(&orig, b"query");
+    assert_eq!(vlan_of(&r.send(&mut q)), 0, "to the endpoint: untagged");
+    let fwd = tuple_of(&q);
+    assert_eq!(
+        fwd.src,
+        "198.18.0.254".parse::<IpAddr>().unwrap(),
+        "masqueraded"
+    );
+    let (_, entry) = r.e.table.get(&orig, r.now).unwrap();
+    assert_eq!(tag_vlan(entry.tag()), 61);
+    assert_eq!(
+        conntrack::persist::FlowRecord::decode(&conntrack::persist::FlowRecord::of(entry).encode())
+            .map(|f| tag_vlan(f.tag)),
+        Ok(61),
+        "journaled with the flow"
+    );
+    // The endpoint's answer arrives untagged, from a pod.
+    r.e.ingress_vlan = 0;
+    let mut a = build_tuple(&fwd.reversed(), b"answer");
+    assert_eq!(vlan_of(&r.send(&mut a)), 61, "back to the client: its VLAN");
+    assert_eq!(tuple_of(&a), orig.reversed());
+    // An ICMP error from the endpoint about the forwarded query goes back tagged too.
+    let mut err = icmp_error(fwd.dst, fwd.src, &q);
+    assert_eq!(vlan_of(&r.send(&mut err)), 61);
+    // The client's next datagram (tagged) goes to the endpoint untagged.
+    r.e.ingress_vlan = 61;
+    let mut q2 = build_tuple(&orig, b"again");
+    assert_eq!(vlan_of(&r.send(&mut q2)), 0);
+    // Another client, untagged: nothing tags its answers.
+    r.e.ingress_vlan = 0;
+    let other = Tuple::new(sa("198.18.1.2:5000"), sa("198.19.0.10:53"), Protocol::Udp);
+    let mut q = build_tuple(&other, b"query");
+    r.send(&mut q);
+    let mut a = build_tuple(&tuple_of(&q).reversed(), b"answer");
+    assert_eq!(vlan_of(&r.send(&mut a)), 0);
+}

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use rtnetlink::packet_core::NLM_F_REPLACE;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, AddressMessage};
-use rtnetlink::packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
+use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use rtnetlink::packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState,
 };
@@ -105,6 +105,7 @@ impl FibTable {
             up: m.header.flags.contains(LinkFlags::Up),
             master: None,
             mtu: 0,
+            vlan: false,
         };
         for attr in &m.attributes {
             match attr {
@@ -112,6 +113,11 @@ impl FibTable {
                 LinkAttribute::Controller(i) => link.master = Some(*i).filter(|&i| i != 0),
                 LinkAttribute::Mtu(m) => link.mtu = *m,
                 LinkAttribute::Address(a) => link.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
+                LinkAttribute::LinkInfo(info) => {
+                    link.vlan = info
+                        .iter()
+                        .any(|i| matches!(i, LinkInfo::Kind(InfoKind::Vlan)));
+                }
                 _ => {}
             }
         }

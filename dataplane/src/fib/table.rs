@@ -43,6 +43,9 @@ pub(super) struct Link {
     pub master: Option<u32>,
     /// `IFLA_MTU`.
     pub mtu: u32,
+    /// An 802.1Q/802.1ad VLAN device (`IFLA_INFO_KIND` "vlan"): the kernel puts the
+    /// tag on what it sends.
+    pub vlan: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -592,3 +592,27 @@ fn a_view_remembers_routes_until_other_tables_are_published() {
     tables.store(Arc::new(detached));
     assert_eq!(view.route(vip), Route::NotAttached { ifindex: ETH0 });
 }
+
+#[test]
+fn vlan_devices_are_known_by_their_kind() {
+    use rtnetlink::packet_route::link::{InfoData, InfoKind, InfoVlan, LinkInfo};
+    let mut t = base();
+    let mut m = LinkMessage::default();
+    m.header.index = 7;
+    m.header.flags = LinkFlags::Up;
+    m.attributes.push(LinkAttribute::IfName("eth2.100".into()));
+    m.attributes.push(LinkAttribute::Link(ETH0));
+    m.attributes.push(LinkAttribute::LinkInfo(vec![
+        LinkInfo::Kind(InfoKind::Vlan),
+        LinkInfo::Data(InfoData::Vlan(vec![InfoVlan::Id(100)])),
+    ]));
+    t.apply(&M::NewLink(m), 0);
+    assert!(t.links.get(&7).is_some_and(|l| l.vlan), "eth2.100");
+    assert!(
+        t.links.get(&ETH0).is_some_and(|l| !l.vlan),
+        "its lower link"
+    );
+    // Its kind changing (the index reused by another device) is followed.
+    t.apply(&link(7, Some(MAC0), true), 0);
+    assert!(t.links.get(&7).is_some_and(|l| !l.vlan));
+}
