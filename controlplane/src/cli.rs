@@ -839,6 +839,13 @@ fn run_cleanup(args: CleanupArgs) -> anyhow::Result<()> {
             println!("removed kxp's service device {dev} ({dev}-dp)");
         }
     }
+    if dataplane::servicedev::remove_kernel_policy()? {
+        println!(
+            "removed the rules of kxp.networkPolicy: kernel (nftables table inet {}, the policy rule to table {})",
+            dataplane::servicedev::HANDOVER_TABLE,
+            dataplane::servicedev::HANDOVER_ROUTE_TABLE
+        );
+    }
     let rules = dataplane::servicedev::cleanup_rules()?;
     if rules > 0 {
         println!(

@@ -487,19 +487,26 @@ impl KubeProxyConfiguration {
             ));
         }
         if let Some(np) = cfg.kxp.as_ref().and_then(|k| k.network_policy.as_deref())
-            && !["", "enforce", "off"].contains(&np)
+            && !["", "enforce", "kernel", "off"].contains(&np)
         {
             return Err(invalid(
                 "kxp.networkPolicy".into(),
-                format!("{np:?} is not enforce or off"),
+                format!("{np:?} is not enforce, kernel or off"),
             ));
         }
         Ok(cfg)
     }
 
-    /// Whether NetworkPolicy is enforced (`kxp.networkPolicy`, default `enforce`).
+    /// Whether kxp enforces Kubernetes NetworkPolicy (`kxp.networkPolicy`, default
+    /// `enforce`; `kernel` too).
     pub fn network_policy(&self) -> bool {
         self.kxp.as_ref().and_then(|k| k.network_policy.as_deref()) != Some("off")
+    }
+
+    /// `kxp.networkPolicy: kernel`: translated packets for this node's pods are handed
+    /// to the kernel, so the CNI's own policy (of any kind) applies to them too.
+    pub fn kernel_policy(&self) -> bool {
+        self.kxp.as_ref().and_then(|k| k.network_policy.as_deref()) == Some("kernel")
     }
 
     /// `iptables.masqueradeAll` or `nftables.masqueradeAll`.

@@ -45,6 +45,8 @@ pub struct DataplaneCounters {
     /// Frames that came with an 802.1Q tag (taken off), and frames tagged back.
     pub vlan_untagged: u64,
     pub vlan_tagged: u64,
+    /// Packets handed to the kernel for the CNI's policy (`kxp.networkPolicy: kernel`).
+    pub policy_handover: u64,
     /// Generation of the snapshot the workers run.
     pub generation: u64,
     pub snapshot_age_secs: f64,
@@ -124,6 +126,7 @@ pub struct Metrics {
     handoffs: Counter,
     pass_checksums_completed: Counter,
     vlan_frames: Family<Labels, Counter>,
+    policy_handover: Counter,
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
@@ -222,6 +225,7 @@ impl Metrics {
             handoffs: Counter::default(),
             pass_checksums_completed: Counter::default(),
             vlan_frames: Family::default(),
+            policy_handover: Counter::default(),
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
@@ -405,6 +409,13 @@ impl Metrics {
                  untagged, the tag taken off a frame that came with one (its flow keeps the \
                  VLAN id); tagged, the tag put on a frame going back to such a client",
                 m.vlan_frames.clone(),
+            );
+            kxp.register(
+                "policy_handover_packets",
+                "Packets of connections to this node's pods that kxp translated and handed to \
+                 the kernel, which carries them through the CNI's filtering \
+                 (kxp.networkPolicy: kernel)",
+                m.policy_handover.clone(),
             );
             kxp.register(
                 "snapshot_generation",
@@ -668,6 +679,7 @@ impl Metrics {
             c.pass_checksums_completed,
             &self.pass_checksums_completed,
         );
+        t.advance("policy_handover", c.policy_handover, &self.policy_handover);
         for (key, total) in [("untagged", c.vlan_untagged), ("tagged", c.vlan_tagged)] {
             t.advance(
                 &format!("vlan/{key}"),
@@ -1087,6 +1099,7 @@ mod tests {
             pass_checksums_completed: 0,
             vlan_untagged: 3,
             vlan_tagged: 2,
+            policy_handover: 0,
             generation: 4,
             snapshot_age_secs: 1.5,
             busy_ratio: vec![0.25, 0.5],

@@ -170,10 +170,21 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
             &settings.node_name,
             service_proxy_name,
             settings.network_policy,
+            cfg.as_ref()
+                .is_some_and(KubeProxyConfiguration::kernel_policy),
             &stop,
         )?,
     };
-    if settings.network_policy {
+    if cfg
+        .as_ref()
+        .is_some_and(KubeProxyConfiguration::kernel_policy)
+    {
+        tracing::info!(
+            "NetworkPolicy enforced on the connections kxp translates (NetworkPolicies, Pods \
+             and Namespaces watched), and the CNI's own policy too: translated packets for \
+             this node's pods go through the kernel (kxp.networkPolicy: kernel)"
+        );
+    } else if settings.network_policy {
         tracing::info!(
             "NetworkPolicy enforced on the connections kxp translates (NetworkPolicies, Pods \
              and Namespaces watched)"
@@ -586,6 +597,7 @@ fn update_metrics(m: &crate::metrics::Metrics, dp: &Dataplane, last_sync: Instan
         pass_checksums_completed: t.pass_checksums_completed,
         vlan_untagged: t.vlan_untagged,
         vlan_tagged: t.vlan_tagged,
+        policy_handover: t.policy_handover,
         generation: t.generation,
         snapshot_age_secs: last_sync.elapsed().as_secs_f64(),
         busy_ratio: t.busy_ratio,
@@ -618,6 +630,7 @@ impl Input {
     }
 
     /// Connects to the API server and waits (while not stopped) for the first lists.
+    #[allow(clippy::too_many_arguments)]
     fn kube(
         kubeconfig: Option<&Path>,
         master: Option<&str>,
@@ -625,6 +638,7 @@ impl Input {
         node_name: &str,
         service_proxy_name: Option<String>,
         network_policy: bool,
+        kernel_policy: bool,
         stop: &AtomicBool,
     ) -> anyhow::Result<Input> {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -637,12 +651,19 @@ impl Input {
         // Policy objects kxp does not enforce: the CNI enforces them in the kernel, which
         // never sees the connections kxp translates.
         let foreign = rt.block_on(crate::kube_source::foreign_policy_groups(&client));
-        if !foreign.is_empty() {
+        if !foreign.is_empty() && kernel_policy {
+            tracing::info!(
+                "the API server serves policy objects of the CNI's: {}; the CNI enforces them \
+                 on the connections kxp translates to this node's pods, handed to the kernel \
+                 (kxp.networkPolicy: kernel; README, \"NetworkPolicy\")",
+                foreign.join(", ")
+            );
+        } else if !foreign.is_empty() {
             tracing::warn!(
                 "the API server serves policy objects kxp does not enforce on the connections \
                  it translates: {}; kxp enforces Kubernetes NetworkPolicy only, and the CNI, \
-                 which enforces these in the kernel, does not see those connections (README, \
-                 \"NetworkPolicy\")",
+                 which enforces these in the kernel, does not see those connections: set \
+                 kxp.networkPolicy: kernel to hand them to it (README, \"NetworkPolicy\")",
                 foreign.join(", ")
             );
         }
@@ -808,6 +829,7 @@ fn dataplane_config(
     if let Some(d) = kxp.service_device.clone() {
         dp_cfg.service_device = d;
     }
+    dp_cfg.kernel_policy = cfg.kernel_policy();
     let cpus = opts.cpus.clone().or_else(|| {
         kxp.cpus
             .as_ref()

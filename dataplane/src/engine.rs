@@ -109,6 +109,10 @@ pub enum Verdict {
         /// that came tagged leaves with its tag, unless its route names a VLAN device
         /// (which tags it itself).
         vlan: u16,
+        /// Whether the worker hands it to the kernel, so that the CNI's filtering
+        /// towards the pod applies (`kxp.networkPolicy: kernel`: a packet of the original
+        /// direction of a flow to an endpoint on this node).
+        handover: Handover,
     },
     /// REJECT: an answer (TCP RST / ICMP port unreachable) was written to `out[..len]`;
     /// send it back towards `dst` (the client). The packet itself is dropped.
@@ -279,20 +283,52 @@ pub struct Engine {
     /// worker before each packet: a flow opened by a tagged packet keeps it, and the
     /// packets that go back to its client leave with it ([`Verdict::Forward`]'s `vlan`).
     pub ingress_vlan: u16,
+    /// `kxp.networkPolicy: kernel`: connections to this node's pods (but the node's own)
+    /// are translated here (DNAT) and carried by the kernel (their masquerade too), so
+    /// that the CNI's policy applies to them ([`Handover`]).
+    pub kernel_policy: bool,
+}
+
+/// Whether the packets of a flow's original direction go to the kernel, for the CNI's
+/// policy (`kxp.networkPolicy: kernel`, a connection to a pod of this node; see
+/// [`crate::servicedev::KernelPolicy`]), and whether the kernel masquerades them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handover {
+    No,
+    Plain,
+    Masquerade,
 }
 
 /// A flow's conntrack tag: the Service port's index (informational) in its low
-/// [`TAG_PORT_BITS`] bits, the client side's VLAN id above. The tag is journaled with
-/// the flow, so the VLAN a client came from survives a restart.
-const TAG_PORT_BITS: u32 = 20;
+/// [`TAG_PORT_BITS`] bits, then its [`Handover`] (two bits), then the client side's VLAN
+/// id. The tag is journaled with the flow, so all survive a restart.
+const TAG_PORT_BITS: u32 = 18;
+const TAG_HANDOVER: u32 = 1 << TAG_PORT_BITS;
+const TAG_HANDOVER_MASQ: u32 = 2 << TAG_PORT_BITS;
+const TAG_VLAN_SHIFT: u32 = TAG_PORT_BITS + 2;
 
-fn flow_tag(port_index: u32, vlan: u16) -> u32 {
-    (port_index & ((1 << TAG_PORT_BITS) - 1)) | (u32::from(vlan & 0xfff) << TAG_PORT_BITS)
+fn flow_tag(port_index: u32, handover: Handover, vlan: u16) -> u32 {
+    (port_index & (TAG_HANDOVER - 1))
+        | match handover {
+            Handover::No => 0,
+            Handover::Plain => TAG_HANDOVER,
+            Handover::Masquerade => TAG_HANDOVER | TAG_HANDOVER_MASQ,
+        }
+        | (u32::from(vlan & 0xfff) << TAG_VLAN_SHIFT)
+}
+
+/// The [`Handover`] of the flow with conntrack tag `tag`.
+pub fn tag_handover(tag: u32) -> Handover {
+    match (tag & TAG_HANDOVER != 0, tag & TAG_HANDOVER_MASQ != 0) {
+        (false, _) => Handover::No,
+        (true, false) => Handover::Plain,
+        (true, true) => Handover::Masquerade,
+    }
 }
 
 /// The client side's VLAN id of a flow with conntrack tag `tag` (0: untagged).
 pub fn tag_vlan(tag: u32) -> u16 {
-    (tag >> TAG_PORT_BITS) as u16 & 0xfff
+    (tag >> TAG_VLAN_SHIFT) as u16 & 0xfff
 }
 
 const SEC: u64 = 1_000_000_000;
@@ -317,6 +353,7 @@ impl Engine {
             rng: seed | 1,
             host_interface: None,
             ingress_vlan: 0,
+            kernel_policy: false,
         }
     }
 
@@ -405,11 +442,12 @@ impl Engine {
                         return Verdict::Drop(DropCause::InvalidState);
                     }
                     let to = hit.rewrite_to();
-                    let vlan = match hit.dir {
-                        Direction::Reply => tag_vlan(hit.entry.tag()),
-                        Direction::Original => 0,
+                    let tag = hit.entry.tag();
+                    let (vlan, handover) = match hit.dir {
+                        Direction::Reply => (tag_vlan(tag), Handover::No),
+                        Direction::Original => (0, tag_handover(tag)),
                     };
-                    return forward(pkt, &f, &to, false, vlan);
+                    return forward(pkt, &f, &to, false, vlan, handover);
                 }
                 self.new_flow(snap, pkt, &f, prepared, now, in_interface, masq, out)
             }
@@ -575,7 +613,14 @@ impl Engine {
         {
             return Verdict::Drop(DropCause::NetworkPolicy);
         }
-        let reply_dst = if from_host || choice.masquerade_for(t.src, ep) {
+        let masquerade = choice.masquerade_for(t.src, ep);
+        // Carried by the kernel: its own masquerade, after the CNI's filtering.
+        let handover = match (self.kernel_policy && ep.is_local && !from_host, masquerade) {
+            (false, _) => Handover::No,
+            (true, false) => Handover::Plain,
+            (true, true) => Handover::Masquerade,
+        };
+        let reply_dst = if from_host || (masquerade && handover == Handover::No) {
             // The node's own connection keeps the address the node chose for it (its own);
             // only its port comes from the SNAT range.
             let source = if from_host {
@@ -601,7 +646,7 @@ impl Engine {
         let inserted = self.table.insert_first(
             *t,
             reply,
-            flow_tag(choice.port_index, self.ingress_vlan),
+            flow_tag(choice.port_index, handover, self.ingress_vlan),
             f.tcp_flags(),
             now,
             len,
@@ -613,7 +658,7 @@ impl Engine {
             Err(InsertError::Clash { .. }) => return Verdict::Drop(DropCause::Clash),
             Err(_) => return Verdict::Drop(DropCause::NotNew),
         }
-        forward(pkt, f, &reply.reversed(), true, 0)
+        forward(pkt, f, &reply.reversed(), true, 0, handover)
     }
 
     /// For a packet of a received batch that likely opens a connection (the worker's
@@ -715,10 +760,15 @@ impl Engine {
             new_flow: false,
             dst: outer_dst,
             from: None,
-            // Towards the client: with its VLAN's tag.
+            // Towards the client: with its VLAN's tag; towards the endpoint: as its
+            // flow's packets go.
             vlan: match dir {
                 Direction::Reply => tag_vlan(tag),
                 Direction::Original => 0,
+            },
+            handover: match dir {
+                Direction::Original => tag_handover(tag),
+                Direction::Reply => Handover::No,
             },
         }
     }
@@ -773,6 +823,7 @@ fn forward(
     to: &Tuple,
     new_flow: bool,
     vlan: u16,
+    handover: Handover,
 ) -> Verdict {
     if let Err(e) = rewrite::rewrite(pkt, f, to) {
         let _ = e;
@@ -784,6 +835,7 @@ fn forward(
             dst: to.dst,
             from: Some(f.tuple()),
             vlan,
+            handover,
         },
         Ok(false) => Verdict::Drop(DropCause::TtlExceeded),
         Err(e) => Verdict::Drop(DropCause::Malformed(ParseError::reason(&e))),

@@ -56,6 +56,11 @@ pub struct DataplaneConfig {
     /// Where connection tracking and affinity are kept for the next process (see
     /// [`crate::statefile`]); `None`: in memory only, lost at exit.
     pub state_dir: Option<std::path::PathBuf>,
+    /// `kxp.networkPolicy: kernel`: translated packets for this node's pods are handed to
+    /// the kernel (through the service device, exempt from its connection tracking by a
+    /// raw-table rule kxp adds), which forwards them to the pod through the node's
+    /// netfilter, so the CNI's own policy applies to them.
+    pub kernel_policy: bool,
 }
 
 impl DataplaneConfig {
@@ -84,6 +89,7 @@ impl Default for DataplaneConfig {
             snat_ports: (61_000, 65_535),
             affinity_capacity: NodeState::AFFINITY_CAPACITY,
             state_dir: None,
+            kernel_policy: false,
         }
     }
 }
@@ -149,6 +155,8 @@ struct WorkerParts {
     queue_budget_us: u32,
     journal: Option<crate::statefile::StateFile>,
     local_delivery: crate::worker::LocalDelivery,
+    /// Hand translated packets for this node's pods to the kernel (`kernel_policy`).
+    handover: bool,
     /// Where the worker's thread id goes once it runs.
     started: std::sync::mpsc::Sender<libc::pid_t>,
 }
@@ -170,6 +178,7 @@ impl WorkerParts {
             queue_budget_us,
             journal,
             local_delivery,
+            handover,
             started,
         } = self;
         let tid = crate::sys::gettid();
@@ -193,6 +202,10 @@ impl WorkerParts {
             w.queue_budget_ns = u64::from(queue_budget_us) * 1000;
             w.journal = journal;
             w.local_delivery = Some(local_delivery);
+            w.handover = handover.then_some(crate::worker::LocalDelivery {
+                src_mac: crate::worker::HANDOVER_MAC,
+                ..local_delivery
+            });
             w.run();
         });
     }
@@ -309,6 +322,8 @@ struct Programming {
     /// Policy rules for the node's own connections to its NodePorts and for masqueraded
     /// answers arriving by interfaces kxp is not attached to.
     nodeport_rules: Option<crate::servicedev::NodePortRules>,
+    /// `kxp.networkPolicy: kernel`'s raw-table rule.
+    kernel_policy: Option<crate::servicedev::KernelPolicy>,
     /// The SNAT port range.
     snat: (u16, u16),
     /// What the XDP maps must hold, counted per Service port (to apply updates by
@@ -579,6 +594,8 @@ pub struct Totals {
     /// Frames untagged (arrived with an 802.1Q tag) and tagged (back to such a client).
     pub vlan_untagged: u64,
     pub vlan_tagged: u64,
+    /// Packets handed to the kernel for the CNI's policy (`kxp.networkPolicy: kernel`).
+    pub policy_handover: u64,
 }
 
 /// A seed for a worker's random endpoint choice from the OS, so that nodes and restarts
@@ -763,6 +780,38 @@ impl Dataplane {
         let routes = crate::servicedev::Routes::new(&service.host, service.host_ifindex)?;
         let nodeport_rules =
             crate::servicedev::NodePortRules::new(&service.host, service.host_ifindex)?;
+        let kernel_policy = if cfg.kernel_policy {
+            // The kernel's masquerade ports: its ephemeral range below kxp's own SNAT
+            // ports (never a NodePort: an answer to one would look like a connection).
+            let lo = cfg.snat_ports.0;
+            let masq = (
+                if lo > 33_792 { 32_768 } else { 1_024 },
+                lo.saturating_sub(1),
+            );
+            let p = crate::servicedev::KernelPolicy::install(
+                &service.host,
+                service.host_ifindex,
+                masq,
+            )?;
+            tracing::info!(
+                table = crate::servicedev::HANDOVER_TABLE,
+                "kxp.networkPolicy: kernel: connections to this node's pods are translated \
+                 by kxp and carried by the kernel through {} (its connection tracking, the \
+                 CNI's filtering in FORWARD, its masquerade into ports {}-{}); their answers \
+                 come back through routing table {}",
+                service.host,
+                masq.0,
+                masq.1,
+                crate::servicedev::HANDOVER_ROUTE_TABLE
+            );
+            Some(p)
+        } else {
+            // A previous kxp's, in that mode.
+            if crate::servicedev::remove_kernel_policy()? {
+                tracing::info!("removed the rules of kxp.networkPolicy: kernel (a previous kxp's)");
+            }
+            None
+        };
 
         let mut tables = ranges
             .into_iter()
@@ -831,6 +880,7 @@ impl Dataplane {
                 node.clone(),
             );
             engine.host_interface = Some(service.dp.clone());
+            engine.kernel_policy = cfg.kernel_policy;
             workers.push(WorkerParts {
                 id,
                 cpu: cfg.cpus.as_ref().map(|c| c[id]),
@@ -856,6 +906,7 @@ impl Dataplane {
                     src_mac: service.dp_mac,
                     dst_mac: service.host_mac,
                 },
+                handover: cfg.kernel_policy,
                 started: started_tx.clone(),
             });
         }
@@ -871,6 +922,7 @@ impl Dataplane {
                 service: Some(service_prog),
                 routes: Some(routes),
                 nodeport_rules: Some(nodeport_rules),
+                kernel_policy,
                 snat: cfg.snat_ports,
                 ..Programming::default()
             }),
@@ -1094,6 +1146,7 @@ impl Dataplane {
             t.pass_checksums_completed += g(&s.pass_checksums_completed);
             t.vlan_untagged += g(&s.vlan_untagged);
             t.vlan_tagged += g(&s.vlan_tagged);
+            t.policy_handover += g(&s.policy_handover);
             *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
             // Dropped after waiting for their next hop's MAC (the queue full, or 1 s
             // passed), and with no route at all: drops like the others.
@@ -1221,6 +1274,9 @@ impl Dataplane {
                 if let Some(mut rules) = prog.nodeport_rules.take() {
                     rules.keep();
                 }
+                if let Some(mut p) = prog.kernel_policy.take() {
+                    p.keep();
+                }
                 prog.routes.take();
             } else {
                 // Programs first: from here on the interfaces' traffic is the kernel's.
@@ -1235,6 +1291,7 @@ impl Dataplane {
                 if let Some(mut rules) = prog.nodeport_rules.take() {
                     rules.clear();
                 }
+                prog.kernel_policy.take();
             }
             for (path, value) in prog.restore.drain(..) {
                 let _ = std::fs::write(&path, value);

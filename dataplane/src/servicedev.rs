@@ -44,6 +44,8 @@ pub enum ServiceDeviceError {
          spaces (kxp.serviceDevice)"
     )]
     BadName { name: String, max: usize },
+    #[error("cannot {op}: {detail}")]
+    Nft { op: &'static str, detail: String },
     #[error("cannot {op} kxp's service device {name}: {source}")]
     Netlink {
         op: &'static str,
@@ -787,4 +789,227 @@ pub fn cleanup_rules() -> Result<usize, ServiceDeviceError> {
         }
         Ok(changed)
     })
+}
+
+/// The nftables table of `kxp.networkPolicy: kernel` ([`KernelPolicy`]).
+pub const HANDOVER_TABLE: &str = "kxp_policy_handover";
+/// The routing table, and the policy rule's priority, that send the answers of handed-over
+/// connections back to kxp.
+pub const HANDOVER_ROUTE_TABLE: u32 = 202;
+const HANDOVER_RULE_PREF: u32 = 2;
+/// Connection mark bits of handed-over connections (masqueraded by the kernel, or not),
+/// and the packet mark bit their answers get (looked up in [`HANDOVER_ROUTE_TABLE`]). Bits
+/// neither kube-proxy (0x4000, 0x8000), Calico (0xffff0000) nor Cilium (0x0f00) use.
+const CT_HANDOVER: u32 = 0x1000;
+const CT_HANDOVER_MASQ: u32 = 0x2000;
+const MARK_ANSWER: u32 = 0x1000;
+
+/// `kxp.networkPolicy: kernel`: what makes the kernel carry the connections kxp
+/// translates to this node's pods, so that the CNI's own policy (any kind of object)
+/// applies to them as it does under kube-proxy. Removed on drop, unless kept for the next
+/// kxp.
+///
+/// kxp translates the destination of such a connection (DNAT) and hands its packets to
+/// the kernel through the service device, from [`crate::worker::HANDOVER_MAC`] (or
+/// [`crate::worker::HANDOVER_MASQ_MAC`] when kube-proxy would masquerade it). The kernel
+/// sees what it sees under kube-proxy after PREROUTING's DNAT: it tracks the connection,
+/// forwards its packets to the pod through FORWARD, where the CNI filters them, and
+/// masquerades them in POSTROUTING when asked (nftables rules in [`HANDOVER_TABLE`], which
+/// mark these connections). The pod's answers reach the kernel (the steering program
+/// leaves the flows the kernel tracks to it), which un-masquerades them and, by their
+/// connection's mark, routes them into the service device (a policy rule at priority
+/// [`HANDOVER_RULE_PREF`] to [`HANDOVER_ROUTE_TABLE`]), where kxp gives them the Service's
+/// address back. The kernel sees both directions: its connection tracking and the CNI's
+/// stateful rules (`ct state established`, `invalid drop`) hold.
+#[derive(Debug)]
+pub struct KernelPolicy {
+    rt: tokio::runtime::Runtime,
+    handle: Handle,
+    dev: String,
+    ifindex: u32,
+    keep: bool,
+}
+
+fn nft(script: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run nft (nftables): {e}"))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .map_err(|e| format!("nft: {e}"))?;
+    }
+    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The policy rule `pref 2: fwmark 0x1000/0x1000 lookup 202`.
+fn answer_rule(family: AddressFamilyKind) -> rtnetlink::packet_route::rule::RuleMessage {
+    use rtnetlink::packet_route::rule::RuleAttribute;
+    let mut m = rule_message(family, HANDOVER_RULE_PREF, HANDOVER_ROUTE_TABLE, None);
+    m.attributes.push(RuleAttribute::FwMark(MARK_ANSWER));
+    m.attributes.push(RuleAttribute::FwMask(MARK_ANSWER));
+    m
+}
+
+impl KernelPolicy {
+    /// Installs (or replaces) the rules and routes for kxp's service device `dev`
+    /// (the host side, index `ifindex`); the kernel masquerades into the source ports
+    /// `masq_ports` (kept apart from kxp's own SNAT range).
+    ///
+    /// # Errors
+    /// [`ServiceDeviceError::Nft`] when `nft` is missing or refuses the rules,
+    /// [`ServiceDeviceError::Netlink`] for the routes and policy rules.
+    pub fn install(
+        dev: &str,
+        ifindex: u32,
+        masq_ports: (u16, u16),
+    ) -> Result<KernelPolicy, ServiceDeviceError> {
+        use crate::worker::{HANDOVER_MAC, HANDOVER_MASQ_MAC};
+        let (plain, masq) = (mac_text(HANDOVER_MAC), mac_text(HANDOVER_MASQ_MAC));
+        let (lo, hi) = masq_ports;
+        let script = format!(
+            "add table inet {HANDOVER_TABLE}\n\
+             delete table inet {HANDOVER_TABLE}\n\
+             table inet {HANDOVER_TABLE} {{\n\
+             \x20 chain prerouting {{\n\
+             \x20   type filter hook prerouting priority mangle; policy accept;\n\
+             \x20   iifname \"{dev}\" ether saddr {plain} ct mark set ct mark | {CT_HANDOVER:#x}\n\
+             \x20   iifname \"{dev}\" ether saddr {masq} ct mark set ct mark | {both:#x}\n\
+             \x20   ct direction reply ct mark & {CT_HANDOVER:#x} == {CT_HANDOVER:#x} meta mark set meta mark | {MARK_ANSWER:#x}\n\
+             \x20 }}\n\
+             \x20 chain postrouting {{\n\
+             \x20   type nat hook postrouting priority srcnat; policy accept;\n\
+             \x20   ct direction original ct mark & {CT_HANDOVER_MASQ:#x} == {CT_HANDOVER_MASQ:#x} meta l4proto {{ tcp, udp, sctp }} masquerade to :{lo}-{hi} fully-random\n\
+             \x20   ct direction original ct mark & {CT_HANDOVER_MASQ:#x} == {CT_HANDOVER_MASQ:#x} masquerade\n\
+             \x20 }}\n\
+             }}\n",
+            both = CT_HANDOVER | CT_HANDOVER_MASQ,
+        );
+        nft(&script).map_err(|detail| ServiceDeviceError::Nft {
+            op: "add the nftables rules of kxp.networkPolicy: kernel",
+            detail,
+        })?;
+        let (rt, handle) = session(dev)?;
+        let p = KernelPolicy {
+            rt,
+            handle,
+            dev: dev.to_string(),
+            ifindex,
+            keep: false,
+        };
+        let err = |op, e: rtnetlink::Error| ServiceDeviceError::Netlink {
+            op,
+            name: dev.to_string(),
+            source: io::Error::other(e.to_string()),
+        };
+        // The route first, so that the rule never points at an empty table.
+        for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
+            p.rt.block_on(
+                p.handle
+                    .route()
+                    .add(p.default_route(fam))
+                    .replace()
+                    .execute(),
+            )
+            .map_err(|e| err("route the answers of handed-over connections through", e))?;
+            let mut req = p.handle.rule().add();
+            *req.message_mut() = answer_rule(fam);
+            match p.rt.block_on(req.execute()) {
+                Ok(()) => {}
+                Err(e) if e.to_string().contains("File exists") => {}
+                Err(e) => return Err(err("add the policy rule of handed-over answers for", e)),
+            }
+        }
+        Ok(p)
+    }
+
+    fn default_route(
+        &self,
+        fam: AddressFamilyKind,
+    ) -> rtnetlink::packet_route::route::RouteMessage {
+        let any: IpAddr = match fam {
+            AddressFamilyKind::V4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
+            AddressFamilyKind::V6 => std::net::Ipv6Addr::UNSPECIFIED.into(),
+        };
+        RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(any, 0)
+            .unwrap_or_else(|_| RouteMessageBuilder::<IpAddr>::new())
+            .output_interface(self.ifindex)
+            .table_id(HANDOVER_ROUTE_TABLE)
+            .protocol(RouteProtocol::Other(ROUTE_PROTO))
+            .scope(RouteScope::Link)
+            .build()
+    }
+
+    /// Leaves everything in place on drop (the next kxp replaces it).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+}
+
+impl Drop for KernelPolicy {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
+            let _ = self
+                .rt
+                .block_on(self.handle.rule().del(answer_rule(fam)).execute());
+            let _ = self
+                .rt
+                .block_on(self.handle.route().del(self.default_route(fam)).execute());
+        }
+        if let Err(e) = remove_kernel_policy() {
+            tracing::warn!(device = %self.dev, "{e}");
+        }
+    }
+}
+
+/// Removes what [`KernelPolicy`] installs, if it is there (the nftables table and the
+/// policy rules; the routes go with the service device); `true` if anything was.
+///
+/// # Errors
+/// [`ServiceDeviceError::Nft`] when `nft` refuses.
+pub fn remove_kernel_policy() -> Result<bool, ServiceDeviceError> {
+    let mut removed = false;
+    if let Ok((rt, handle)) = session("kxp0") {
+        for fam in [AddressFamilyKind::V4, AddressFamilyKind::V6] {
+            removed |= rt
+                .block_on(handle.rule().del(answer_rule(fam)).execute())
+                .is_ok();
+        }
+    }
+    let listed = std::process::Command::new("nft")
+        .args(["list", "table", "inet", HANDOVER_TABLE])
+        .output();
+    match listed {
+        Ok(out) if out.status.success() => {}
+        // No nft, or no such table: nothing of kxp's there.
+        _ => return Ok(removed),
+    }
+    nft(&format!("delete table inet {HANDOVER_TABLE}\n")).map_err(|detail| {
+        ServiceDeviceError::Nft {
+            op: "remove the nftables rules of kxp.networkPolicy: kernel",
+            detail,
+        }
+    })?;
+    Ok(true)
 }

@@ -23,7 +23,7 @@ use nat::rewrite::{self, Parsed};
 use nat::snapshot::Snapshot;
 use nat::tuple::Tuple;
 
-use crate::engine::{DropCause, Engine, MasqueradeSource, Prepared, Verdict};
+use crate::engine::{DropCause, Engine, Handover, MasqueradeSource, Prepared, Verdict};
 use crate::fib::{FibView, Route};
 use crate::xsk::{Frame, WorkerIo};
 
@@ -208,6 +208,8 @@ pub struct WorkerStats {
     pub to_kernel: AtomicU64,
     /// Packets forwarded untranslated (passed) whose partial checksum kxp completed.
     pub pass_checksums_completed: AtomicU64,
+    /// Packets handed to the kernel for the CNI's policy (`kxp.networkPolicy: kernel`).
+    pub policy_handover: AtomicU64,
     /// Frames whose 802.1Q tag kxp took off (they came tagged on a trunk) and frames it
     /// tagged (going back to a client that came tagged).
     pub vlan_untagged: AtomicU64,
@@ -408,6 +410,10 @@ pub struct Worker<'id> {
     ports_changed: bool,
     /// How to hand a packet to the node's own stack (kxp's service device).
     pub local_delivery: Option<LocalDelivery>,
+    /// `kxp.networkPolicy: kernel`: translated packets for this node's pods go to the
+    /// kernel this way (the service device, from [`HANDOVER_MAC`]), which forwards them
+    /// to the pod through the node's netfilter, where the CNI filters them.
+    pub handover: Option<LocalDelivery>,
     /// Packets waiting for their next hop's MAC (destination, since when).
     waiting: std::collections::VecDeque<(Frame<'id>, IpAddr, u16, u64)>,
     /// The loop's clock, for `waiting`.
@@ -431,6 +437,18 @@ pub struct Worker<'id> {
 /// The dataplane side of kxp's service device: a packet for a node address (the answer
 /// to one of the node's own connections, or a connection to a hostNetwork endpoint) is
 /// sent there, to the host side's MAC, and the node receives it on the host side.
+/// The source MAC of the packets a worker hands to the kernel for the CNI's policy
+/// (`kxp.networkPolicy: kernel`): the kernel's rules ([`crate::servicedev::KernelPolicy`])
+/// know them by it, and masquerade those from [`HANDOVER_MASQ_MAC`].
+pub const HANDOVER_MAC: [u8; 6] = [0x02, 0x6b, 0x78, 0x70, 0x00, 0x01];
+/// See [`HANDOVER_MAC`].
+pub const HANDOVER_MASQ_MAC: [u8; 6] = [0x02, 0x6b, 0x78, 0x70, 0x00, 0x02];
+
+/// A fragment table tag's bits: the datagram goes to the kernel for the CNI's policy,
+/// and is masqueraded there (below them, the VLAN id).
+const FRAG_HANDOVER: u16 = 0x8000;
+const FRAG_HANDOVER_MASQ: u16 = 0x4000;
+
 #[derive(Debug, Clone, Copy)]
 pub struct LocalDelivery {
     pub ifindex: u32,
@@ -456,6 +474,7 @@ struct Local {
     pass_checksums_completed: u64,
     vlan_untagged: u64,
     vlan_tagged: u64,
+    policy_handover: u64,
     stalls: Stalls,
 }
 
@@ -540,6 +559,7 @@ impl<'id> Worker<'id> {
             names_fib_generation: 0,
             ports_changed: false,
             local_delivery: None,
+            handover: None,
             waiting: std::collections::VecDeque::new(),
             now: 0,
             busy_poll: false,
@@ -833,6 +853,7 @@ impl<'id> Worker<'id> {
             (&s.pass_checksums_completed, l.pass_checksums_completed),
             (&s.vlan_untagged, l.vlan_untagged),
             (&s.vlan_tagged, l.vlan_tagged),
+            (&s.policy_handover, l.policy_handover),
         ] {
             a.store(v, Ordering::Relaxed);
         }
@@ -1177,12 +1198,26 @@ impl<'id> Worker<'id> {
         };
         match verdict {
             Verdict::Forward {
-                dst, from, vlan, ..
+                dst,
+                from,
+                vlan,
+                handover,
+                ..
             } => {
                 if let Some(key) = first_fragment {
-                    self.learn_fragments(&mut f, key, vlan, now);
+                    let tag = vlan
+                        | match handover {
+                            Handover::No => 0,
+                            Handover::Plain => FRAG_HANDOVER,
+                            Handover::Masquerade => FRAG_HANDOVER | FRAG_HANDOVER_MASQ,
+                        };
+                    self.learn_fragments(&mut f, key, tag, now);
                 }
-                self.route_out_checked(f, dst, from, vlan, answer)
+                if handover == Handover::No {
+                    self.route_out_checked(f, dst, from, vlan, answer)
+                } else {
+                    self.hand_over(f, handover == Handover::Masquerade);
+                }
             }
             Verdict::Pass => {
                 // Redirected by the XDP program but not part of a translated flow (an
@@ -1303,7 +1338,11 @@ impl<'id> Worker<'id> {
         // Forwarded as its first fragment was: counted the same way.
         c.forwarded += 1;
         c.forwarded_bytes += len;
-        self.route_out(f, dst, vlan);
+        if vlan & FRAG_HANDOVER != 0 {
+            self.hand_over(f, vlan & FRAG_HANDOVER_MASQ != 0);
+        } else {
+            self.route_out(f, dst, vlan & 0xfff);
+        }
     }
 
     /// After the first fragment of `key` was translated (in `f`, leaving with `vlan`):
@@ -1519,6 +1558,26 @@ impl<'id> Worker<'id> {
             f
         };
         self.transmit(f, nh.ifindex);
+    }
+
+    /// Hands a translated packet for a pod of this node to the kernel
+    /// (`kxp.networkPolicy: kernel`), to be masqueraded there or not: it forwards it to
+    /// the pod, through the CNI's filtering, and fragments it or answers "too big"
+    /// itself.
+    fn hand_over(&mut self, mut f: Frame<'id>, masquerade: bool) {
+        let Some(d) = self.handover else {
+            self.io.recycle(f);
+            return;
+        };
+        let frame = self.io.bytes(&mut f);
+        frame[..6].copy_from_slice(&d.dst_mac);
+        frame[6..12].copy_from_slice(if masquerade {
+            &HANDOVER_MASQ_MAC
+        } else {
+            &HANDOVER_MAC
+        });
+        self.local.policy_handover += 1;
+        self.transmit(f, d.ifindex);
     }
 
     /// `f` with an 802.1Q tag with VLAN id `vlan` after its MAC addresses. `None` (the

@@ -5485,3 +5485,131 @@ fn tagged_frames_on_a_trunk_go_through_a_cluster_ip_and_come_back_with_their_tag
     );
     println!("tagged answers: {udp} UDP, {syn_ack} SYN-ACK");
 }
+
+/// A CNI that filters in netfilter's FORWARD path (Calico's iptables dataplane,
+/// kube-router, Canal), stood in for by one nftables rule, for a policy kxp cannot read:
+/// the client (198.18.1.2) may not reach web-2 (behind `n-web2`). The node keeps
+/// `ct state invalid drop`, as CNIs do.
+const CNI_DENIES_CLIENT_TO_WEB2: &str = "nft -f - <<'E'
+table inet cni {
+  chain forward {
+    type filter hook forward priority filter; policy accept;
+    ip saddr 198.18.1.2 oifname \"n-web2\" drop
+  }
+}
+E";
+
+/// `kxp.networkPolicy: kernel`. Enforcing Kubernetes NetworkPolicy alone, kxp carries the
+/// client to web-2: its packets never meet the rule. With `kernel`, the connections to the
+/// node's pods are carried by the kernel as under kube-proxy (kxp translates, the kernel
+/// tracks, filters and masquerades): none reaches web-2, through the ClusterIP
+/// (masqueraded: the client is outside the cluster CIDR) or a NodePort, TCP or UDP, while
+/// web-1 (on the node) and web-3 (on node-b, not the kernel's to carry) answer;
+/// and established connections echo every message through `ct state invalid drop`.
+#[test]
+fn network_policy_kernel_carries_connections_to_the_nodes_pods_through_the_cnis_filtering() {
+    let lab = Lab::new(Opts {
+        prefix: "kxe61",
+        node_setup: &[CNI_DENIES_CLIENT_TO_WEB2],
+        ..Default::default()
+    });
+    let (got, _) = tally(&lab, &lab.client.clone(), vip(80), false, 30);
+    assert!(
+        got.contains_key("web-2"),
+        "enforce: the CNI's rule never sees kxp's packets: {got:?}"
+    );
+    drop(lab);
+
+    let lab = Lab::new(Opts {
+        prefix: "kxe62",
+        node_setup: &[CNI_DENIES_CLIENT_TO_WEB2],
+        config_extra: "kxp:\n  networkPolicy: kernel\n",
+        ..Default::default()
+    });
+    let client = lab.client.clone();
+    let node_port = |p: u16| SocketAddr::new("198.18.1.1".parse().unwrap(), p);
+    for (what, addr, udp) in [
+        ("ClusterIP TCP", vip(80), false),
+        ("ClusterIP UDP", vip(9), true),
+        ("NodePort TCP", node_port(30080), false),
+        ("NodePort UDP", node_port(30009), true),
+    ] {
+        let (got, none) = tally(&lab, &client, addr, udp, 30);
+        assert!(
+            !got.contains_key("web-2")
+                && got.contains_key("web-1")
+                && got.contains_key("web-3")
+                && none > 0,
+            "{what}: {got:?}, {none} unanswered\n{}",
+            lab.log()
+        );
+    }
+    // web-1 sees the node's address: the kernel masqueraded the client (outside the
+    // cluster CIDR) after the CNI's filtering, as under kube-proxy.
+    let seen = lab.in_client(|| {
+        (0..20)
+            .filter_map(|_| http_get(vip(80), Duration::from_millis(600)).ok())
+            .filter_map(|b| {
+                let mut w = b.split_whitespace();
+                Some((w.next()?.to_string(), w.next()?.to_string()))
+            })
+            .collect::<Vec<_>>()
+    });
+    let web1: Vec<&String> = seen
+        .iter()
+        .filter(|(n, _)| n == "web-1")
+        .map(|(_, p)| p)
+        .collect();
+    assert!(
+        !web1.is_empty() && web1.iter().all(|p| masqueraded(p)),
+        "{seen:?}"
+    );
+    // Connections that reached web-1 or web-3 echo every message.
+    let (ok, lost, conns) = lab.in_client(|| {
+        let mut streams = Vec::new();
+        for _ in 0..40 {
+            if streams.len() == 4 {
+                break;
+            }
+            if let Ok(s) = TcpStream::connect_timeout(&vip(7), Duration::from_millis(600)) {
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                streams.push(s);
+            }
+        }
+        let (mut ok, mut lost) = (0usize, 0usize);
+        for n in 0..50 {
+            for s in &mut streams {
+                let msg = format!("m{n};");
+                let mut buf = vec![0u8; "web-1:".len() + msg.len()];
+                if s.write_all(msg.as_bytes()).is_ok()
+                    && s.read_exact(&mut buf).is_ok()
+                    && buf.ends_with(msg.as_bytes())
+                {
+                    ok += 1;
+                } else {
+                    lost += 1;
+                }
+            }
+        }
+        (ok, lost, streams.len())
+    });
+    assert!(
+        conns == 4 && lost == 0 && ok == 200,
+        "{conns} connections, {ok} echoed, {lost} lost\n{}",
+        lab.log()
+    );
+    let m = node_http(&lab, 10249, "/metrics");
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("kxp_policy_handover_packets_total ") && !l.ends_with(" 0")),
+        "{m}"
+    );
+    let node = lab.node.clone();
+    let listed = |what: &[&str]| {
+        let out = dataplane::lab::in_ns(&node, what).unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(listed(&["nft", "list", "tables"]).contains("kxp_policy_handover"));
+    assert!(listed(&["ip", "rule"]).contains("lookup 202"));
+    drop(lab);
+}

@@ -763,3 +763,54 @@ fn a_tagged_clients_flow_sends_its_answers_back_on_its_vlan() {
     let mut a = build_tuple(&tuple_of(&q).reversed(), b"answer");
     assert_eq!(vlan_of(&r.send(&mut a)), 0);
 }
+
+/// `kxp.networkPolicy: kernel`: a connection to a pod of this node is translated (DNAT
+/// only) and handed over, with the masquerade left to the kernel when kube-proxy would
+/// masquerade it; its answers (which the kernel un-masquerades) come back to the client's
+/// own address; the node's own connections are not handed over.
+#[test]
+fn with_kernel_policy_connections_to_local_pods_are_handed_to_the_kernel() {
+    let mut r = Run::new(snapshot(&["198.18.128.11"], ""));
+    r.e.kernel_policy = true;
+    let verdict = |v: &Verdict| match v {
+        Verdict::Forward { handover, .. } => *handover,
+        other => panic!("{other:?}"),
+    };
+    // From outside the cluster CIDR: kube-proxy masquerades; the kernel will.
+    let client = sa("198.18.1.1:5000");
+    let orig = Tuple::new(client, sa("198.19.0.10:53"), Protocol::Udp);
+    let mut q = build_tuple(&orig, b"query");
+    assert_eq!(verdict(&r.send(&mut q)), Handover::Masquerade);
+    let fwd = tuple_of(&q);
+    assert_eq!(
+        fwd,
+        Tuple::new(client, sa("198.18.128.11:5353"), Protocol::Udp)
+    );
+    let mut q2 = build_tuple(&orig, b"again");
+    assert_eq!(verdict(&r.send(&mut q2)), Handover::Masquerade);
+    let mut a = build_tuple(&fwd.reversed(), b"answer");
+    assert_eq!(verdict(&r.send(&mut a)), Handover::No);
+    assert_eq!(tuple_of(&a), orig.reversed());
+    // From a pod: DNAT only, handed over as it is.
+    let pod = Tuple::new(
+        sa("198.18.128.50:6000"),
+        sa("198.19.0.10:53"),
+        Protocol::Udp,
+    );
+    let mut q = build_tuple(&pod, b"query");
+    assert_eq!(verdict(&r.send(&mut q)), Handover::Plain);
+    // The node's own connection (through the service device) keeps kxp's SNAT port.
+    r.e.host_interface = Some("kxp0-dp".into());
+    let own = Tuple::new(sa("198.18.0.254:7000"), sa("198.19.0.10:53"), Protocol::Udp);
+    let mut q = build_tuple(&own, b"query");
+    let mut out = vec![0u8; 1500];
+    let v =
+        r.e.process(&r.snap, &mut q, r.now, Some("kxp0-dp"), &MASQ, &mut out);
+    assert_eq!(verdict(&v), Handover::No);
+    // Without the mode, nothing is.
+    r.e.kernel_policy = false;
+    let other = Tuple::new(sa("198.18.1.9:5000"), sa("198.19.0.10:53"), Protocol::Udp);
+    let mut q = build_tuple(&other, b"query");
+    assert_eq!(verdict(&r.send(&mut q)), Handover::No);
+    assert_eq!(tuple_of(&q).src, "198.18.0.254".parse::<IpAddr>().unwrap());
+}
