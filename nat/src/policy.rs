@@ -546,6 +546,9 @@ pub struct PolicyView {
     pods: HashMap<IpAddr, Arc<PodEntry>>,
     /// (namespace, name) → the pod's IPs in `pods`, to take them out when it changes.
     by_key: HashMap<(String, String), Vec<IpAddr>>,
+    /// namespace → its pods' names in `by_key` (what a change of the namespace's labels
+    /// or policies revisits).
+    by_ns: HashMap<String, std::collections::BTreeSet<String>>,
     ns_labels: HashMap<String, Arc<Labels>>,
     node: String,
 }
@@ -590,22 +593,13 @@ impl PolicyView {
         if by_namespace.is_empty() {
             return (None, errors);
         }
-        let ns_labels: HashMap<String, Arc<Labels>> = namespaces
-            .into_iter()
-            .filter_map(|n| {
-                let name = n.metadata.name.clone()?;
-                let mut labels: Labels = n.metadata.labels.clone().unwrap_or_default();
-                // Set by the API server on every namespace since 1.22.
-                labels
-                    .entry("kubernetes.io/metadata.name".into())
-                    .or_insert_with(|| name.clone());
-                Some((name, Arc::new(labels)))
-            })
-            .collect();
+        let ns_labels: HashMap<String, Arc<Labels>> =
+            namespaces.into_iter().filter_map(namespace_labels).collect();
         let mut view = PolicyView {
             by_namespace,
             pods: HashMap::new(),
             by_key: HashMap::new(),
+            by_ns: HashMap::new(),
             ns_labels,
             node: node.to_string(),
         };
@@ -619,6 +613,12 @@ impl PolicyView {
     /// set again).
     pub fn remove_pod(&mut self, namespace: &str, name: &str) {
         let key = (namespace.to_string(), name.to_string());
+        if let Some(names) = self.by_ns.get_mut(namespace) {
+            names.remove(name);
+            if names.is_empty() {
+                self.by_ns.remove(namespace);
+            }
+        }
         for ip in self.by_key.remove(&key).unwrap_or_default() {
             // Only if the address is still this pod's (a new pod may have taken it).
             if self
@@ -685,12 +685,7 @@ impl PolicyView {
                 ips: ips.clone(),
                 named_ports,
             },
-            namespace_labels: self.ns_labels.get(&namespace).cloned().unwrap_or_else(|| {
-                Arc::new(Labels::from([(
-                    "kubernetes.io/metadata.name".to_string(),
-                    namespace.clone(),
-                )]))
-            }),
+            namespace_labels: self.labels_of(&namespace),
             on_node: spec.and_then(|s| s.node_name.as_deref()) == Some(self.node.as_str()),
             ingress_by: Vec::new(),
             egress_by: Vec::new(),
@@ -710,7 +705,108 @@ impl PolicyView {
             self.pods.insert(ip, entry.clone());
         }
         if !ips.is_empty() {
+            self.by_ns
+                .entry(namespace.clone())
+                .or_default()
+                .insert(name.clone());
             self.by_key.insert((namespace, name), ips);
+        }
+    }
+
+    /// Whether any policy is held (with none, nothing is isolated).
+    pub fn has_policies(&self) -> bool {
+        !self.by_namespace.is_empty()
+    }
+
+    /// Makes namespace `namespace`'s policies `policies` (all of them; none: it has no
+    /// more) and finds again which of its pods they isolate. The cost of one policy's
+    /// change: its namespace's policies and pods, nothing else (policies select pods of
+    /// their own namespace only; peers are matched when a connection is checked). A
+    /// policy that cannot be read is left out and its error returned.
+    pub fn set_policies<'a>(
+        &mut self,
+        namespace: &str,
+        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+    ) -> Vec<PolicyError> {
+        let mut errors = Vec::new();
+        let mut read = Policies::default();
+        for np in policies {
+            match Policy::read(np) {
+                Ok(p) if p.namespace == namespace => read.policies.push(p),
+                Ok(_) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        if read.policies.is_empty() {
+            self.by_namespace.remove(namespace);
+        } else {
+            self.by_namespace.insert(namespace.to_string(), read);
+        }
+        self.revisit(namespace, |_| {});
+        errors
+    }
+
+    /// Namespace `name`'s labels are `ns`'s (`None`: it is gone); its pods take them.
+    pub fn set_namespace(
+        &mut self,
+        name: &str,
+        ns: Option<&k8s_openapi::api::core::v1::Namespace>,
+    ) {
+        match ns.and_then(namespace_labels) {
+            Some((_, labels)) => self.ns_labels.insert(name.to_string(), labels),
+            None => self.ns_labels.remove(name),
+        };
+        let labels = self.labels_of(name);
+        self.revisit(name, |e| e.namespace_labels = labels.clone());
+    }
+
+    fn labels_of(&self, namespace: &str) -> Arc<Labels> {
+        self.ns_labels.get(namespace).cloned().unwrap_or_else(|| {
+            Arc::new(Labels::from([(
+                "kubernetes.io/metadata.name".to_string(),
+                namespace.to_string(),
+            )]))
+        })
+    }
+
+    /// Every pod of `namespace` changed by `change`, then given the policies of its
+    /// namespace that isolate it again.
+    fn revisit(&mut self, namespace: &str, change: impl Fn(&mut PodEntry)) {
+        let names: Vec<String> = self
+            .by_ns
+            .get(namespace)
+            .map(|n| n.iter().cloned().collect())
+            .unwrap_or_default();
+        for name in names {
+            let key = (namespace.to_string(), name);
+            let Some(ips) = self.by_key.get(&key) else {
+                continue;
+            };
+            // Its addresses that are still its own (a newer pod may have taken one).
+            let own = |e: &&Arc<PodEntry>| e.pod.namespace == key.0 && e.pod.name == key.1;
+            let Some(old) = ips.iter().filter_map(|ip| self.pods.get(ip)).find(own) else {
+                continue;
+            };
+            let mut entry = PodEntry::clone(old);
+            change(&mut entry);
+            entry.ingress_by.clear();
+            entry.egress_by.clear();
+            if let Some(ps) = self.by_namespace.get(namespace) {
+                for (i, pol) in ps.policies.iter().enumerate() {
+                    if pol.selects(&entry.pod, Direction::Ingress) {
+                        entry.ingress_by.push(i as u32);
+                    }
+                    if pol.selects(&entry.pod, Direction::Egress) {
+                        entry.egress_by.push(i as u32);
+                    }
+                }
+            }
+            let entry = Arc::new(entry);
+            for ip in ips {
+                if self.pods.get(ip).is_some_and(|e| own(&e)) {
+                    self.pods.insert(*ip, entry.clone());
+                }
+            }
         }
     }
 
@@ -819,3 +915,14 @@ impl PolicyView {
 #[cfg(test)]
 #[path = "policy_tests.rs"]
 mod tests;
+
+/// A namespace's name and labels, with the label the API server sets on every namespace
+/// since 1.22.
+fn namespace_labels(n: &k8s_openapi::api::core::v1::Namespace) -> Option<(String, Arc<Labels>)> {
+    let name = n.metadata.name.clone()?;
+    let mut labels: Labels = n.metadata.labels.clone().unwrap_or_default();
+    labels
+        .entry("kubernetes.io/metadata.name".into())
+        .or_insert_with(|| name.clone());
+    Some((name, Arc::new(labels)))
+}

@@ -668,3 +668,121 @@ fn pods_that_change_are_followed_one_by_one() {
     t.replace_policy_inputs(vec![b2, c], vec![], vec![np("192.0.2.0/24")]);
     assert!(allowed(&mut t, "10.0.0.2"));
 }
+
+/// A changed Namespace or NetworkPolicy costs its namespace's pods only; after every
+/// change the decisions are those of a view built whole from the same objects (every
+/// pod to every pod, ingress and egress), and with the last policy gone nothing is
+/// isolated.
+#[test]
+fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
+    use crate::k8s::NodeSettings;
+    use crate::tracker::Tracker;
+    use k8s_openapi::api::core::v1::{Namespace, Pod as K8sPod};
+    let pod = |ns: &str, name: &str, app: &str, ip: &str| -> Arc<K8sPod> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: {ns}, labels: {{app: {app}}}}}\n\
+                 spec: {{nodeName: node-a, containers: [{{name: c}}]}}\nstatus: {{podIP: {ip}}}\n"
+            ))
+            .unwrap(),
+        )
+    };
+    let namespace = |name: &str, team: &str| -> Arc<Namespace> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}, labels: {{team: {team}}}}}\n"
+            ))
+            .unwrap(),
+        )
+    };
+    let np = |ns: &str, name: &str, spec: &str| -> Arc<NetworkPolicy> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n{spec}"
+            ))
+            .unwrap(),
+        )
+    };
+    let pods = vec![
+        pod("x", "x-web", "web", "10.0.0.1"),
+        pod("x", "x-db", "db", "10.0.0.2"),
+        pod("y", "y-web", "web", "10.0.1.1"),
+        pod("y", "y-cli", "cli", "10.0.1.2"),
+        pod("z", "z-cli", "cli", "10.0.2.1"),
+    ];
+    let ips: Vec<IpAddr> = ["10.0.0.1", "10.0.0.2", "10.0.1.1", "10.0.1.2", "10.0.2.1", "192.0.2.9"]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    // x's db admits only namespaces of team a; y's pods send only to x.
+    let db_from_team_a = np(
+        "x",
+        "db",
+        "  podSelector: {matchLabels: {app: db}}\n  ingress: [{from: [{namespaceSelector: {matchLabels: {team: a}}}]}]\n",
+    );
+    let y_egress_to_x = np(
+        "y",
+        "out",
+        "  podSelector: {}\n  policyTypes: [Egress]\n  egress: [{to: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: x}}}]}]\n",
+    );
+    let x_web_closed = np("x", "web", "  podSelector: {matchLabels: {app: web}}\n  ingress: []\n");
+    let steps: Vec<(&str, Vec<Arc<Namespace>>, Vec<Arc<NetworkPolicy>>)> = vec![
+        (
+            "first policy",
+            vec![namespace("x", "a"), namespace("y", "a"), namespace("z", "b")],
+            vec![db_from_team_a.clone()],
+        ),
+        (
+            "y leaves team a",
+            vec![namespace("x", "a"), namespace("y", "b"), namespace("z", "b")],
+            vec![db_from_team_a.clone()],
+        ),
+        (
+            "z joins team a, a policy in y",
+            vec![namespace("x", "a"), namespace("y", "b"), namespace("z", "a")],
+            vec![db_from_team_a.clone(), y_egress_to_x.clone()],
+        ),
+        (
+            "another policy in x, y's namespace gone",
+            vec![namespace("x", "a"), namespace("z", "a")],
+            vec![db_from_team_a.clone(), y_egress_to_x.clone(), x_web_closed.clone()],
+        ),
+        (
+            "x's policies gone",
+            vec![namespace("x", "a"), namespace("z", "a")],
+            vec![y_egress_to_x.clone()],
+        ),
+        ("every policy gone", vec![namespace("x", "a")], vec![]),
+        (
+            "a policy again",
+            vec![namespace("x", "a"), namespace("y", "a")],
+            vec![x_web_closed.clone()],
+        ),
+    ];
+    let settings = NodeSettings {
+        node_name: "node-a".into(),
+        network_policy: true,
+        ..Default::default()
+    };
+    let mut t = Tracker::new(settings.clone());
+    let decisions = |snap: &crate::snapshot::Snapshot| -> Vec<bool> {
+        let mut out = Vec::new();
+        for &src in &ips {
+            for &dst in &ips {
+                out.push(snap.policy.as_ref().is_none_or(|v| {
+                    v.allows(src, std::net::SocketAddr::new(dst, 80), Protocol::Tcp, false)
+                }));
+            }
+        }
+        out
+    };
+    for (i, (what, namespaces, policies)) in steps.into_iter().enumerate() {
+        t.replace_policy_inputs(pods.clone(), namespaces.clone(), policies.clone());
+        let step = t.sync(i as u64 + 2).update.snapshot;
+        let mut fresh = Tracker::new(settings.clone());
+        fresh.replace_policy_inputs(pods.clone(), namespaces, policies.clone());
+        let whole = fresh.sync(1).update.snapshot;
+        assert_eq!(decisions(&step), decisions(&whole), "{what}");
+        assert_eq!(step.policy.is_some(), !policies.is_empty(), "{what}");
+    }
+}

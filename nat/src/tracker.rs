@@ -105,13 +105,16 @@ pub struct Tracker {
     changed_slices: BTreeSet<ObjKey>,
     trigger_times: Vec<String>,
     pending_notes: Vec<String>,
-    /// What NetworkPolicy decisions are made of, and the view built from them: rebuilt
-    /// whole when a namespace or policy changed (`policy_dirty`), else brought up to date
-    /// pod by pod (`dirty_pods`).
+    /// What NetworkPolicy decisions are made of, and the view built from them: built
+    /// whole when policies appear or the settings change (`policy_dirty`), else brought
+    /// up to date by what changed: a namespace's policies (`dirty_policy_ns`), a
+    /// namespace's labels (`dirty_namespaces`), a pod (`dirty_pods`).
     pods: HashMap<ObjKey, Arc<k8s_openapi::api::core::v1::Pod>>,
-    namespaces: Vec<Arc<k8s_openapi::api::core::v1::Namespace>>,
-    policies: Vec<Arc<k8s_openapi::api::networking::v1::NetworkPolicy>>,
+    namespaces: HashMap<String, Arc<k8s_openapi::api::core::v1::Namespace>>,
+    policies: HashMap<ObjKey, Arc<k8s_openapi::api::networking::v1::NetworkPolicy>>,
     policy_dirty: bool,
+    dirty_policy_ns: BTreeSet<String>,
+    dirty_namespaces: BTreeSet<String>,
     dirty_pods: BTreeSet<ObjKey>,
     policy: Option<Arc<crate::policy::PolicyView>>,
     /// Snapshots made by copying (the previous one was still in use) and by catching up.
@@ -145,9 +148,11 @@ impl Tracker {
             trigger_times: Vec::new(),
             pending_notes: Vec::new(),
             pods: HashMap::new(),
-            namespaces: Vec::new(),
-            policies: Vec::new(),
+            namespaces: HashMap::new(),
+            policies: HashMap::new(),
             policy_dirty: false,
+            dirty_policy_ns: BTreeSet::new(),
+            dirty_namespaces: BTreeSet::new(),
             dirty_pods: BTreeSet::new(),
             policy: None,
             copies: 0,
@@ -326,29 +331,32 @@ impl Tracker {
     }
 
     /// The Pods, Namespaces and NetworkPolicies NetworkPolicy decisions are made of, all
-    /// of them: a changed namespace or policy rebuilds the decisions whole at the next
-    /// sync, a changed pod only that pod's.
+    /// of them. At the next sync a changed pod costs its own entry, a changed namespace
+    /// or policy its namespace's pods (see [`crate::policy::PolicyView::set_policies`]).
     pub fn replace_policy_inputs(
         &mut self,
         pods: Vec<Arc<k8s_openapi::api::core::v1::Pod>>,
         namespaces: Vec<Arc<k8s_openapi::api::core::v1::Namespace>>,
         policies: Vec<Arc<k8s_openapi::api::networking::v1::NetworkPolicy>>,
     ) {
-        if namespaces.len() != self.namespaces.len()
-            || !namespaces
-                .iter()
-                .zip(&self.namespaces)
-                .all(|(a, b)| same(a, b))
-        {
-            self.namespaces = namespaces;
-            self.policy_dirty = true;
+        let namespaces: HashMap<String, Arc<k8s_openapi::api::core::v1::Namespace>> =
+            namespaces
+                .into_iter()
+                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+                .collect();
+        for (name, _) in changed(&self.namespaces, &namespaces) {
+            self.dirty_namespaces.insert(name.clone());
         }
-        if policies.len() != self.policies.len()
-            || !policies.iter().zip(&self.policies).all(|(a, b)| same(a, b))
-        {
-            self.policies = policies;
-            self.policy_dirty = true;
+        self.namespaces = namespaces;
+        let policies: HashMap<ObjKey, Arc<k8s_openapi::api::networking::v1::NetworkPolicy>> =
+            policies
+                .into_iter()
+                .map(|p| (key_of(&p.metadata), p))
+                .collect();
+        for (key, _) in changed(&self.policies, &policies) {
+            self.dirty_policy_ns.insert(key.0.clone());
         }
+        self.policies = policies;
         let mut next: HashMap<ObjKey, Arc<k8s_openapi::api::core::v1::Pod>> = pods
             .into_iter()
             .map(|p| {
@@ -379,6 +387,8 @@ impl Tracker {
     pub fn has_changes(&self) -> bool {
         self.node_dirty
             || self.policy_dirty
+            || !self.dirty_policy_ns.is_empty()
+            || !self.dirty_namespaces.is_empty()
             || !self.dirty_pods.is_empty()
             || !self.dirty.is_empty()
     }
@@ -410,30 +420,49 @@ impl Tracker {
         }
 
         let dirty_pods = std::mem::take(&mut self.dirty_pods);
-        if std::mem::take(&mut self.policy_dirty) {
-            self.policy = if self.settings.network_policy {
-                let (view, errs) = crate::policy::PolicyView::build(
-                    self.pods.values().map(|p| &**p),
-                    self.namespaces.iter().map(|n| &**n),
-                    self.policies.iter().map(|p| &**p),
-                    &self.settings.node_name,
+        let dirty_namespaces = std::mem::take(&mut self.dirty_namespaces);
+        let dirty_policy_ns = std::mem::take(&mut self.dirty_policy_ns);
+        // Whole: when asked, and when policies appear (none held, nothing isolated).
+        let whole = std::mem::take(&mut self.policy_dirty)
+            || (self.policy.is_none() && !dirty_policy_ns.is_empty());
+        if !self.settings.network_policy {
+            self.policy = None;
+        } else if whole {
+            let (view, errs) = crate::policy::PolicyView::build(
+                self.pods.values().map(|p| &**p),
+                self.namespaces.values().map(|n| &**n),
+                self.policies.values().map(|p| &**p),
+                &self.settings.node_name,
+            );
+            notes.extend(errs.iter().map(|e| format!("{e}: left out")));
+            self.policy = view.map(Arc::new);
+        } else if let Some(view) = &mut self.policy
+            && !(dirty_pods.is_empty() && dirty_namespaces.is_empty() && dirty_policy_ns.is_empty())
+        {
+            // Only what changed (a copy of the view's index when a snapshot still holds
+            // it: pointers, not pods).
+            let view = Arc::make_mut(view);
+            for name in &dirty_namespaces {
+                view.set_namespace(name, self.namespaces.get(name).map(|n| &**n));
+            }
+            for ns in &dirty_policy_ns {
+                let errs = view.set_policies(
+                    ns,
+                    self.policies
+                        .iter()
+                        .filter(|(k, _)| &k.0 == ns)
+                        .map(|(_, p)| &**p),
                 );
                 notes.extend(errs.iter().map(|e| format!("{e}: left out")));
-                view.map(Arc::new)
-            } else {
-                None
-            };
-        } else if let Some(view) = &mut self.policy
-            && !dirty_pods.is_empty()
-        {
-            // Only the pods that changed (a copy of the view's index when a snapshot
-            // still holds it: pointers, not pods).
-            let view = Arc::make_mut(view);
+            }
             for key in &dirty_pods {
                 match self.pods.get(key) {
                     Some(p) => view.set_pod(p),
                     None => view.remove_pod(&key.0, &key.1),
                 }
+            }
+            if !view.has_policies() {
+                self.policy = None;
             }
         }
 
@@ -556,3 +585,20 @@ pub mod testutil;
 #[cfg(test)]
 #[path = "tracker_tests.rs"]
 mod tests;
+
+/// The entries of `old` and `new` that differ (added, removed or changed), keyed by
+/// their key (unchanged: the same `Arc`, or equal).
+fn changed<'a, K: std::hash::Hash + Eq, V: PartialEq>(
+    old: &'a HashMap<K, Arc<V>>,
+    new: &'a HashMap<K, Arc<V>>,
+) -> impl Iterator<Item = (&'a K, ())> + 'a {
+    let gone_or_changed = old
+        .iter()
+        .filter(move |(k, o)| !new.get(*k).is_some_and(|n| same(n, o)))
+        .map(|(k, _)| (k, ()));
+    let added = new
+        .keys()
+        .filter(move |k| !old.contains_key(*k))
+        .map(|k| (k, ()));
+    gone_or_changed.chain(added)
+}

@@ -207,6 +207,9 @@ enum Case {
     /// generator's traffic to the endpoint pods, the others select other pods): the
     /// check every new connection makes.
     KxpPol,
+    /// kxp with `kxp.networkPolicy: kernel`, the endpoints on kxp's node: every packet to
+    /// them goes through the kernel (its conntrack and FORWARD), and their answers too.
+    KxpKernelPol,
     /// Plain forwarding on the generator's link with 8 queues (RPS: CPU1 on every
     /// queue): what 8 queues cost the lab's generator side, whatever the router.
     Plain8q,
@@ -225,7 +228,7 @@ const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     /// Every case, in the order the error message lists them.
-    const ALL: [Case; 18] = [
+    const ALL: [Case; 19] = [
         Case::Plain,
         Case::Nft,
         Case::Ipt,
@@ -244,6 +247,7 @@ impl Case {
         Case::Kxp8qBase,
         Case::Plain8q,
         Case::KxpPol,
+        Case::KxpKernelPol,
     ];
 
     fn parse(s: &str) -> anyhow::Result<Case> {
@@ -275,6 +279,7 @@ impl Case {
             Case::Kxp8q => "kxp-8q",
             Case::Kxp8qBase => "kxp-8q-base",
             Case::KxpPol => "kxp-1kpol",
+            Case::KxpKernelPol => "kxp-kernelpol",
             Case::Plain8q => "plain-8q",
         }
     }
@@ -290,7 +295,8 @@ impl Case {
             | Case::KxpPods
             | Case::Kxp8q
             | Case::Kxp8qBase
-            | Case::KxpPol => Case::Kxp,
+            | Case::KxpPol
+            | Case::KxpKernelPol => Case::Kxp,
             Case::Plain8q => Case::Plain,
             c => c,
         }
@@ -337,6 +343,9 @@ impl Case {
             }
             Case::Kxp8qBase => "kxp-8q with the --kxp-baseline binary (before)",
             Case::KxpPol => "kxp with 1,000 NetworkPolicies (one admits the traffic)",
+            Case::KxpKernelPol => {
+                "kxp with networkPolicy: kernel (the kernel carries the endpoints' traffic)"
+            }
             Case::Plain8q => "plain forwarding, the generator's link with 8 queues (RPS: CPU1)",
         }
     }
@@ -355,6 +364,7 @@ impl Case {
                 | Case::Kxp8q
                 | Case::Kxp8qBase
                 | Case::KxpPol
+                | Case::KxpKernelPol
         )
     }
     /// A case of the --kxp-baseline binary.
@@ -1330,6 +1340,14 @@ impl<'a> Router<'a> {
                 if case == Case::KxpPol {
                     text.push_str(&policy_yaml(1000));
                 }
+                // The endpoints on kxp's node, whose traffic the kernel carries.
+                let kernel_pol = case == Case::KxpKernelPol;
+                if kernel_pol {
+                    text = text.replace(
+                        "  conditions: {ready: true}",
+                        "  nodeName: bench-node\n  conditions: {ready: true}",
+                    );
+                }
                 std::fs::write(&state, text)?;
                 // A table for the flows (one worker) when they outgrow the default.
                 let conntrack = if case.flows() > 200_000 {
@@ -1343,7 +1361,8 @@ impl<'a> Router<'a> {
                 std::fs::write(
                     &config,
                     format!(
-                        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\n{conntrack}"
+                        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\n{conntrack}{}",
+                        if kernel_pol { "kxp:\n  networkPolicy: kernel\n" } else { "" }
                     ),
                 )?;
                 if case == Case::KxpBusyPoll {
@@ -1364,6 +1383,9 @@ impl<'a> Router<'a> {
                 ]);
                 if case == Case::KxpBusyPoll {
                     args.extend(["--busy-poll".into(), busy_poll.to_string()]);
+                }
+                if kernel_pol {
+                    args.extend(["--hostname-override".into(), "bench-node".into()]);
                 }
                 if case == Case::KxpPods {
                     lab.idle_pods(true)?;
@@ -2544,6 +2566,8 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
         (Case::Kxp8q, Case::Kxp8qBase),
         (Case::Kxp, Case::KxpBase),
         (Case::KxpPol, Case::Kxp),
+        (Case::KxpKernelPol, Case::Kxp),
+        (Case::KxpKernelPol, Case::Nft),
     ] {
         if let (Some(x), Some(y)) = (find(a), find(b)) {
             println!(
