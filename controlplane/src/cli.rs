@@ -336,7 +336,8 @@ pub struct TraceArgs {
     /// InterfaceNamePrefix).
     #[arg(long, value_name = "IFNAME")]
     pub in_interface: Option<String>,
-    #[arg(long, value_enum, default_value = "text")]
+    /// Output format (as every subcommand: `-o json`).
+    #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
     pub output: Output,
 }
 

@@ -7,7 +7,8 @@
 //! - EndpointSlices: `!service.kubernetes.io/headless`;
 //! - ServiceCIDRs: all;
 //! - Node: `metadata.name=<node name>`;
-//! - for NetworkPolicy (when enforced): Pods, Namespaces and NetworkPolicies, all.
+//! - for NetworkPolicy (when enforced): Pods (those not finished: a field selector on
+//!   `status.phase`), Namespaces and NetworkPolicies.
 //!
 //! [`KubeSource`] is driven by the caller's tokio runtime: [`KubeSource::start`] must be
 //! called from inside one (it spawns one task per resource), and [`KubeSource::stop`] (or
@@ -29,6 +30,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+
+/// The Pods watched for NetworkPolicy: those not finished.
+pub const POD_FIELDS: &str = "status.phase!=Succeeded,status.phase!=Failed";
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{NetworkPolicy, ServiceCIDR};
 use kube::api::Api;
@@ -536,7 +540,10 @@ impl KubeSource {
                 spawn(
                     &mut tasks,
                     Api::<Pod>::all(client.clone()),
-                    watcher::Config::default(),
+                    // Finished pods hold no address a policy could mean (theirs may be
+                    // another pod's by now): the API server leaves them out, and a pod
+                    // that finishes leaves the watch as deleted.
+                    watcher::Config::default().fields(POD_FIELDS),
                     4,
                     &shared,
                 ),

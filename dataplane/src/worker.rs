@@ -1105,26 +1105,22 @@ impl<'id> Worker<'id> {
             self.io.recycle(f);
             return;
         }
-        let mut ethertype = u16::from_be_bytes([frame[12], frame[13]]);
-        if (ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD) && frame.len() > ETH_HLEN + 4 {
-            // One 802.1Q / 802.1ad tag (the steering program looks inside one): taken
-            // off, its VLAN id kept for the flow, whose packets back to this client are
-            // tagged again (`send_routed`).
-            vlan = u16::from_be_bytes([frame[14], frame[15]]) & 0xfff;
-            ethertype = u16::from_be_bytes([frame[16], frame[17]]);
-            if ethertype == ETH_P_IP || ethertype == ETH_P_IPV6 {
-                let len = frame.len();
-                frame.copy_within(ETH_HLEN + 2..len, 12);
-                self.io.set_len(&mut f, len - 4);
-                self.local.vlan_untagged += 1;
+        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        let frame = if ethertype == ETH_P_IP || ethertype == ETH_P_IPV6 {
+            frame
+        } else {
+            match self.untag(&mut f) {
+                Some(v) => {
+                    vlan = v;
+                    self.io.bytes(&mut f)
+                }
+                None => {
+                    self.io.recycle(f);
+                    return;
+                }
             }
-        }
-        if ethertype != ETH_P_IP && ethertype != ETH_P_IPV6 {
-            self.io.recycle(f);
-            return;
-        }
+        };
         self.engine.ingress_vlan = vlan;
-        let frame = self.io.bytes(&mut f);
         // Fragments: a later one follows its first fragment's translation; a first one
         // goes through the engine like any packet and teaches the others.
         let mut first_fragment = None;
@@ -1560,6 +1556,29 @@ impl<'id> Worker<'id> {
         self.transmit(f, nh.ifindex);
     }
 
+    /// Takes one 802.1Q / 802.1ad tag off `f` when an IP packet follows it (the
+    /// steering program looks inside one) and returns its VLAN id, which the flow keeps
+    /// so that the packets back to this client are tagged again (`send_to`); `None` for
+    /// anything else (not kxp's).
+    #[cold]
+    fn untag(&mut self, f: &mut Frame<'id>) -> Option<u16> {
+        let frame = self.io.bytes(f);
+        let len = frame.len();
+        let tpid = u16::from_be_bytes([frame[12], frame[13]]);
+        if (tpid != ETH_P_8021Q && tpid != ETH_P_8021AD) || len <= ETH_HLEN + 4 {
+            return None;
+        }
+        let inner = u16::from_be_bytes([frame[16], frame[17]]);
+        if inner != ETH_P_IP && inner != ETH_P_IPV6 {
+            return None;
+        }
+        let vlan = u16::from_be_bytes([frame[14], frame[15]]) & 0xfff;
+        frame.copy_within(ETH_HLEN + 2..len, 12);
+        self.io.set_len(f, len - 4);
+        self.local.vlan_untagged += 1;
+        Some(vlan)
+    }
+
     /// Hands a translated packet for a pod of this node to the kernel
     /// (`kxp.networkPolicy: kernel`), to be masqueraded there or not: it forwards it to
     /// the pod, through the CNI's filtering, and fragments it or answers "too big"
@@ -1583,6 +1602,7 @@ impl<'id> Worker<'id> {
     /// `f` with an 802.1Q tag with VLAN id `vlan` after its MAC addresses. `None` (the
     /// frame dropped and counted) when no frame was free for a packet that no longer
     /// fits its own.
+    #[cold]
     fn push_vlan(&mut self, mut f: Frame<'id>, vlan: u16) -> Option<Frame<'id>> {
         let len = self.io.bytes(&mut f).len();
         let tag = |b: &mut [u8]| {

@@ -593,8 +593,10 @@ impl PolicyView {
         if by_namespace.is_empty() {
             return (None, errors);
         }
-        let ns_labels: HashMap<String, Arc<Labels>> =
-            namespaces.into_iter().filter_map(namespace_labels).collect();
+        let ns_labels: HashMap<String, Arc<Labels>> = namespaces
+            .into_iter()
+            .filter_map(namespace_labels)
+            .collect();
         let mut view = PolicyView {
             by_namespace,
             pods: HashMap::new(),

@@ -710,10 +710,17 @@ fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
         pod("y", "y-cli", "cli", "10.0.1.2"),
         pod("z", "z-cli", "cli", "10.0.2.1"),
     ];
-    let ips: Vec<IpAddr> = ["10.0.0.1", "10.0.0.2", "10.0.1.1", "10.0.1.2", "10.0.2.1", "192.0.2.9"]
-        .iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
+    let ips: Vec<IpAddr> = [
+        "10.0.0.1",
+        "10.0.0.2",
+        "10.0.1.1",
+        "10.0.1.2",
+        "10.0.2.1",
+        "192.0.2.9",
+    ]
+    .iter()
+    .map(|s| s.parse().unwrap())
+    .collect();
     // x's db admits only namespaces of team a; y's pods send only to x.
     let db_from_team_a = np(
         "x",
@@ -725,27 +732,48 @@ fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
         "out",
         "  podSelector: {}\n  policyTypes: [Egress]\n  egress: [{to: [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: x}}}]}]\n",
     );
-    let x_web_closed = np("x", "web", "  podSelector: {matchLabels: {app: web}}\n  ingress: []\n");
-    let steps: Vec<(&str, Vec<Arc<Namespace>>, Vec<Arc<NetworkPolicy>>)> = vec![
+    let x_web_closed = np(
+        "x",
+        "web",
+        "  podSelector: {matchLabels: {app: web}}\n  ingress: []\n",
+    );
+    type Step<'a> = (&'a str, Vec<Arc<Namespace>>, Vec<Arc<NetworkPolicy>>);
+    let steps: Vec<Step> = vec![
         (
             "first policy",
-            vec![namespace("x", "a"), namespace("y", "a"), namespace("z", "b")],
+            vec![
+                namespace("x", "a"),
+                namespace("y", "a"),
+                namespace("z", "b"),
+            ],
             vec![db_from_team_a.clone()],
         ),
         (
             "y leaves team a",
-            vec![namespace("x", "a"), namespace("y", "b"), namespace("z", "b")],
+            vec![
+                namespace("x", "a"),
+                namespace("y", "b"),
+                namespace("z", "b"),
+            ],
             vec![db_from_team_a.clone()],
         ),
         (
             "z joins team a, a policy in y",
-            vec![namespace("x", "a"), namespace("y", "b"), namespace("z", "a")],
+            vec![
+                namespace("x", "a"),
+                namespace("y", "b"),
+                namespace("z", "a"),
+            ],
             vec![db_from_team_a.clone(), y_egress_to_x.clone()],
         ),
         (
             "another policy in x, y's namespace gone",
             vec![namespace("x", "a"), namespace("z", "a")],
-            vec![db_from_team_a.clone(), y_egress_to_x.clone(), x_web_closed.clone()],
+            vec![
+                db_from_team_a.clone(),
+                y_egress_to_x.clone(),
+                x_web_closed.clone(),
+            ],
         ),
         (
             "x's policies gone",
@@ -770,7 +798,12 @@ fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
         for &src in &ips {
             for &dst in &ips {
                 out.push(snap.policy.as_ref().is_none_or(|v| {
-                    v.allows(src, std::net::SocketAddr::new(dst, 80), Protocol::Tcp, false)
+                    v.allows(
+                        src,
+                        std::net::SocketAddr::new(dst, 80),
+                        Protocol::Tcp,
+                        false,
+                    )
                 }));
             }
         }

@@ -339,11 +339,10 @@ impl Tracker {
         namespaces: Vec<Arc<k8s_openapi::api::core::v1::Namespace>>,
         policies: Vec<Arc<k8s_openapi::api::networking::v1::NetworkPolicy>>,
     ) {
-        let namespaces: HashMap<String, Arc<k8s_openapi::api::core::v1::Namespace>> =
-            namespaces
-                .into_iter()
-                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
-                .collect();
+        let namespaces: HashMap<String, Arc<k8s_openapi::api::core::v1::Namespace>> = namespaces
+            .into_iter()
+            .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+            .collect();
         for (name, _) in changed(&self.namespaces, &namespaces) {
             self.dirty_namespaces.insert(name.clone());
         }

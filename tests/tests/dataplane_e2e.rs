@@ -991,7 +991,10 @@ fn two_workers_on_two_queue_veths() {
     let mut lab = lab;
     assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
     let log = lab.log();
-    let totals = log.lines().find(|l| l.contains("totals:")).unwrap_or("");
+    let totals = log
+        .lines()
+        .find(|l| l.contains("totals:"))
+        .unwrap_or_else(|| panic!("no totals line in the log:\n{log}"));
     println!("two workers: {totals}");
     let count = |what: &str| -> u64 {
         totals
@@ -2381,7 +2384,10 @@ fn client_ip_affinity_holds_across_two_workers() {
     assert_eq!(spread.len(), 1, "one client, one endpoint: {spread:?}");
     assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
     let log = lab.log();
-    let totals = log.lines().find(|l| l.contains("totals:")).unwrap_or("");
+    let totals = log
+        .lines()
+        .find(|l| l.contains("totals:"))
+        .unwrap_or_else(|| panic!("no totals line in the log:\n{log}"));
     assert!(
         !totals.contains("handoffs 0"),
         "the connections did not reach both workers: {totals}"
@@ -2612,7 +2618,10 @@ fn a_worker_kept_from_its_cpu_counts_a_stall() {
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
     let log = lab.log();
-    let totals = log.lines().find(|l| l.contains("totals:")).unwrap_or("");
+    let totals = log
+        .lines()
+        .find(|l| l.contains("totals:"))
+        .unwrap_or_else(|| panic!("no totals line in the log:\n{log}"));
     assert!(totals.contains("stalls [worker0:"), "{totals}");
 }
 

@@ -469,3 +469,50 @@ async fn policy_objects_kxp_does_not_enforce_are_found_by_discovery() {
         "{found:?}"
     );
 }
+
+/// Pods for NetworkPolicy: the finished ones are left out by the API server (a field
+/// selector on `status.phase`), and a pod that finishes leaves the watch as deleted; the
+/// others, whichever node they run on, are in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_pods_are_not_watched_for_network_policy() {
+    let api = FakeApi::start();
+    seed(&api);
+    let pod = |name: &str, node: &str, phase: &str, ip: &str| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": "default", "labels": {"app": "web"}},
+               "spec": {"nodeName": node, "containers": [{"name": "c"}]},
+               "status": {"phase": phase, "podIP": ip}})
+    };
+    api.create(&pod("running", "node-a", "Running", "10.0.0.5"))
+        .unwrap();
+    api.create(&pod("elsewhere", "node-b", "Pending", "10.0.1.5"))
+        .unwrap();
+    api.create(&pod("done", "node-a", "Succeeded", "10.0.0.6"))
+        .unwrap();
+    api.create(&pod("failed", "node-a", "Failed", "10.0.0.7"))
+        .unwrap();
+    let src = start(&api, None).await;
+    let names = |src: &KubeSource| -> BTreeSet<String> {
+        src.everything()
+            .policy
+            .map(|p| {
+                p.pods
+                    .iter()
+                    .map(|p| p.metadata.name.clone().unwrap())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(names(&src), set(&["running", "elsewhere"]));
+    api.replace(&pod("running", "node-a", "Succeeded", "10.0.0.5"))
+        .unwrap();
+    wait_for("the finished pod to leave", Duration::from_secs(5), || {
+        names(&src) == set(&["elsewhere"])
+    })
+    .await;
+    assert!(
+        api.requests("pods", "list") + api.requests("pods", "watch") > 0,
+        "{:?}",
+        api.request_counts()
+    );
+}

@@ -355,7 +355,7 @@ fn run_case(
     cmd.args(flags)
         .args(["--src", &case.src, "--dst", &case.dst])
         .args(["--dport", &case.dport.to_string()])
-        .args(["--protocol", &case.protocol, "--output", "json"]);
+        .args(["--protocol", &case.protocol, "-o", "json"]);
     let out = cmd
         .output()
         .map_err(|e| (format!("failed to run {}", bin.display()), e.to_string()))?;

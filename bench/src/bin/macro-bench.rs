@@ -1362,7 +1362,11 @@ impl<'a> Router<'a> {
                     &config,
                     format!(
                         "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nclusterCIDR: {CLUSTER_CIDR}\n{conntrack}{}",
-                        if kernel_pol { "kxp:\n  networkPolicy: kernel\n" } else { "" }
+                        if kernel_pol {
+                            "kxp:\n  networkPolicy: kernel\n"
+                        } else {
+                            ""
+                        }
                     ),
                 )?;
                 if case == Case::KxpBusyPoll {
