@@ -36,6 +36,7 @@ pub const POD_FIELDS: &str = "status.phase!=Succeeded,status.phase!=Failed";
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{NetworkPolicy, ServiceCIDR};
 use kube::api::Api;
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
@@ -476,6 +477,9 @@ impl Shared {
     }
 }
 
+/// A Namespace's metadata as watched, and the Namespace made of it.
+type NamespaceOf = (Arc<PartialObjectMeta<Namespace>>, Arc<Namespace>);
+
 /// The running Kubernetes source (see the module docs).
 #[derive(Debug)]
 pub struct KubeSource {
@@ -484,7 +488,14 @@ pub struct KubeSource {
     cidrs: Store<ServiceCIDR>,
     nodes: Store<Node>,
     /// Pods, Namespaces, NetworkPolicies: watched when NetworkPolicy is enforced.
-    policy: Option<(Store<Pod>, Store<Namespace>, Store<NetworkPolicy>)>,
+    policy: Option<(
+        Store<Pod>,
+        Store<PartialObjectMeta<Namespace>>,
+        Store<NetworkPolicy>,
+    )>,
+    /// Namespaces as the tracker takes them, made from their metadata once per change:
+    /// name → (the store's object, the Namespace made of it).
+    namespaces: Mutex<std::collections::HashMap<String, NamespaceOf>>,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -547,9 +558,11 @@ impl KubeSource {
                     4,
                     &shared,
                 ),
+                // Their metadata only (the API server's PartialObjectMetadata
+                // projection): what NetworkPolicy needs of a Namespace is its labels.
                 spawn(
                     &mut tasks,
-                    Api::<Namespace>::all(client.clone()),
+                    Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
                     watcher::Config::default(),
                     5,
                     &shared,
@@ -576,9 +589,36 @@ impl KubeSource {
             cidrs,
             nodes,
             policy,
+            namespaces: Mutex::default(),
             shared,
             tasks,
         }
+    }
+
+    /// The Namespaces watched (their metadata), as Namespaces sorted by name: one made
+    /// per changed object, the others the same `Arc`s as last time (unchanged to the
+    /// tracker at a pointer's cost).
+    fn namespaces_now(&self) -> Vec<Arc<Namespace>> {
+        let Some((_, store, _)) = &self.policy else {
+            return Vec::new();
+        };
+        let mut made = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = std::collections::HashMap::new();
+        for meta in store.state() {
+            let name = meta.metadata.name.clone().unwrap_or_default();
+            let ns = match made.remove(&name) {
+                Some((m, ns)) if Arc::ptr_eq(&m, &meta) => ns,
+                _ => Arc::new(Namespace {
+                    metadata: meta.metadata.clone(),
+                    ..Namespace::default()
+                }),
+            };
+            next.insert(name, (meta, ns));
+        }
+        *made = next;
+        let mut out: Vec<Arc<Namespace>> = made.values().map(|(_, ns)| ns.clone()).collect();
+        out.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        out
     }
 
     /// Whether every resource finished its initial list.
@@ -611,7 +651,11 @@ impl KubeSource {
             nodes: copy(&self.nodes),
             service_cidrs: copy(&self.cidrs),
             pods: self.policy.as_ref().map(|p| copy(&p.0)).unwrap_or_default(),
-            namespaces: self.policy.as_ref().map(|p| copy(&p.1)).unwrap_or_default(),
+            namespaces: self
+                .namespaces_now()
+                .iter()
+                .map(|n| (**n).clone())
+                .collect(),
             network_policies: self.policy.as_ref().map(|p| copy(&p.2)).unwrap_or_default(),
         }
     }
@@ -640,7 +684,10 @@ impl KubeSource {
         }
         changed.then(|| PolicyInputs {
             pods: sorted(pods.state()),
-            namespaces: sorted(namespaces.state()),
+            namespaces: {
+                let _ = namespaces;
+                self.namespaces_now()
+            },
             policies: sorted(policies.state()),
         })
     }

@@ -516,3 +516,48 @@ async fn finished_pods_are_not_watched_for_network_policy() {
         api.request_counts()
     );
 }
+
+/// Namespaces for NetworkPolicy come as their metadata only (the API server's
+/// PartialObjectMetadata projection): their labels, followed as they change, and nothing
+/// of their spec or status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespaces_are_watched_as_their_metadata() {
+    let api = FakeApi::start();
+    seed(&api);
+    let ns = |team: &str| {
+        json!({"apiVersion": "v1", "kind": "Namespace",
+               "metadata": {"name": "shop", "labels": {"team": team}},
+               "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}})
+    };
+    api.create(&ns("a")).unwrap();
+    let src = start(&api, None).await;
+    let shop = |src: &KubeSource| {
+        src.everything().policy.and_then(|p| {
+            p.namespaces
+                .iter()
+                .find(|n| n.metadata.name.as_deref() == Some("shop"))
+                .cloned()
+        })
+    };
+    let first = shop(&src).expect("the namespace");
+    assert_eq!(
+        first.metadata.labels.as_ref().and_then(|l| l.get("team")),
+        Some(&"a".to_string())
+    );
+    assert!(first.spec.is_none() && first.status.is_none(), "{first:?}");
+    assert!(
+        api.requests("namespaces", "list-metadata") > 0 && api.requests("namespaces", "list") == 0,
+        "{:?}",
+        api.request_counts()
+    );
+    // Unchanged: the same object as before (made once per change).
+    assert!(std::sync::Arc::ptr_eq(&first, &shop(&src).unwrap()));
+    api.replace(&ns("b")).unwrap();
+    wait_for("the new label", Duration::from_secs(5), || {
+        shop(&src)
+            .and_then(|n| n.metadata.labels.clone())
+            .and_then(|l| l.get("team").cloned())
+            == Some("b".into())
+    })
+    .await;
+}

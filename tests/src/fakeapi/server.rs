@@ -340,6 +340,13 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         return Ok(error_response(&e));
     };
     let watching = flag(&q, "watch") == Some(true);
+    // `Accept: application/json;as=PartialObjectMetadata[List];g=meta.k8s.io;v=v1`: the
+    // objects' metadata only, as the API server's projection gives it.
+    let meta_only = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|h| h.to_str().ok())
+        .is_some_and(|h| h.contains("as=PartialObjectMetadata"));
     let verb = match (req.method().clone(), &t.name) {
         (Method::GET, _) if watching => "watch",
         (Method::GET, Some(_)) => "get",
@@ -359,7 +366,16 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     // A watch counted is open from here: a drop after its count cuts it.
     let drop_gen = {
         let mut st = shared.lock();
-        st.count(t.kind, verb);
+        // Metadata-only requests counted apart ("list-metadata", "watch-metadata").
+        st.count(
+            t.kind,
+            match (verb, meta_only) {
+                ("list", true) => "list-metadata",
+                ("watch", true) => "watch-metadata",
+                ("get", true) => "get-metadata",
+                _ => verb,
+            },
+        );
         if let Some(code) = st.faults.pop_front() {
             return Ok(error_response(&injected(code, &t, verb)));
         }
@@ -367,10 +383,11 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     };
     let out = match verb {
         "watch" => {
-            return Ok(watch::start(shared, t, &q, drop_gen).unwrap_or_else(|e| error_response(&e)));
+            return Ok(watch::start(shared, t, &q, drop_gen, meta_only)
+                .unwrap_or_else(|e| error_response(&e)));
         }
-        "get" => get(&shared.lock(), &t),
-        "list" => list(&shared.lock(), &t, &q),
+        "get" => get(&shared.lock(), &t, meta_only),
+        "list" => list(&shared.lock(), &t, &q, meta_only),
         _ => {
             let body = match req.into_body().collect().await {
                 Ok(b) => b.to_bytes(),
@@ -393,12 +410,19 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     })
 }
 
-fn get(st: &State, t: &Target) -> Result<Response<Body>, FakeError> {
+/// `obj` as a `PartialObjectMetadata` (its metadata only).
+pub(crate) fn partial_metadata(obj: &Value) -> Value {
+    json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+           "metadata": obj.get("metadata").cloned().unwrap_or_else(|| json!({}))})
+}
+
+fn get(st: &State, t: &Target, meta_only: bool) -> Result<Response<Body>, FakeError> {
     let key = (
         t.ns.clone().unwrap_or_default(),
         t.name.clone().unwrap_or_default(),
     );
     match st.objects.get(&t.kind).and_then(|m| m.get(&key)) {
+        Some(o) if meta_only => Ok(json_response(200, &partial_metadata(o))),
         Some(o) => Ok(json_response(200, o)),
         None => Err(FakeError::new(
             404,
@@ -500,7 +524,7 @@ fn after_start(ns: &str, name: &str, start: &str) -> bool {
         == std::cmp::Ordering::Greater
 }
 
-fn list(st: &State, t: &Target, q: &Query) -> Result<Response<Body>, FakeError> {
+fn list(st: &State, t: &Target, q: &Query, meta_only: bool) -> Result<Response<Body>, FakeError> {
     let bad = |m: &str| FakeError::new(400, "BadRequest", m.to_string());
     let (labels, fields) = selectors(t.kind, q)?;
     let limit: usize = match q.get("limit").map(String::as_str) {
@@ -584,8 +608,12 @@ fn list(st: &State, t: &Target, q: &Query) -> Result<Response<Body>, FakeError> 
     let mut last = None;
     let take = if limit > 0 { limit } else { usize::MAX };
     for ((ns, name), o) in matching.by_ref().take(take) {
-        let mut o = o.clone();
-        if let Some(m) = o.as_object_mut() {
+        let mut o = if meta_only {
+            partial_metadata(o)
+        } else {
+            o.clone()
+        };
+        if let Some(m) = o.as_object_mut().filter(|_| !meta_only) {
             m.remove("kind");
             m.remove("apiVersion");
         }
@@ -599,10 +627,14 @@ fn list(st: &State, t: &Target, q: &Query) -> Result<Response<Body>, FakeError> 
         meta["continue"] = json!(b64_encode(&serde_json::to_vec(&tok).expect("json")));
         meta["remainingItemCount"] = json!(remaining);
     }
-    let list_kind = format!("{}List", t.kind.kind());
+    let (list_kind, api_version) = if meta_only {
+        ("PartialObjectMetadataList".to_string(), "meta.k8s.io/v1")
+    } else {
+        (format!("{}List", t.kind.kind()), t.kind.api_version())
+    };
     Ok(json_response(
         200,
-        &json!({"kind": list_kind, "apiVersion": t.kind.api_version(), "metadata": meta, "items": items}),
+        &json!({"kind": list_kind, "apiVersion": api_version, "metadata": meta, "items": items}),
     ))
 }
 

@@ -55,6 +55,8 @@ struct Spec {
     bookmarks: bool,
     timeout: Duration,
     start: Start,
+    /// The client asked for metadata only (`as=PartialObjectMetadata`).
+    meta_only: bool,
 }
 
 impl Spec {
@@ -73,12 +75,12 @@ impl Spec {
         let cur = ev.etype != EventType::Deleted && self.matches(&ev.obj);
         let old = ev.prev.as_ref().is_some_and(|p| self.matches(p));
         match (cur, old) {
-            (true, false) => Some(line("ADDED", &ev.obj)),
-            (true, true) => Some(line("MODIFIED", &ev.obj)),
+            (true, false) => Some(self.line("ADDED", &ev.obj)),
+            (true, true) => Some(self.line("MODIFIED", &ev.obj)),
             (false, true) => {
                 let mut o = ev.prev.clone().unwrap_or_default();
                 set_rv(&mut o, ev.rv);
-                Some(line("DELETED", &o))
+                Some(self.line("DELETED", &o))
             }
             (false, false) => None,
         }
@@ -90,7 +92,16 @@ impl Spec {
             meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
         }
         let obj = json!({"kind": self.kind.kind(), "apiVersion": self.kind.api_version(), "metadata": meta});
-        line("BOOKMARK", &obj)
+        self.line("BOOKMARK", &obj)
+    }
+
+    /// An event line, the object projected to its metadata when asked.
+    fn line(&self, etype: &str, obj: &Value) -> Bytes {
+        if self.meta_only && etype != "ERROR" {
+            line(etype, &crate::fakeapi::server::partial_metadata(obj))
+        } else {
+            line(etype, obj)
+        }
     }
 }
 
@@ -108,6 +119,7 @@ pub(crate) fn start(
     t: Target,
     q: &Query,
     drop_gen: u64,
+    meta_only: bool,
 ) -> Result<Response<Body>, FakeError> {
     let bad = |m: &str| FakeError::new(400, "BadRequest", m.to_string());
     let (labels, fields) = selectors(t.kind, q)?;
@@ -166,6 +178,7 @@ pub(crate) fn start(
         bookmarks,
         timeout,
         start,
+        meta_only,
     };
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(run(shared, spec, tx, drop_gen));
@@ -202,7 +215,10 @@ async fn run(shared: Arc<Shared>, spec: Spec, tx: mpsc::Sender<Chunk>, drop_gen:
                         .get(&spec.kind)
                         .into_iter()
                         .flat_map(|m| m.values());
-                    pending.extend(objs.filter(|o| spec.matches(o)).map(|o| line("ADDED", o)));
+                    pending.extend(
+                        objs.filter(|o| spec.matches(o))
+                            .map(|o| spec.line("ADDED", o)),
+                    );
                 }
                 if end_bookmark {
                     pending.push(spec.bookmark(st.rv, true));
