@@ -480,6 +480,17 @@ impl Shared {
 /// A Namespace's metadata as watched, and the Namespace made of it.
 type NamespaceOf = (Arc<PartialObjectMeta<Namespace>>, Arc<Namespace>);
 
+/// The stores NetworkPolicy decisions are made of.
+#[derive(Debug)]
+struct PolicyStores {
+    pods: Store<Pod>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+    policies: Store<NetworkPolicy>,
+    /// Namespaces as the tracker takes them, made from their metadata once per change:
+    /// name → (the store's object, the Namespace made of it).
+    made: Mutex<std::collections::HashMap<String, NamespaceOf>>,
+}
+
 /// The running Kubernetes source (see the module docs).
 #[derive(Debug)]
 pub struct KubeSource {
@@ -488,14 +499,7 @@ pub struct KubeSource {
     cidrs: Store<ServiceCIDR>,
     nodes: Store<Node>,
     /// Pods, Namespaces, NetworkPolicies: watched when NetworkPolicy is enforced.
-    policy: Option<(
-        Store<Pod>,
-        Store<PartialObjectMeta<Namespace>>,
-        Store<NetworkPolicy>,
-    )>,
-    /// Namespaces as the tracker takes them, made from their metadata once per change:
-    /// name → (the store's object, the Namespace made of it).
-    namespaces: Mutex<std::collections::HashMap<String, NamespaceOf>>,
+    policy: Option<Box<PolicyStores>>,
     shared: Arc<Shared>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -547,8 +551,8 @@ impl KubeSource {
             &shared,
         );
         let policy = if cfg.network_policy {
-            Some((
-                spawn(
+            Some(Box::new(PolicyStores {
+                pods: spawn(
                     &mut tasks,
                     Api::<Pod>::all(client.clone()),
                     // Finished pods hold no address a policy could mean (theirs may be
@@ -560,21 +564,22 @@ impl KubeSource {
                 ),
                 // Their metadata only (the API server's PartialObjectMetadata
                 // projection): what NetworkPolicy needs of a Namespace is its labels.
-                spawn(
+                namespaces: spawn(
                     &mut tasks,
                     Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
                     watcher::Config::default(),
                     5,
                     &shared,
                 ),
-                spawn(
+                policies: spawn(
                     &mut tasks,
                     Api::<NetworkPolicy>::all(client.clone()),
                     watcher::Config::default(),
                     6,
                     &shared,
                 ),
-            ))
+                made: Mutex::default(),
+            }))
         } else {
             // Not watched: nothing to wait for.
             for i in POLICY_RESOURCES {
@@ -589,7 +594,6 @@ impl KubeSource {
             cidrs,
             nodes,
             policy,
-            namespaces: Mutex::default(),
             shared,
             tasks,
         }
@@ -599,10 +603,11 @@ impl KubeSource {
     /// per changed object, the others the same `Arc`s as last time (unchanged to the
     /// tracker at a pointer's cost).
     fn namespaces_now(&self) -> Vec<Arc<Namespace>> {
-        let Some((_, store, _)) = &self.policy else {
+        let Some(p) = &self.policy else {
             return Vec::new();
         };
-        let mut made = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
+        let store = &p.namespaces;
+        let mut made = p.made.lock().unwrap_or_else(|e| e.into_inner());
         let mut next = std::collections::HashMap::new();
         for meta in store.state() {
             let name = meta.metadata.name.clone().unwrap_or_default();
@@ -650,13 +655,21 @@ impl KubeSource {
             endpoint_slices: copy(&self.slices),
             nodes: copy(&self.nodes),
             service_cidrs: copy(&self.cidrs),
-            pods: self.policy.as_ref().map(|p| copy(&p.0)).unwrap_or_default(),
+            pods: self
+                .policy
+                .as_ref()
+                .map(|p| copy(&p.pods))
+                .unwrap_or_default(),
             namespaces: self
                 .namespaces_now()
                 .iter()
                 .map(|n| (**n).clone())
                 .collect(),
-            network_policies: self.policy.as_ref().map(|p| copy(&p.2)).unwrap_or_default(),
+            network_policies: self
+                .policy
+                .as_ref()
+                .map(|p| copy(&p.policies))
+                .unwrap_or_default(),
         }
     }
 
@@ -675,7 +688,7 @@ impl KubeSource {
     /// Every Pod, Namespace and NetworkPolicy when one of them changed since the last
     /// call (or `all`).
     fn take_policy(&self, all: bool) -> Option<PolicyInputs> {
-        let (pods, namespaces, policies) = self.policy.as_ref()?;
+        let p = self.policy.as_ref()?;
         let mut changed = all;
         for i in POLICY_RESOURCES {
             let mut c = self.shared.counters(i);
@@ -683,12 +696,9 @@ impl KubeSource {
             c.dirty.clear();
         }
         changed.then(|| PolicyInputs {
-            pods: sorted(pods.state()),
-            namespaces: {
-                let _ = namespaces;
-                self.namespaces_now()
-            },
-            policies: sorted(policies.state()),
+            pods: sorted(p.pods.state()),
+            namespaces: self.namespaces_now(),
+            policies: sorted(p.policies.state()),
         })
     }
 
@@ -750,10 +760,9 @@ impl KubeSource {
 
     /// Per-resource counters.
     pub fn status(&self) -> SourceStatus {
-        let (pods, namespaces, policies) = self
-            .policy
-            .as_ref()
-            .map_or((0, 0, 0), |(p, n, np)| (p.len(), n.len(), np.len()));
+        let (pods, namespaces, policies) = self.policy.as_ref().map_or((0, 0, 0), |p| {
+            (p.pods.len(), p.namespaces.len(), p.policies.len())
+        });
         let stores = [
             self.services.len(),
             self.slices.len(),
