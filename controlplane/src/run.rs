@@ -655,7 +655,7 @@ impl Input {
             tracing::info!(
                 "the API server serves policy objects of the CNI's: {}; the CNI enforces them \
                  on the connections kxp translates to this node's pods, handed to the kernel \
-                 (kxp.networkPolicy: kernel; README, \"NetworkPolicy\")",
+                 (kxp.networkPolicy: kernel; docs/network-policy.md)",
                 foreign.join(", ")
             );
         } else if !foreign.is_empty() {
@@ -663,7 +663,7 @@ impl Input {
                 "the API server serves policy objects kxp does not enforce on the connections \
                  it translates: {}; kxp enforces Kubernetes NetworkPolicy only, and the CNI, \
                  which enforces these in the kernel, does not see those connections: set \
-                 kxp.networkPolicy: kernel to hand them to it (README, \"NetworkPolicy\")",
+                 kxp.networkPolicy: kernel to hand them to it (docs/network-policy.md)",
                 foreign.join(", ")
             );
         }

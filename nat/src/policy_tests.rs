@@ -819,3 +819,167 @@ fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
         assert_eq!(step.policy.is_some(), !policies.is_empty(), "{what}");
     }
 }
+
+/// Property: whatever the sequence of changes to pods (labels, addresses, namespaces),
+/// namespaces (labels, presence) and policies (selectors of pods and namespaces, ipBlocks,
+/// ports, both directions), the decisions the tracker keeps up to date change by change
+/// are those of a view built whole from the same objects, for every pair of addresses
+/// and both ports. Random sequences from fixed seeds (reproducible).
+#[test]
+fn random_changes_give_the_decisions_of_a_whole_build() {
+    use crate::k8s::NodeSettings;
+    use crate::tracker::Tracker;
+    use k8s_openapi::api::core::v1::{Namespace, Pod as K8sPod};
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
+            of[self.below(of.len() as u64) as usize]
+        }
+    }
+    const NS: [&str; 3] = ["a", "b", "c"];
+    const APPS: [&str; 3] = ["web", "db", "cli"];
+    const TEAMS: [&str; 2] = ["red", "blue"];
+    let pod = |ns: &str, i: u64, app: &str, ip: u64, node: &str| -> Arc<K8sPod> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: p{i}, namespace: {ns}, labels: {{app: {app}}}}}\n\
+                 spec: {{nodeName: {node}, containers: [{{name: c, ports: [{{name: http, containerPort: 80}}]}}]}}\n\
+                 status: {{podIP: 10.0.0.{ip}}}\n"
+            ))
+            .unwrap(),
+        )
+    };
+    let namespace = |name: &str, team: &str| -> Arc<Namespace> {
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}, labels: {{team: {team}}}}}\n"
+            ))
+            .unwrap(),
+        )
+    };
+    let policy = |r: &mut Rng, ns: &str, i: u64| -> Arc<NetworkPolicy> {
+        let peer = match r.below(4) {
+            0 => format!(
+                "{{podSelector: {{matchLabels: {{app: {}}}}}}}",
+                r.pick(&APPS)
+            ),
+            1 => format!(
+                "{{namespaceSelector: {{matchLabels: {{team: {}}}}}}}",
+                r.pick(&TEAMS)
+            ),
+            2 => format!(
+                "{{namespaceSelector: {{matchLabels: {{team: {}}}}}, podSelector: {{matchExpressions: [{{key: app, operator: NotIn, values: [{}]}}]}}}}",
+                r.pick(&TEAMS),
+                r.pick(&APPS)
+            ),
+            _ => "{ipBlock: {cidr: 10.0.0.0/29, except: [10.0.0.4/31]}}".to_string(),
+        };
+        let port = ["", ", ports: [{port: http}]", ", ports: [{port: 81}]"][r.below(3) as usize];
+        let (types, rules) = match r.below(3) {
+            0 => (
+                "[Ingress]",
+                format!("  ingress: [{{from: [{peer}]{port}}}]\n"),
+            ),
+            1 => ("[Egress]", format!("  egress: [{{to: [{peer}]{port}}}]\n")),
+            _ => (
+                "[Ingress, Egress]",
+                "  ingress: []\n  egress: []\n".to_string(),
+            ),
+        };
+        Arc::new(
+            serde_yaml::from_str(&format!(
+                "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: np{i}, namespace: {ns}}}\n\
+                 spec:\n  podSelector: {{matchLabels: {{app: {}}}}}\n  policyTypes: {types}\n{rules}",
+                r.pick(&APPS)
+            ))
+            .unwrap(),
+        )
+    };
+    let settings = NodeSettings {
+        node_name: "node-a".into(),
+        network_policy: true,
+        ..Default::default()
+    };
+    let ips: Vec<IpAddr> = (1..=13)
+        .map(|i| format!("10.0.0.{i}").parse().unwrap())
+        .collect();
+    let decisions = |snap: &crate::snapshot::Snapshot| -> Vec<bool> {
+        let mut out = Vec::new();
+        for &src in &ips {
+            for &dst in &ips {
+                for port in [80, 81] {
+                    out.push(snap.policy.as_ref().is_none_or(|v| {
+                        v.allows(
+                            src,
+                            std::net::SocketAddr::new(dst, port),
+                            Protocol::Tcp,
+                            false,
+                        )
+                    }));
+                }
+            }
+        }
+        out
+    };
+    for seed in 1..=20u64 {
+        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut pods: Vec<Arc<K8sPod>> = Vec::new();
+        let mut namespaces: Vec<Arc<Namespace>> = NS.iter().map(|n| namespace(n, "red")).collect();
+        let mut policies: Vec<Arc<NetworkPolicy>> = Vec::new();
+        let mut t = Tracker::new(settings.clone());
+        let mut next = 0u64;
+        for step in 0..40u64 {
+            next += 1;
+            match r.below(6) {
+                0 | 1 => {
+                    // A pod added or replaced (same name, new labels or address).
+                    let i = r.below(6);
+                    pods.retain(|p| p.metadata.name.as_deref() != Some(&format!("p{i}")));
+                    let node = if r.below(2) == 0 { "node-a" } else { "node-b" };
+                    // Its address one of its own two (two live pods never share one).
+                    let ip = if r.below(2) == 0 { 1 + i } else { 7 + i };
+                    pods.push(pod(r.pick(&NS), i, r.pick(&APPS), ip, node));
+                }
+                2 if !pods.is_empty() => {
+                    let i = r.below(pods.len() as u64) as usize;
+                    pods.remove(i);
+                }
+                3 => {
+                    let name = r.pick(&NS);
+                    namespaces.retain(|n| n.metadata.name.as_deref() != Some(name));
+                    if r.below(4) != 0 {
+                        namespaces.push(namespace(name, r.pick(&TEAMS)));
+                    }
+                }
+                4 => {
+                    let ns = r.pick(&NS);
+                    policies.push(policy(&mut r, ns, next));
+                }
+                _ if !policies.is_empty() => {
+                    let i = r.below(policies.len() as u64) as usize;
+                    policies.remove(i);
+                }
+                _ => {}
+            }
+            t.replace_policy_inputs(pods.clone(), namespaces.clone(), policies.clone());
+            let incremental = t.sync(step + 2).update.snapshot;
+            let mut fresh = Tracker::new(settings.clone());
+            fresh.replace_policy_inputs(pods.clone(), namespaces.clone(), policies.clone());
+            let whole = fresh.sync(1).update.snapshot;
+            assert_eq!(
+                decisions(&incremental),
+                decisions(&whole),
+                "seed {seed} step {step}"
+            );
+        }
+    }
+}
