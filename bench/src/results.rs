@@ -375,7 +375,7 @@ mod tests {
         }
     }
 
-    /// A file written before `--rounds` existed (the README's reference run of 2026-12-01) still
+    /// A file written before `--rounds` existed (the reference run of 2026-12-01, bench/HISTORY.md) still
     /// reads, as one round.
     #[test]
     fn a_file_of_before_rounds_reads_as_one_round() {

@@ -4,7 +4,7 @@
 //! an interface's receive processing runs in kernel threads named `napi/DEV-ID`. A
 //! pinned worker busy-polls its CPU; a NAPI kthread on the same CPU then gets it only
 //! by scheduler slices, and during the worker's slice the kernel cannot receive: the
-//! measured rate on veths fell from 0.47 to 0.01 Mpps (the README's `kxp-threaded`
+//! measured rate on veths fell from 0.47 to 0.01 Mpps (docs/benchmarks.md, the `kxp-threaded`
 //! case). So, when the workers are pinned, kxp checks every second the NAPI kthreads of
 //! the interfaces it is attached to and moves any that may run on a worker's CPU off
 //! it, as it does its own threads, and logs each move. This needs `CAP_SYS_NICE` and

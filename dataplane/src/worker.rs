@@ -40,7 +40,7 @@ const ETH_HLEN: usize = 14;
 const DRAIN_WINDOW_NS: u64 = 2_000_000;
 /// How long a pause of the worker's CPU the fill rings hold what arrives in, below
 /// saturation (see [`crate::xsk::WorkerIo::hold_for`]): kernel threads were measured
-/// taking a poll-mode worker's CPU for up to 12 ms (`perf sched`, README).
+/// taking a poll-mode worker's CPU for up to 12 ms (`perf sched`, bench/HISTORY.md).
 const PAUSE_HOLD_NS: u64 = 16_000_000;
 /// The share of a window's time in busy rounds from which the worker counts as near
 /// the bottleneck (see [`keeps_up`]).
