@@ -8,7 +8,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 
-use nat::{Protocol, Tuple};
+use wire::{Protocol, Tuple};
 
 use crate::tcp::TcpState;
 

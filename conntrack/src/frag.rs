@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 
-use nat::rewrite::FragKey;
+use wire::rewrite::FragKey;
 
 /// What a later fragment should do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

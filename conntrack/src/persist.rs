@@ -20,7 +20,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use nat::{Protocol, Tuple};
+use wire::{Protocol, Tuple};
 
 use crate::entry::{Entry, NIL, flag};
 use crate::table::{ConnTable, InsertError};

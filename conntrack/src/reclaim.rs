@@ -9,7 +9,7 @@
 
 use std::net::IpAddr;
 
-use nat::Protocol;
+use wire::Protocol;
 
 use crate::entry::{Entry, NIL};
 use crate::table::ConnTable;

@@ -67,7 +67,7 @@ pub fn flow_owner(ip: IpAddr, port: u16, workers: usize) -> usize {
 
 /// The address's contribution to [`flow_owner`], `< w`.
 fn ip_share(ip: IpAddr, w: u64) -> u64 {
-    nat::select::hash_ip(ip, 0x6f77_6e65) % w
+    wire::hash::hash_ip(ip, 0x6f77_6e65) % w
 }
 
 /// One worker's SNAT source ports (the ports of the range that [`flow_owner`] maps to

@@ -19,7 +19,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use hashbrown::{DefaultHashBuilder, HashMap};
-use nat::{Protocol, Tuple};
+use wire::{Protocol, Tuple};
 
 use crate::entry::{Direction, Entry, NIL, flag};
 use crate::index::FlowIndex;

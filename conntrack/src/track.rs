@@ -16,7 +16,7 @@
 //! - SCTP (chunks not parsed) uses `sctp_unreplied` until answered, then
 //!   `sctp_established`; it is assured when the client speaks again after a reply.
 
-use nat::Protocol;
+use wire::Protocol;
 
 use crate::entry::{Direction, Entry, flag};
 use crate::tcp::{self, TcpState, Transition, flags};
@@ -196,7 +196,7 @@ mod tests {
     use crate::timeouts::Timeouts;
     use Direction::{Original as O, Reply as R};
     use flags::*;
-    use nat::Tuple;
+    use wire::Tuple;
 
     const S: u64 = 1_000_000_000;
 

@@ -10,20 +10,19 @@
 //! - [`tracker`]: kube-proxy's change tracking: rebuild only what changed, RCU snapshots;
 //! - [`decide`]: forward / reject / drop / pass and masquerade, check by check;
 //! - [`select`]: random, affinity, Maglev and the IPVS schedulers;
-//! - [`rewrite`]: the header rewrite with incremental checksums.
+//! - [`rewrite`]: the header rewrite with incremental checksums (the `wire` crate's,
+//!   re-exported).
 #![forbid(unsafe_code)]
 
 pub mod decide;
 pub mod k8s;
 pub mod model;
 pub mod policy;
-pub mod rewrite;
 pub mod select;
 pub mod snapshot;
 pub mod topology;
 pub mod tracker;
-pub mod tuple;
 
 pub use decide::{Decision, DropReason, Forward, NewPacket, Policy, RejectReason, decide};
 pub use snapshot::{FrontendKind, Snapshot};
-pub use tuple::{Protocol, Tuple};
+pub use wire::{Protocol, Tuple, rewrite, tuple};

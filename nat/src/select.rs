@@ -6,7 +6,7 @@
 //! every choice is reproducible in tests. ClientIP affinity is remembered per node by
 //! the caller (`conntrack::AffinityTable`).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 
 use crate::model::Endpoint;
 
@@ -290,39 +290,8 @@ pub fn maglev_table(endpoints: &[Endpoint], candidates: &[u32]) -> Vec<u16> {
     table
 }
 
-/// A stable 64-bit hash (FNV-1a folded through a SplitMix64 finaliser): the same on every
-/// node and every run, unlike std's randomised hasher.
-pub fn hash_bytes(bytes: &[u8], seed: u64) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
-}
-
-fn ip_bytes(ip: IpAddr, out: &mut [u8; 16]) -> usize {
-    match ip {
-        IpAddr::V4(v4) => {
-            out[..4].copy_from_slice(&v4.octets());
-            4
-        }
-        IpAddr::V6(v6) => {
-            out.copy_from_slice(&v6.octets());
-            16
-        }
-    }
-}
-
-pub fn hash_ip(ip: IpAddr, seed: u64) -> u64 {
-    let mut b = [0u8; 16];
-    let n = ip_bytes(ip, &mut b);
-    hash_bytes(&b[..n], seed)
-}
+use wire::hash::ip_bytes;
+pub use wire::hash::{hash_bytes, hash_ip};
 
 fn hash_sockaddr(a: SocketAddr, seed: u64) -> u64 {
     let mut b = [0u8; 18];
