@@ -43,6 +43,7 @@
 #![warn(missing_docs)]
 
 pub mod affinity;
+mod direction;
 mod entry;
 mod frag;
 mod index;

@@ -10,7 +10,7 @@
 
 use std::fmt;
 
-use crate::entry::Direction;
+use crate::direction::Direction;
 
 /// TCP header flag bits, in the layout of the header's flags byte.
 pub mod flags {

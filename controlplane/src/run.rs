@@ -12,8 +12,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;
 use dataplane::plane::{Dataplane, DataplaneConfig};
-use nat::k8s::build;
 use nat::snapshot::{Snapshot, Update};
+use nat::tracker::build;
 use nat::tracker::{Synced, Tracker};
 
 use crate::config::KubeProxyConfiguration;

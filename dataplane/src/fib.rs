@@ -30,6 +30,7 @@
 //! down or an address disappears; the mirror re-dumps the routes after such events.
 
 mod dir4;
+mod lpm;
 mod mirror;
 mod state;
 mod table;

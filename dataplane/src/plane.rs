@@ -203,7 +203,7 @@ impl WorkerParts {
             w.journal = journal;
             w.local_delivery = Some(local_delivery);
             w.handover = handover.then_some(crate::worker::LocalDelivery {
-                src_mac: crate::worker::HANDOVER_MAC,
+                src_mac: crate::servicedev::HANDOVER_MAC,
                 ..local_delivery
             });
             w.run();
@@ -1712,26 +1712,7 @@ impl Drop for Dataplane {
     }
 }
 
-/// Removes kxp's state files (and the directory, if nothing else is in it), and the pins
-/// of the programs it left for the next kxp in that namespace (see [`crate::xdp::pins`]).
-pub fn remove_state(dir: &std::path::Path) {
-    if let Some(pins) = crate::xdp::pins::dir_for_state(dir) {
-        crate::xdp::pins::remove_dir(&pins);
-    }
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.filter_map(Result::ok) {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name == "lock"
-                || name == "kxp.sock"
-                || name.ends_with(".state")
-                || name.ends_with(".new")
-            {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-    let _ = std::fs::remove_dir(dir);
-}
+pub use crate::statefile::remove_state;
 
 #[cfg(test)]
 mod tests {

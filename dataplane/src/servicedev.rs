@@ -791,6 +791,13 @@ pub fn cleanup_rules() -> Result<usize, ServiceDeviceError> {
     })
 }
 
+/// The source MAC of the packets a worker hands to the kernel for the CNI's policy
+/// (`kxp.networkPolicy: kernel`): the kernel's rules ([`KernelPolicy`])
+/// know them by it, and masquerade those from [`HANDOVER_MASQ_MAC`].
+pub const HANDOVER_MAC: [u8; 6] = [0x02, 0x6b, 0x78, 0x70, 0x00, 0x01];
+/// See [`HANDOVER_MAC`].
+pub const HANDOVER_MASQ_MAC: [u8; 6] = [0x02, 0x6b, 0x78, 0x70, 0x00, 0x02];
+
 /// The nftables table of `kxp.networkPolicy: kernel` ([`KernelPolicy`]).
 pub const HANDOVER_TABLE: &str = "kxp_policy_handover";
 /// The routing table, and the policy rule's priority, that send the answers of handed-over
@@ -810,8 +817,8 @@ const MARK_ANSWER: u32 = 0x1000;
 /// kxp.
 ///
 /// kxp translates the destination of such a connection (DNAT) and hands its packets to
-/// the kernel through the service device, from [`crate::worker::HANDOVER_MAC`] (or
-/// [`crate::worker::HANDOVER_MASQ_MAC`] when kube-proxy would masquerade it). The kernel
+/// the kernel through the service device, from [`HANDOVER_MAC`] (or
+/// [`HANDOVER_MASQ_MAC`] when kube-proxy would masquerade it). The kernel
 /// sees what it sees under kube-proxy after PREROUTING's DNAT: it tracks the connection,
 /// forwards its packets to the pod through FORWARD, where the CNI filters them, and
 /// masquerades them in POSTROUTING when asked (nftables rules in [`HANDOVER_TABLE`], which
@@ -881,7 +888,6 @@ impl KernelPolicy {
         ifindex: u32,
         masq_ports: (u16, u16),
     ) -> Result<KernelPolicy, ServiceDeviceError> {
-        use crate::worker::{HANDOVER_MAC, HANDOVER_MASQ_MAC};
         let (plain, masq) = (mac_text(HANDOVER_MAC), mac_text(HANDOVER_MASQ_MAC));
         let (lo, hi) = masq_ports;
         let script = format!(

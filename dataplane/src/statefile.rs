@@ -104,26 +104,7 @@ impl StateDir {
     }
 }
 
-/// The initial network namespace's inode (`PROC_NET_INIT_INO` of Linux 6.x), when
-/// `/proc/1/ns/net` cannot be read.
-const INIT_NETNS_INO: u64 = 0xEFFF_FFF9;
-
-/// `None` in the host's network namespace; `netns-COOKIE` in another (a test's, a
-/// container's), so that one kxp per namespace keeps its own state. The cookie, unlike
-/// the namespace's inode number, is never reused during a boot: a new namespace never
-/// finds the state of one that is gone.
-pub fn netns_suffix() -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
-    let ino = std::fs::metadata("/proc/thread-self/ns/net").ok()?.ino();
-    let init = std::fs::metadata("/proc/1/ns/net").map_or(INIT_NETNS_INO, |m| m.ino());
-    if ino == init {
-        return None;
-    }
-    Some(match crate::sys::netns_cookie() {
-        Ok(c) => format!("netns-{c}"),
-        Err(_) => format!("netns-ino-{ino}"),
-    })
-}
+pub use crate::sys::netns_suffix;
 
 /// `/run/kxp` on the host, `/run/kxp/netns-COOKIE` in another network namespace.
 pub fn default_state_dir() -> PathBuf {
@@ -158,7 +139,7 @@ pub fn remove_stale_dirs(max_age: std::time::Duration) -> usize {
             .max();
         let old = newest.is_none_or(|t| t.elapsed().is_ok_and(|a| a > max_age));
         if old && let Ok(held) = StateDir::lock(&path, std::time::Duration::ZERO) {
-            crate::plane::remove_state(&held.path);
+            remove_state(&held.path);
             drop(held);
             let _ = std::fs::remove_dir(&path);
             n += 1;
@@ -416,6 +397,27 @@ impl conntrack::affinity::AffinitySink for StateFile {
     fn put(&self, index: usize, entry: Option<&conntrack::persist::AffinityRecord>) {
         self.write(index, &entry.map_or(persist::CLEARED, |e| e.encode()));
     }
+}
+
+/// Removes kxp's state files (and the directory, if nothing else is in it), and the pins
+/// of the programs it left for the next kxp in that namespace (see [`crate::xdp::pins`]).
+pub fn remove_state(dir: &std::path::Path) {
+    if let Some(pins) = crate::xdp::pins::dir_for_state(dir) {
+        crate::xdp::pins::remove_dir(&pins);
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.filter_map(Result::ok) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == "lock"
+                || name == "kxp.sock"
+                || name.ends_with(".state")
+                || name.ends_with(".new")
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
 }
 
 #[cfg(test)]

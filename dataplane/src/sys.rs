@@ -646,3 +646,24 @@ pub fn reduce_counts() -> (u64, u64) {
     use std::sync::atomic::Ordering::SeqCst;
     (REDUCE_DONE.load(SeqCst), REDUCE_FAILED.load(SeqCst))
 }
+
+/// The initial network namespace's inode (`PROC_NET_INIT_INO` of Linux 6.x), when
+/// `/proc/1/ns/net` cannot be read.
+const INIT_NETNS_INO: u64 = 0xEFFF_FFF9;
+
+/// `None` in the host's network namespace; `netns-COOKIE` in another (a test's, a
+/// container's), so that one kxp per namespace keeps its own state. The cookie, unlike
+/// the namespace's inode number, is never reused during a boot: a new namespace never
+/// finds the state of one that is gone.
+pub fn netns_suffix() -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata("/proc/thread-self/ns/net").ok()?.ino();
+    let init = std::fs::metadata("/proc/1/ns/net").map_or(INIT_NETNS_INO, |m| m.ino());
+    if ino == init {
+        return None;
+    }
+    Some(match netns_cookie() {
+        Ok(c) => format!("netns-{c}"),
+        Err(_) => format!("netns-ino-{ino}"),
+    })
+}

@@ -25,6 +25,7 @@ use nat::tuple::Tuple;
 
 use crate::engine::{DropCause, Engine, Handover, MasqueradeSource, Prepared, Verdict};
 use crate::fib::{FibView, Route};
+use crate::servicedev::{HANDOVER_MAC, HANDOVER_MASQ_MAC};
 use crate::xsk::{Frame, WorkerIo};
 
 /// From how many tracked flows a worker warms the cache for each received batch
@@ -437,13 +438,6 @@ pub struct Worker<'id> {
 /// The dataplane side of kxp's service device: a packet for a node address (the answer
 /// to one of the node's own connections, or a connection to a hostNetwork endpoint) is
 /// sent there, to the host side's MAC, and the node receives it on the host side.
-/// The source MAC of the packets a worker hands to the kernel for the CNI's policy
-/// (`kxp.networkPolicy: kernel`): the kernel's rules ([`crate::servicedev::KernelPolicy`])
-/// know them by it, and masquerade those from [`HANDOVER_MASQ_MAC`].
-pub const HANDOVER_MAC: [u8; 6] = [0x02, 0x6b, 0x78, 0x70, 0x00, 0x01];
-/// See [`HANDOVER_MAC`].
-pub const HANDOVER_MASQ_MAC: [u8; 6] = [0x02, 0x6b, 0x78, 0x70, 0x00, 0x02];
-
 /// A fragment table tag's bits: the datagram goes to the kernel for the CNI's policy,
 /// and is masqueraded there (below them, the VLAN id).
 const FRAG_HANDOVER: u16 = 0x8000;

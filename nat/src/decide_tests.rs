@@ -7,8 +7,9 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
 use crate::decide::{Decision, DropReason, NewPacket, Policy, RejectReason, decide};
-use crate::k8s::{ClusterState, DetectLocalMode, NodeSettings, build};
+use crate::k8s::{ClusterState, DetectLocalMode, NodeSettings};
 use crate::snapshot::{FrontendKind, Snapshot};
+use crate::tracker::build;
 use crate::tuple::Protocol;
 
 /// Parses `---`-separated objects into a cluster state.

@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -21,7 +20,6 @@ use crate::model::{
     ServicePortName,
 };
 use crate::select::{Scheduler, maglev_table};
-use crate::snapshot::Snapshot;
 use crate::topology::{PolicyUse, categorize};
 use crate::tuple::Protocol;
 
@@ -112,38 +110,6 @@ pub struct ClusterState {
     pub pods: Vec<k8s_openapi::api::core::v1::Pod>,
     pub namespaces: Vec<k8s_openapi::api::core::v1::Namespace>,
     pub network_policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
-}
-
-/// A snapshot and what was noticed while building it.
-#[derive(Debug)]
-pub struct Built {
-    pub snapshot: Snapshot,
-    /// Objects or values skipped the way kube-proxy skips them.
-    pub notes: Vec<String>,
-}
-
-/// Builds the node context and every Service port, and indexes them: the strict,
-/// one-shot form of [`crate::tracker::Tracker`] (`kxp trace`, state-file validation).
-///
-/// # Errors
-/// A [`ModelError`] for the first field that cannot be read.
-pub fn build(
-    state: &ClusterState,
-    settings: &NodeSettings,
-    generation: u64,
-) -> Result<Built, ModelError> {
-    let mut t = crate::tracker::Tracker::new(settings.clone());
-    t.replace_all(state);
-    let mut synced = t.sync(generation);
-    if !synced.errors.is_empty() {
-        return Err(synced.errors.swap_remove(0));
-    }
-    let mut notes = synced.notes;
-    notes.extend(synced.update.snapshot.conflicts.iter().cloned());
-    drop(t);
-    let snapshot =
-        Arc::try_unwrap(synced.update.snapshot).unwrap_or_else(|shared| (*shared).clone());
-    Ok(Built { snapshot, notes })
 }
 
 pub(crate) fn obj_name(

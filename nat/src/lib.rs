@@ -2,7 +2,7 @@
 //!
 //! Pure logic in the manner of quinn-proto: no I/O, no clock (time is an argument), no
 //! threads, no unsafe. The dataplane feeds it packets and a snapshot; the control plane
-//! builds the snapshot from Kubernetes objects ([`k8s::build`]).
+//! builds the snapshot from Kubernetes objects ([`tracker::build`], [`tracker::Tracker`]).
 //!
 //! - [`model`]: Service ports, endpoints and the node, per IP family, as kube-proxy holds them;
 //! - [`topology`]: which endpoints each traffic policy may use (`CategorizeEndpoints`);

@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use crate::select::Scheduler;
 use crate::tuple::Protocol;
 
 /// IP family of a proxier (kube-proxy runs one per family).
@@ -300,6 +299,91 @@ impl NodeContext {
 
 /// Shared handle to an immutable Service port.
 pub type ServicePortRef = Arc<ServicePort>;
+
+/// How a Service port picks an endpoint for a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Scheduler {
+    /// kube-proxy's default: uniform random (weights honoured when not all equal).
+    #[default]
+    Random,
+    /// IPVS `rr`.
+    RoundRobin,
+    /// IPVS `wrr`.
+    WeightedRoundRobin,
+    /// IPVS `lc`: fewest active connections.
+    LeastConnection,
+    /// IPVS `wlc`: fewest active connections per unit of weight.
+    WeightedLeastConnection,
+    /// IPVS `sh`: by source address.
+    SourceHash,
+    /// IPVS `dh`: by destination address.
+    DestinationHash,
+    /// IPVS `sed`: shortest expected delay, (active + 1) / weight.
+    ShortestExpectedDelay,
+    /// IPVS `nq`: an idle endpoint if there is one, else `sed`.
+    NeverQueue,
+    /// Maglev consistent hashing of the 5-tuple.
+    Maglev,
+}
+
+impl Scheduler {
+    /// Parses kxp's and IPVS's names (`random`, `rr`, `wrr`, `lc`, `wlc`, `sh`, `dh`,
+    /// `sed`, `nq`, `maglev`); the empty string is the default.
+    pub fn parse(s: &str) -> Option<Scheduler> {
+        Some(match s.trim().to_ascii_lowercase().as_str() {
+            "" | "random" => Scheduler::Random,
+            "rr" | "round-robin" => Scheduler::RoundRobin,
+            "wrr" => Scheduler::WeightedRoundRobin,
+            "lc" => Scheduler::LeastConnection,
+            "wlc" => Scheduler::WeightedLeastConnection,
+            "sh" => Scheduler::SourceHash,
+            "dh" => Scheduler::DestinationHash,
+            "sed" => Scheduler::ShortestExpectedDelay,
+            "nq" => Scheduler::NeverQueue,
+            "maglev" => Scheduler::Maglev,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheduler::Random => "random",
+            Scheduler::RoundRobin => "rr",
+            Scheduler::WeightedRoundRobin => "wrr",
+            Scheduler::LeastConnection => "lc",
+            Scheduler::WeightedLeastConnection => "wlc",
+            Scheduler::SourceHash => "sh",
+            Scheduler::DestinationHash => "dh",
+            Scheduler::ShortestExpectedDelay => "sed",
+            Scheduler::NeverQueue => "nq",
+            Scheduler::Maglev => "maglev",
+        }
+    }
+
+    /// Schedulers that weigh endpoints by their connections on the node.
+    pub fn uses_load(self) -> bool {
+        matches!(
+            self,
+            Scheduler::LeastConnection
+                | Scheduler::WeightedLeastConnection
+                | Scheduler::ShortestExpectedDelay
+                | Scheduler::NeverQueue
+        )
+    }
+
+    /// Schedulers that keep a position between connections ([`crate::select::RrCursor`]).
+    pub fn uses_cursor(self) -> bool {
+        matches!(self, Scheduler::RoundRobin | Scheduler::WeightedRoundRobin)
+    }
+
+    /// Schedulers that look endpoints up in a consistent-hash table.
+    pub fn uses_hash_table(self) -> bool {
+        matches!(
+            self,
+            Scheduler::Maglev | Scheduler::SourceHash | Scheduler::DestinationHash
+        )
+    }
+}
 
 #[cfg(test)]
 mod tests {

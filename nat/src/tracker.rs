@@ -578,6 +578,38 @@ fn same<T: PartialEq>(a: &Arc<T>, b: &Arc<T>) -> bool {
     Arc::ptr_eq(a, b) || a == b
 }
 
+/// A snapshot and what was noticed while building it.
+#[derive(Debug)]
+pub struct Built {
+    pub snapshot: Snapshot,
+    /// Objects or values skipped the way kube-proxy skips them.
+    pub notes: Vec<String>,
+}
+
+/// Builds the node context and every Service port, and indexes them: the strict,
+/// one-shot form of [`Tracker`] (`kxp trace`, state-file validation).
+///
+/// # Errors
+/// A [`ModelError`] for the first field that cannot be read.
+pub fn build(
+    state: &ClusterState,
+    settings: &NodeSettings,
+    generation: u64,
+) -> Result<Built, ModelError> {
+    let mut t = Tracker::new(settings.clone());
+    t.replace_all(state);
+    let mut synced = t.sync(generation);
+    if !synced.errors.is_empty() {
+        return Err(synced.errors.swap_remove(0));
+    }
+    let mut notes = synced.notes;
+    notes.extend(synced.update.snapshot.conflicts.iter().cloned());
+    drop(t);
+    let snapshot =
+        Arc::try_unwrap(synced.update.snapshot).unwrap_or_else(|shared| (*shared).clone());
+    Ok(Built { snapshot, notes })
+}
+
 #[cfg(any(test, feature = "test-util"))]
 pub mod testutil;
 

@@ -155,7 +155,7 @@ async fn initial_sync_honours_selectors() {
     }
     assert_eq!(status.get("services").unwrap().objects, 1);
     // The state builds a snapshot.
-    let built = nat::k8s::build(
+    let built = nat::tracker::build(
         &st,
         &nat::k8s::NodeSettings {
             node_name: "node-a".into(),

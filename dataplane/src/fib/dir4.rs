@@ -18,7 +18,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use super::table::{Kind, Lpm, RouteEntry, lookup_tables};
+use super::lpm::{Kind, Lpm, RouteEntry, lookup_tables};
 
 /// A slot holding the index of a next-stage block rather than an answer.
 const CHILD: u32 = 1 << 31;

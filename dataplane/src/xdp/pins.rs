@@ -9,7 +9,7 @@
 //! program id), so a stale or foreign pin is never taken for the attached program.
 //!
 //! Pins live as long as the state directory of the same namespace: removed with it
-//! (`kxp cleanup`, [`crate::plane::remove_state`], the sweep of stale directories), and
+//! (`kxp cleanup`, [`crate::statefile::remove_state`], the sweep of stale directories), and
 //! pruned to the interfaces kxp steers once it has taken over.
 
 use std::io;
@@ -30,7 +30,7 @@ pub fn dir() -> Option<PathBuf> {
         return None;
     }
     let kxp = base.join("kxp");
-    Some(match crate::statefile::netns_suffix() {
+    Some(match crate::sys::netns_suffix() {
         Some(ns) => kxp.join(ns),
         None => kxp,
     })

@@ -9,9 +9,10 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::json;
 
 use super::Tracker;
-use crate::k8s::{ClusterState, NodeSettings, build};
+use crate::k8s::{ClusterState, NodeSettings};
 use crate::model::Family;
 use crate::snapshot::Snapshot;
+use crate::tracker::build;
 
 /// The node the tests build for.
 pub fn settings() -> NodeSettings {

@@ -19,6 +19,7 @@
 //! with a 410 Expired Status for a compacted resourceVersion, `timeoutSeconds`; label and
 //! field selectors, with objects entering/leaving a watch's selectors sent as ADDED/DELETED.
 
+mod request;
 mod selector;
 mod server;
 mod store;

@@ -1,23 +1,19 @@
 //! The HTTP side: routing, discovery, get, list (with pagination) and writes.
 //! Watches are in `watch.rs`.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, header};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 
-use super::selector::{FieldSelector, LabelSelector};
+use super::request::{Body, Query, Target, flag, partial_metadata, selectors};
 use super::store::{State, WriteMode, parse_rv};
 use super::{FakeError, Kind, Shared, watch};
-
-pub(crate) type Body = BoxBody<Bytes, std::io::Error>;
-pub(crate) type Query = HashMap<String, String>;
 
 /// Accepts connections (over TLS with `tls`) until `shutdown` fires.
 pub(crate) async fn serve(
@@ -121,12 +117,6 @@ fn parse_query(q: &str) -> Query {
         .collect()
 }
 
-/// True for "true"/"1" (Go's strconv.ParseBool accepts more; clients send these).
-pub(crate) fn flag(q: &Query, k: &str) -> Option<bool> {
-    q.get(k)
-        .map(|v| matches!(v.as_str(), "true" | "1" | "t" | "True" | "TRUE"))
-}
-
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
 pub(crate) fn b64_encode(data: &[u8]) -> String {
@@ -157,14 +147,6 @@ fn b64_decode(s: &str) -> Option<Vec<u8>> {
         }
     }
     Some(out)
-}
-
-/// Which resource (and optionally namespace/name) a path addresses.
-#[derive(Debug)]
-pub(crate) struct Target {
-    pub kind: Kind,
-    pub ns: Option<String>,
-    pub name: Option<String>,
 }
 
 fn parse_target(segs: &[&str]) -> Option<Target> {
@@ -410,12 +392,6 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     })
 }
 
-/// `obj` as a `PartialObjectMetadata` (its metadata only).
-pub(crate) fn partial_metadata(obj: &Value) -> Value {
-    json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-           "metadata": obj.get("metadata").cloned().unwrap_or_else(|| json!({}))})
-}
-
 fn get(st: &State, t: &Target, meta_only: bool) -> Result<Response<Body>, FakeError> {
     let key = (
         t.ns.clone().unwrap_or_default(),
@@ -499,20 +475,6 @@ fn write(shared: &Shared, t: &Target, verb: &str, body: &[u8]) -> Result<(u16, V
     };
     let (_, o) = st.write(obj, mode)?;
     Ok((if verb == "create" { 201 } else { 200 }, o))
-}
-
-/// Parses labelSelector and fieldSelector for `kind` (400 on a bad one).
-pub(crate) fn selectors(
-    kind: Kind,
-    q: &Query,
-) -> Result<(LabelSelector, FieldSelector), FakeError> {
-    let bad = |m: String| FakeError::new(400, "BadRequest", m);
-    let l = LabelSelector::parse(q.get("labelSelector").map_or("", String::as_str)).map_err(bad)?;
-    let f = FieldSelector::parse(q.get("fieldSelector").map_or("", String::as_str), |f| {
-        kind.supports_field(f)
-    })
-    .map_err(bad)?;
-    Ok((l, f))
 }
 
 /// Whether `ns/name` sorts after a continue token's `start` (without building the string).

@@ -11,8 +11,8 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::request::{Body, Query, Target, flag, partial_metadata, selectors};
 use super::selector::{FieldSelector, LabelSelector};
-use super::server::{Body, Query, Target, flag, selectors};
 use super::store::{EventType, StoredEvent, expired, parse_rv, set_rv};
 use super::{FakeError, Kind, Shared};
 
@@ -98,7 +98,7 @@ impl Spec {
     /// An event line, the object projected to its metadata when asked.
     fn line(&self, etype: &str, obj: &Value) -> Bytes {
         if self.meta_only && etype != "ERROR" {
-            line(etype, &crate::fakeapi::server::partial_metadata(obj))
+            line(etype, &partial_metadata(obj))
         } else {
             line(etype, obj)
         }
