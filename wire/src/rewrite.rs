@@ -23,6 +23,7 @@
 mod checksum;
 mod fragment;
 mod icmp;
+mod ip;
 mod ipv4;
 mod ipv6;
 mod l4;

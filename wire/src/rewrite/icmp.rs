@@ -10,83 +10,12 @@
 use std::net::IpAddr;
 
 use super::checksum::Delta;
-use super::parse::{IcmpErrorPacket, IpHeader, Parsed, Untranslatable, ip_header};
+use super::l4;
+use super::parse::IcmpErrorPacket;
 use super::translate::{RewriteError, check_family, set_addrs};
-use super::{ParseError, l4};
-use crate::tuple::{Protocol, Tuple};
+use crate::tuple::Tuple;
 
-/// Byte offsets of the ICMP header fields kxp reads or writes (same in v4 and v6).
-mod field {
-    pub const TYPE: usize = 0;
-    pub const CODE: usize = 1;
-    pub const CHECKSUM: usize = 2;
-}
-
-/// ICMP header length (type, code, checksum, 4 type-specific bytes), both versions.
-pub(super) const HEADER_LEN: usize = 8;
-pub(super) const ICMPV4: u8 = 1;
-pub(super) const ICMPV6: u8 = 58;
-
-/// Sorts the ICMP message of the packet `buf` (cut at its IP length) whose IP header is
-/// `ip`.
-pub(super) fn parse(buf: &[u8], ip: &IpHeader) -> Result<Parsed, ParseError> {
-    let msg = &buf[ip.header_len..];
-    if msg.len() < HEADER_LEN {
-        return Err(ParseError::BadL4Header);
-    }
-    let (icmp_type, icmp_code) = (msg[field::TYPE], msg[field::CODE]);
-    let v6 = ip.src.is_ipv6();
-    let untranslatable = Parsed::NotTranslatable(Untranslatable {
-        src: ip.src,
-        dst: ip.dst,
-        icmp_type,
-        icmp_code,
-    });
-    let is_error = if v6 {
-        matches!(icmp_type, 1..=4)
-    } else {
-        matches!(icmp_type, 3 | 11 | 12)
-    };
-    if !is_error {
-        return Ok(untranslatable);
-    }
-
-    let quote = &msg[HEADER_LEN..];
-    let inner = match ip_header(quote, true) {
-        Ok(inner) if inner.src.is_ipv6() == v6 => inner,
-        _ => return Err(ParseError::BadIcmpQuote),
-    };
-    // kxp never forwards fragments, so an error about one is not about a translated flow.
-    let Some(proto) = Protocol::from_number(inner.proto).filter(|_| !inner.fragment) else {
-        return Ok(untranslatable);
-    };
-    let inner_l4 = &quote[inner.header_len..];
-    if inner_l4.len() < l4::QUOTED_LEN {
-        return Err(ParseError::BadIcmpQuote);
-    }
-    let (sport, dport) = l4::quoted_ports(inner_l4);
-    let inner_sctp_len = (proto == Protocol::Sctp)
-        .then(|| inner.total_len.checked_sub(inner.header_len))
-        .flatten()
-        .filter(|&len| len >= l4::SCTP_HEADER_LEN);
-    Ok(Parsed::IcmpError(IcmpErrorPacket {
-        src: ip.src,
-        dst: ip.dst,
-        icmp_type,
-        icmp_code,
-        inner: Tuple {
-            src: inner.src,
-            dst: inner.dst,
-            sport,
-            dport,
-            proto,
-        },
-        l4_offset: ip.header_len,
-        inner_l4_offset: ip.header_len + HEADER_LEN + inner.header_len,
-        ip_len: buf.len(),
-        inner_sctp_len,
-    }))
-}
+use super::parse::icmp::{HEADER_LEN, field};
 
 /// Translates an ICMP error about a translated flow, in place.
 ///
@@ -157,6 +86,8 @@ mod tests {
     use crate::rewrite::testutil::{
         Endpoints, build, build_tuple, icmp_echo, icmp_error, verify_checksums,
     };
+    use crate::rewrite::{ParseError, Parsed};
+    use crate::tuple::Protocol;
 
     fn icmp_err(pkt: &[u8]) -> IcmpErrorPacket {
         match crate::rewrite::parse(pkt).unwrap() {

@@ -34,7 +34,7 @@ pub(super) struct Header {
     /// More-fragments set or a nonzero fragment offset.
     pub fragment: bool,
     /// Identification, fragment offset (8-byte units) and more-fragments, when `fragment`.
-    pub frag: Option<super::parse::FragInfo>,
+    pub frag: Option<super::ip::FragInfo>,
 }
 
 /// Checks and reads the IPv4 header at the start of `buf`.
@@ -82,7 +82,7 @@ pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
         fragment: get16(buf, field::FLAGS_FRAG) & MF_OR_OFFSET != 0,
         frag: (get16(buf, field::FLAGS_FRAG) & MF_OR_OFFSET != 0).then(|| {
             let w = get16(buf, field::FLAGS_FRAG);
-            super::parse::FragInfo {
+            super::ip::FragInfo {
                 id: u32::from(get16(buf, field::ID)),
                 offset: w & 0x1FFF,
                 more: w & 0x2000 != 0,

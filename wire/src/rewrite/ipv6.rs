@@ -40,7 +40,7 @@ pub(super) struct Header {
     pub fragment: bool,
     /// The fragment header's identification, offset (8-byte units) and M flag. For a
     /// packet (not a quote) `header_len` and `proto` are then those after it.
-    pub frag: Option<super::parse::FragInfo>,
+    pub frag: Option<super::ip::FragInfo>,
 }
 
 /// Checks and reads the IPv6 header at the start of `buf`, stepping over hop-by-hop,
@@ -102,7 +102,7 @@ pub(super) fn parse(buf: &[u8], quoted: bool) -> Result<Header, ParseError> {
             return Err(ParseError::BadExtensionHeader);
         }
         let w = get16(buf, off + 2);
-        frag = Some(super::parse::FragInfo {
+        frag = Some(super::ip::FragInfo {
             id: u32::from_be_bytes([buf[off + 4], buf[off + 5], buf[off + 6], buf[off + 7]]),
             offset: w >> 3,
             more: w & 1 != 0,

@@ -6,7 +6,7 @@
 
 use std::net::IpAddr;
 
-use super::{icmp, ipv4, ipv6, l4};
+use super::{ipv4, ipv6, l4};
 use crate::tuple::{Protocol, Tuple};
 
 /// Why a packet could not be parsed. The dataplane drops it and counts it under
@@ -85,16 +85,7 @@ pub enum Parsed {
     Fragment(FragmentPacket),
 }
 
-/// Identification, offset and more-fragments flag of an IPv4 fragment or of an IPv6
-/// fragment header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FragInfo {
-    /// IPv4's 16-bit identification or IPv6's 32-bit one.
-    pub id: u32,
-    /// In units of 8 bytes.
-    pub offset: u16,
-    pub more: bool,
-}
+pub use super::ip::FragInfo;
 
 /// What identifies the fragments of one datagram (RFC 791: source, destination,
 /// protocol, identification; RFC 8200 the same with its 32-bit identification).
@@ -415,6 +406,87 @@ pub(super) fn ip_header(buf: &[u8], quoted: bool) -> Result<IpHeader, ParseError
             frag: h.frag,
         }),
         Some(v) => Err(ParseError::BadVersion(v)),
+    }
+}
+
+/// The ICMP header and the sorting of ICMP messages (the errors are what kxp translates;
+/// see `icmp` for their rewrite).
+pub(super) mod icmp {
+    use super::super::{ParseError, l4};
+    use super::{IcmpErrorPacket, IpHeader, Parsed, Untranslatable, ip_header};
+    use crate::tuple::{Protocol, Tuple};
+
+    /// Byte offsets of the ICMP header fields kxp reads or writes (same in v4 and v6).
+    pub(in super::super) mod field {
+        pub const TYPE: usize = 0;
+        pub const CODE: usize = 1;
+        pub const CHECKSUM: usize = 2;
+    }
+
+    /// ICMP header length (type, code, checksum, 4 type-specific bytes), both versions.
+    pub(in super::super) const HEADER_LEN: usize = 8;
+    pub(in super::super) const ICMPV4: u8 = 1;
+    pub(in super::super) const ICMPV6: u8 = 58;
+
+    /// Sorts the ICMP message of the packet `buf` (cut at its IP length) whose IP header is
+    /// `ip`.
+    pub(in super::super) fn parse(buf: &[u8], ip: &IpHeader) -> Result<Parsed, ParseError> {
+        let msg = &buf[ip.header_len..];
+        if msg.len() < HEADER_LEN {
+            return Err(ParseError::BadL4Header);
+        }
+        let (icmp_type, icmp_code) = (msg[field::TYPE], msg[field::CODE]);
+        let v6 = ip.src.is_ipv6();
+        let untranslatable = Parsed::NotTranslatable(Untranslatable {
+            src: ip.src,
+            dst: ip.dst,
+            icmp_type,
+            icmp_code,
+        });
+        let is_error = if v6 {
+            matches!(icmp_type, 1..=4)
+        } else {
+            matches!(icmp_type, 3 | 11 | 12)
+        };
+        if !is_error {
+            return Ok(untranslatable);
+        }
+
+        let quote = &msg[HEADER_LEN..];
+        let inner = match ip_header(quote, true) {
+            Ok(inner) if inner.src.is_ipv6() == v6 => inner,
+            _ => return Err(ParseError::BadIcmpQuote),
+        };
+        // kxp never forwards fragments, so an error about one is not about a translated flow.
+        let Some(proto) = Protocol::from_number(inner.proto).filter(|_| !inner.fragment) else {
+            return Ok(untranslatable);
+        };
+        let inner_l4 = &quote[inner.header_len..];
+        if inner_l4.len() < l4::QUOTED_LEN {
+            return Err(ParseError::BadIcmpQuote);
+        }
+        let (sport, dport) = l4::quoted_ports(inner_l4);
+        let inner_sctp_len = (proto == Protocol::Sctp)
+            .then(|| inner.total_len.checked_sub(inner.header_len))
+            .flatten()
+            .filter(|&len| len >= l4::SCTP_HEADER_LEN);
+        Ok(Parsed::IcmpError(IcmpErrorPacket {
+            src: ip.src,
+            dst: ip.dst,
+            icmp_type,
+            icmp_code,
+            inner: Tuple {
+                src: inner.src,
+                dst: inner.dst,
+                sport,
+                dport,
+                proto,
+            },
+            l4_offset: ip.header_len,
+            inner_l4_offset: ip.header_len + HEADER_LEN + inner.header_len,
+            ip_len: buf.len(),
+            inner_sctp_len,
+        }))
     }
 }
 

@@ -8,8 +8,8 @@
 use std::net::IpAddr;
 
 use super::checksum::{finish, pseudo_sum, sum};
-use super::icmp::{self, ICMPV4, ICMPV6};
 use super::l4::{self, tcp_flags};
+use super::parse::icmp::{self, ICMPV4, ICMPV6};
 use super::{ParseError, Parsed, ipv4, ipv6, parse};
 use crate::tuple::Protocol;
 
