@@ -243,76 +243,87 @@ impl Metrics {
             totals: Mutex::new(Totals::default()),
             registry: Registry::default(),
         };
-        {
-            let kp = registry.sub_registry_with_prefix("kubeproxy");
-            kp.register(
-                "sync_proxy_rules_duration_seconds",
-                "SyncProxyRules latency in seconds",
-                m.sync_duration.clone(),
-            );
-            kp.register(
-                "sync_full_proxy_rules_duration_seconds",
-                "SyncProxyRules latency in seconds for full resyncs",
-                m.sync_full.clone(),
-            );
-            kp.register(
-                "sync_partial_proxy_rules_duration_seconds",
-                "SyncProxyRules latency in seconds for partial resyncs",
-                m.sync_partial.clone(),
-            );
-            kp.register(
-                "sync_proxy_rules_service_changes_pending",
-                "Pending proxy rules Service changes",
-                m.service_pending.clone(),
-            );
-            kp.register(
-                "sync_proxy_rules_endpoint_changes_pending",
-                "Pending proxy rules Endpoint changes",
-                m.endpoint_pending.clone(),
-            );
-            kp.register(
-                "network_programming_duration_seconds",
-                "In Cluster Network Programming Latency in seconds",
-                m.network_programming.clone(),
-            );
-            kp.register(
-                "sync_proxy_rules_last_timestamp_seconds",
-                "The last time proxy rules were successfully synced",
-                m.last_sync.clone(),
-            );
-            kp.register(
-                "sync_proxy_rules_last_queued_timestamp_seconds",
-                "The last time a sync of proxy rules was queued",
-                m.last_queued.clone(),
-            );
-            // prometheus-client appends `_total` to counter samples.
-            kp.register(
-                "sync_proxy_rules_service_changes",
-                "Cumulative proxy rules Service changes",
-                m.service_changes.clone(),
-            );
-            kp.register(
-                "sync_proxy_rules_endpoint_changes",
-                "Cumulative proxy rules Endpoint changes",
-                m.endpoint_changes.clone(),
-            );
-            kp.register(
-                "sync_proxy_rules_no_local_endpoints_total",
-                "Number of services with a Local traffic policy and no endpoints",
-                m.no_local_endpoints.clone(),
-            );
-            kp.register(
-                "proxy_healthz",
-                "Cumulative proxy healthz HTTP status",
-                m.healthz.clone(),
-            );
-            kp.register(
-                "proxy_livez",
-                "Cumulative proxy livez HTTP status",
-                m.livez.clone(),
-            );
-        }
-        // client-go's and the Prometheus client's standard metrics, by their names.
+        m.register_kube_proxy(&mut registry);
+        m.register_process(&mut registry);
+        m.register_kxp(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// kube-proxy's own metrics, by their names (`kubeproxy_*`).
+    fn register_kube_proxy(&self, registry: &mut Registry) {
+        let m = self;
+        let kp = registry.sub_registry_with_prefix("kubeproxy");
+        kp.register(
+            "sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            m.sync_duration.clone(),
+        );
+        kp.register(
+            "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            m.sync_full.clone(),
+        );
+        kp.register(
+            "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            m.sync_partial.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_pending.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            m.endpoint_pending.clone(),
+        );
+        kp.register(
+            "network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            m.network_programming.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            m.last_sync.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            m.last_queued.clone(),
+        );
+        // prometheus-client appends `_total` to counter samples.
+        kp.register(
+            "sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            m.service_changes.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            m.endpoint_changes.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            m.no_local_endpoints.clone(),
+        );
+        kp.register(
+            "proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            m.healthz.clone(),
+        );
+        kp.register(
+            "proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            m.livez.clone(),
+        );
+    }
+
+    /// client-go's and the Prometheus client's standard metrics, by their names.
+    fn register_process(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "rest_client_requests",
             "Number of HTTP requests, partitioned by status code, method, and host",
@@ -348,148 +359,150 @@ impl Metrics {
             "Start time of the process since unix epoch in seconds",
             m.start_time.clone(),
         );
-        {
-            let kxp = registry.sub_registry_with_prefix("kxp");
-            kxp.register(
-                "packets",
-                "Packets handled by the dataplane, by verdict",
-                m.packets.clone(),
-            );
-            kxp.register(
-                "bytes",
-                "Bytes handled by the dataplane, by verdict",
-                m.bytes.clone(),
-            );
-            kxp.register("drops", "Packets dropped, by reason", m.drops.clone());
-            kxp.register(
-                "conntrack_entries",
-                "Connection tracking entries in use",
-                m.conntrack_entries.clone(),
-            );
-            kxp.register(
-                "conntrack_insertions",
-                "Connection tracking entries inserted",
-                m.conntrack_inserts.clone(),
-            );
-            kxp.register(
-                "conntrack_evictions",
-                "Connection tracking entries evicted",
-                m.conntrack_evictions.clone(),
-            );
-            kxp.register(
-                "session_affinity_entries",
-                "ClientIP session affinity entries held by the node",
-                m.affinity_entries.clone(),
-            );
-            kxp.register(
-                "session_affinity_expired",
-                "ClientIP session affinity entries removed at their timeout",
-                m.affinity_expired.clone(),
-            );
-            kxp.register(
-                "session_affinity_evictions",
-                "Live ClientIP session affinity entries evicted because the table was full",
-                m.affinity_evictions.clone(),
-            );
-            kxp.register(
-                "handoffs",
-                "Packets handed to the worker that owns their flow",
-                m.handoffs.clone(),
-            );
-            kxp.register(
-                "pass_checksums_completed",
-                "Packets kxp forwarded without translating them (an endpoint's answer in a \
-                 connection no one translated, with the kernel's conntrack off) whose partial \
-                 checksum it completed",
-                m.pass_checksums_completed.clone(),
-            );
-            kxp.register(
-                "vlan_frames",
-                "Frames with one 802.1Q/802.1ad tag on an interface kxp drives (a trunk): \
-                 untagged, the tag taken off a frame that came with one (its flow keeps the \
-                 VLAN id); tagged, the tag put on a frame going back to such a client",
-                m.vlan_frames.clone(),
-            );
-            kxp.register(
-                "policy_handover_packets",
-                "Packets of connections to this node's pods that kxp translated and handed to \
-                 the kernel, which carries them through the CNI's filtering \
-                 (kxp.networkPolicy: kernel)",
-                m.policy_handover.clone(),
-            );
-            kxp.register(
-                "snapshot_generation",
-                "Generation of the snapshot the dataplane runs",
-                m.generation.clone(),
-            );
-            kxp.register(
-                "snapshot_age_seconds",
-                "Age of the snapshot the dataplane runs",
-                m.snapshot_age.clone(),
-            );
-            kxp.register(
-                "api_watch_events",
-                "Watch events applied from the API server, by resource",
-                m.api_events.clone(),
-            );
-            kxp.register(
-                "api_watch_errors",
-                "Failed list/watch requests and error events, by resource",
-                m.api_errors.clone(),
-            );
-            kxp.register(
-                "api_relists",
-                "Lists after the first (410 Expired, a watch that could not resume), by resource",
-                m.api_relists.clone(),
-            );
-            kxp.register(
-                "api_watch_failing",
-                "1 while a resource's watch is failing (the last good state is in force)",
-                m.api_failing.clone(),
-            );
-            kxp.register(
-                "api_objects",
-                "Objects held from the API server, by resource",
-                m.api_objects.clone(),
-            );
-            kxp.register(
-                "xdp_packets",
-                "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged frames not looked inside, passed: looking inside is off, or the tag is cut short); dropped (held while kxp restarts, or on the service device and not for the node)",
-                m.xdp.clone(),
-            );
-            kxp.register(
-                "xsk_rx_drops",
-                "Packets the kernel redirected to kxp's AF_XDP sockets and dropped, per interface and reason: fill_ring_empty (no receive buffer: kxp's rings held what its queue budget allows, or it fell behind), rx_ring_full (the receive ring was full), other",
-                m.xsk_drops.clone(),
-            );
-            kxp.register(
-                "xsk_rx_packets",
-                "Frames kxp received per interface and receive queue (one AF_XDP socket each; \
-                 queue q is served by worker q % workers): how RSS spreads the traffic",
-                m.xsk_packets.clone(),
-            );
-            kxp.register(
-                "worker_busy_ratio",
-                "Fraction of time each worker spent processing packets",
-                m.busy.clone(),
-            );
-            kxp.register(
-                "worker_stalls",
-                "Gaps of a millisecond or more between two rounds of a worker's polling loop with no sleep between them: its CPU was taken (another task or kernel thread, the hypervisor) or a round of its own ran long; what arrived meanwhile waited in the rings, or was dropped when they filled (kxp_xsk_rx_drops_total). Give the workers' CPUs to kxp alone (isolcpus, a cpuset) if these come with drops",
-                m.stalls.clone(),
-            );
-            kxp.register(
-                "worker_stall_seconds",
-                "Total length of the worker_stalls",
-                m.stall_seconds.clone(),
-            );
-            kxp.register(
-                "worker_longest_stall_seconds",
-                "The longest of the worker_stalls since kxp started",
-                m.longest_stall.clone(),
-            );
-        }
-        Metrics { registry, ..m }
+    }
+
+    /// kxp's own metrics (`kxp_*`).
+    fn register_kxp(&self, registry: &mut Registry) {
+        let m = self;
+        let kxp = registry.sub_registry_with_prefix("kxp");
+        kxp.register(
+            "packets",
+            "Packets handled by the dataplane, by verdict",
+            m.packets.clone(),
+        );
+        kxp.register(
+            "bytes",
+            "Bytes handled by the dataplane, by verdict",
+            m.bytes.clone(),
+        );
+        kxp.register("drops", "Packets dropped, by reason", m.drops.clone());
+        kxp.register(
+            "conntrack_entries",
+            "Connection tracking entries in use",
+            m.conntrack_entries.clone(),
+        );
+        kxp.register(
+            "conntrack_insertions",
+            "Connection tracking entries inserted",
+            m.conntrack_inserts.clone(),
+        );
+        kxp.register(
+            "conntrack_evictions",
+            "Connection tracking entries evicted",
+            m.conntrack_evictions.clone(),
+        );
+        kxp.register(
+            "session_affinity_entries",
+            "ClientIP session affinity entries held by the node",
+            m.affinity_entries.clone(),
+        );
+        kxp.register(
+            "session_affinity_expired",
+            "ClientIP session affinity entries removed at their timeout",
+            m.affinity_expired.clone(),
+        );
+        kxp.register(
+            "session_affinity_evictions",
+            "Live ClientIP session affinity entries evicted because the table was full",
+            m.affinity_evictions.clone(),
+        );
+        kxp.register(
+            "handoffs",
+            "Packets handed to the worker that owns their flow",
+            m.handoffs.clone(),
+        );
+        kxp.register(
+            "pass_checksums_completed",
+            "Packets kxp forwarded without translating them (an endpoint's answer in a \
+             connection no one translated, with the kernel's conntrack off) whose partial \
+             checksum it completed",
+            m.pass_checksums_completed.clone(),
+        );
+        kxp.register(
+            "vlan_frames",
+            "Frames with one 802.1Q/802.1ad tag on an interface kxp drives (a trunk): \
+             untagged, the tag taken off a frame that came with one (its flow keeps the \
+             VLAN id); tagged, the tag put on a frame going back to such a client",
+            m.vlan_frames.clone(),
+        );
+        kxp.register(
+            "policy_handover_packets",
+            "Packets of connections to this node's pods that kxp translated and handed to \
+             the kernel, which carries them through the CNI's filtering \
+             (kxp.networkPolicy: kernel)",
+            m.policy_handover.clone(),
+        );
+        kxp.register(
+            "snapshot_generation",
+            "Generation of the snapshot the dataplane runs",
+            m.generation.clone(),
+        );
+        kxp.register(
+            "snapshot_age_seconds",
+            "Age of the snapshot the dataplane runs",
+            m.snapshot_age.clone(),
+        );
+        kxp.register(
+            "api_watch_events",
+            "Watch events applied from the API server, by resource",
+            m.api_events.clone(),
+        );
+        kxp.register(
+            "api_watch_errors",
+            "Failed list/watch requests and error events, by resource",
+            m.api_errors.clone(),
+        );
+        kxp.register(
+            "api_relists",
+            "Lists after the first (410 Expired, a watch that could not resume), by resource",
+            m.api_relists.clone(),
+        );
+        kxp.register(
+            "api_watch_failing",
+            "1 while a resource's watch is failing (the last good state is in force)",
+            m.api_failing.clone(),
+        );
+        kxp.register(
+            "api_objects",
+            "Objects held from the API server, by resource",
+            m.api_objects.clone(),
+        );
+        kxp.register(
+            "xdp_packets",
+            "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged frames not looked inside, passed: looking inside is off, or the tag is cut short); dropped (held while kxp restarts, or on the service device and not for the node)",
+            m.xdp.clone(),
+        );
+        kxp.register(
+            "xsk_rx_drops",
+            "Packets the kernel redirected to kxp's AF_XDP sockets and dropped, per interface and reason: fill_ring_empty (no receive buffer: kxp's rings held what its queue budget allows, or it fell behind), rx_ring_full (the receive ring was full), other",
+            m.xsk_drops.clone(),
+        );
+        kxp.register(
+            "xsk_rx_packets",
+            "Frames kxp received per interface and receive queue (one AF_XDP socket each; \
+             queue q is served by worker q % workers): how RSS spreads the traffic",
+            m.xsk_packets.clone(),
+        );
+        kxp.register(
+            "worker_busy_ratio",
+            "Fraction of time each worker spent processing packets",
+            m.busy.clone(),
+        );
+        kxp.register(
+            "worker_stalls",
+            "Gaps of a millisecond or more between two rounds of a worker's polling loop with no sleep between them: its CPU was taken (another task or kernel thread, the hypervisor) or a round of its own ran long; what arrived meanwhile waited in the rings, or was dropped when they filled (kxp_xsk_rx_drops_total). Give the workers' CPUs to kxp alone (isolcpus, a cpuset) if these come with drops",
+            m.stalls.clone(),
+        );
+        kxp.register(
+            "worker_stall_seconds",
+            "Total length of the worker_stalls",
+            m.stall_seconds.clone(),
+        );
+        kxp.register(
+            "worker_longest_stall_seconds",
+            "The longest of the worker_stalls since kxp started",
+            m.longest_stall.clone(),
+        );
     }
 
     /// One sync of the dataplane took `d`; `full`: a full resync (the first, a periodic
