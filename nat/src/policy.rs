@@ -692,16 +692,7 @@ impl PolicyView {
             ingress_by: Vec::new(),
             egress_by: Vec::new(),
         };
-        if let Some(ps) = self.by_namespace.get(&namespace) {
-            for (i, pol) in ps.policies.iter().enumerate() {
-                if pol.selects(&entry.pod, Direction::Ingress) {
-                    entry.ingress_by.push(i as u32);
-                }
-                if pol.selects(&entry.pod, Direction::Egress) {
-                    entry.egress_by.push(i as u32);
-                }
-            }
-        }
+        self.find_isolating(&mut entry);
         let entry = Arc::new(entry);
         for &ip in &ips {
             self.pods.insert(ip, entry.clone());
@@ -771,6 +762,24 @@ impl PolicyView {
         })
     }
 
+    /// Sets `entry`'s isolating policies: those of its namespace that select it, per
+    /// direction.
+    fn find_isolating(&self, entry: &mut PodEntry) {
+        entry.ingress_by.clear();
+        entry.egress_by.clear();
+        let Some(ps) = self.by_namespace.get(&entry.pod.namespace) else {
+            return;
+        };
+        for (i, pol) in ps.policies.iter().enumerate() {
+            if pol.selects(&entry.pod, Direction::Ingress) {
+                entry.ingress_by.push(i as u32);
+            }
+            if pol.selects(&entry.pod, Direction::Egress) {
+                entry.egress_by.push(i as u32);
+            }
+        }
+    }
+
     /// Every pod of `namespace` changed by `change`, then given the policies of its
     /// namespace that isolate it again.
     fn revisit(&mut self, namespace: &str, change: impl Fn(&mut PodEntry)) {
@@ -791,18 +800,7 @@ impl PolicyView {
             };
             let mut entry = PodEntry::clone(old);
             change(&mut entry);
-            entry.ingress_by.clear();
-            entry.egress_by.clear();
-            if let Some(ps) = self.by_namespace.get(namespace) {
-                for (i, pol) in ps.policies.iter().enumerate() {
-                    if pol.selects(&entry.pod, Direction::Ingress) {
-                        entry.ingress_by.push(i as u32);
-                    }
-                    if pol.selects(&entry.pod, Direction::Egress) {
-                        entry.egress_by.push(i as u32);
-                    }
-                }
-            }
+            self.find_isolating(&mut entry);
             let entry = Arc::new(entry);
             for ip in ips {
                 if self.pods.get(ip).is_some_and(|e| own(&e)) {

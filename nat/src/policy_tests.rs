@@ -677,24 +677,9 @@ fn pods_that_change_are_followed_one_by_one() {
 fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
     use crate::k8s::NodeSettings;
     use crate::tracker::Tracker;
-    use k8s_openapi::api::core::v1::{Namespace, Pod as K8sPod};
-    let pod = |ns: &str, name: &str, app: &str, ip: &str| -> Arc<K8sPod> {
-        Arc::new(
-            serde_yaml::from_str(&format!(
-                "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: {ns}, labels: {{app: {app}}}}}\n\
-                 spec: {{nodeName: node-a, containers: [{{name: c}}]}}\nstatus: {{podIP: {ip}}}\n"
-            ))
-            .unwrap(),
-        )
-    };
-    let namespace = |name: &str, team: &str| -> Arc<Namespace> {
-        Arc::new(
-            serde_yaml::from_str(&format!(
-                "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}, labels: {{team: {team}}}}}\n"
-            ))
-            .unwrap(),
-        )
-    };
+    use k8s_openapi::api::core::v1::Namespace;
+    let pod = |ns: &str, name: &str, app: &str, ip: &str| k8s_pod(ns, name, app, ip, "node-a");
+    let namespace = team_namespace;
     let np = |ns: &str, name: &str, spec: &str| -> Arc<NetworkPolicy> {
         Arc::new(
             serde_yaml::from_str(&format!(
@@ -829,62 +814,37 @@ fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
 fn random_changes_give_the_decisions_of_a_whole_build() {
     use crate::k8s::NodeSettings;
     use crate::tracker::Tracker;
+    use crate::tracker::testutil::{Choices, Lcg};
     use k8s_openapi::api::core::v1::{Namespace, Pod as K8sPod};
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
-            of[self.below(of.len() as u64) as usize]
-        }
+    fn pick<'a>(r: &mut Lcg, of: &[&'a str]) -> &'a str {
+        of[r.next(of.len() as u64) as usize]
     }
     const NS: [&str; 3] = ["a", "b", "c"];
     const APPS: [&str; 3] = ["web", "db", "cli"];
     const TEAMS: [&str; 2] = ["red", "blue"];
-    let pod = |ns: &str, i: u64, app: &str, ip: u64, node: &str| -> Arc<K8sPod> {
-        Arc::new(
-            serde_yaml::from_str(&format!(
-                "apiVersion: v1\nkind: Pod\nmetadata: {{name: p{i}, namespace: {ns}, labels: {{app: {app}}}}}\n\
-                 spec: {{nodeName: {node}, containers: [{{name: c, ports: [{{name: http, containerPort: 80}}]}}]}}\n\
-                 status: {{podIP: 10.0.0.{ip}}}\n"
-            ))
-            .unwrap(),
-        )
+    let pod = |ns: &str, i: u64, app: &str, ip: u64, node: &str| {
+        k8s_pod(ns, &format!("p{i}"), app, &format!("10.0.0.{ip}"), node)
     };
-    let namespace = |name: &str, team: &str| -> Arc<Namespace> {
-        Arc::new(
-            serde_yaml::from_str(&format!(
-                "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}, labels: {{team: {team}}}}}\n"
-            ))
-            .unwrap(),
-        )
-    };
-    let policy = |r: &mut Rng, ns: &str, i: u64| -> Arc<NetworkPolicy> {
-        let peer = match r.below(4) {
+    let namespace = team_namespace;
+    let policy = |r: &mut Lcg, ns: &str, i: u64| -> Arc<NetworkPolicy> {
+        let peer = match r.next(4) {
             0 => format!(
                 "{{podSelector: {{matchLabels: {{app: {}}}}}}}",
-                r.pick(&APPS)
+                pick(r, &APPS)
             ),
             1 => format!(
                 "{{namespaceSelector: {{matchLabels: {{team: {}}}}}}}",
-                r.pick(&TEAMS)
+                pick(r, &TEAMS)
             ),
             2 => format!(
                 "{{namespaceSelector: {{matchLabels: {{team: {}}}}}, podSelector: {{matchExpressions: [{{key: app, operator: NotIn, values: [{}]}}]}}}}",
-                r.pick(&TEAMS),
-                r.pick(&APPS)
+                pick(r, &TEAMS),
+                pick(r, &APPS)
             ),
             _ => "{ipBlock: {cidr: 10.0.0.0/29, except: [10.0.0.4/31]}}".to_string(),
         };
-        let port = ["", ", ports: [{port: http}]", ", ports: [{port: 81}]"][r.below(3) as usize];
-        let (types, rules) = match r.below(3) {
+        let port = ["", ", ports: [{port: http}]", ", ports: [{port: 81}]"][r.next(3) as usize];
+        let (types, rules) = match r.next(3) {
             0 => (
                 "[Ingress]",
                 format!("  ingress: [{{from: [{peer}]{port}}}]\n"),
@@ -899,7 +859,7 @@ fn random_changes_give_the_decisions_of_a_whole_build() {
             serde_yaml::from_str(&format!(
                 "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: np{i}, namespace: {ns}}}\n\
                  spec:\n  podSelector: {{matchLabels: {{app: {}}}}}\n  policyTypes: {types}\n{rules}",
-                r.pick(&APPS)
+                pick(r, &APPS)
             ))
             .unwrap(),
         )
@@ -931,7 +891,7 @@ fn random_changes_give_the_decisions_of_a_whole_build() {
         out
     };
     for seed in 1..=20u64 {
-        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let mut r = Lcg(seed);
         let mut pods: Vec<Arc<K8sPod>> = Vec::new();
         let mut namespaces: Vec<Arc<Namespace>> = NS.iter().map(|n| namespace(n, "red")).collect();
         let mut policies: Vec<Arc<NetworkPolicy>> = Vec::new();
@@ -939,33 +899,33 @@ fn random_changes_give_the_decisions_of_a_whole_build() {
         let mut next = 0u64;
         for step in 0..40u64 {
             next += 1;
-            match r.below(6) {
+            match r.next(6) {
                 0 | 1 => {
                     // A pod added or replaced (same name, new labels or address).
-                    let i = r.below(6);
+                    let i = r.next(6);
                     pods.retain(|p| p.metadata.name.as_deref() != Some(&format!("p{i}")));
-                    let node = if r.below(2) == 0 { "node-a" } else { "node-b" };
+                    let node = if r.next(2) == 0 { "node-a" } else { "node-b" };
                     // Its address one of its own two (two live pods never share one).
-                    let ip = if r.below(2) == 0 { 1 + i } else { 7 + i };
-                    pods.push(pod(r.pick(&NS), i, r.pick(&APPS), ip, node));
+                    let ip = if r.next(2) == 0 { 1 + i } else { 7 + i };
+                    pods.push(pod(pick(&mut r, &NS), i, pick(&mut r, &APPS), ip, node));
                 }
                 2 if !pods.is_empty() => {
-                    let i = r.below(pods.len() as u64) as usize;
+                    let i = r.next(pods.len() as u64) as usize;
                     pods.remove(i);
                 }
                 3 => {
-                    let name = r.pick(&NS);
+                    let name = pick(&mut r, &NS);
                     namespaces.retain(|n| n.metadata.name.as_deref() != Some(name));
-                    if r.below(4) != 0 {
-                        namespaces.push(namespace(name, r.pick(&TEAMS)));
+                    if r.next(4) != 0 {
+                        namespaces.push(namespace(name, pick(&mut r, &TEAMS)));
                     }
                 }
                 4 => {
-                    let ns = r.pick(&NS);
+                    let ns = pick(&mut r, &NS);
                     policies.push(policy(&mut r, ns, next));
                 }
                 _ if !policies.is_empty() => {
-                    let i = r.below(policies.len() as u64) as usize;
+                    let i = r.next(policies.len() as u64) as usize;
                     policies.remove(i);
                 }
                 _ => {}
@@ -982,4 +942,33 @@ fn random_changes_give_the_decisions_of_a_whole_build() {
             );
         }
     }
+}
+
+/// Pod `ns/name` labelled `app: APP`, on `node`, at `ip`, with a container port named
+/// `http` (80).
+fn k8s_pod(
+    ns: &str,
+    name: &str,
+    app: &str,
+    ip: &str,
+    node: &str,
+) -> Arc<k8s_openapi::api::core::v1::Pod> {
+    Arc::new(
+        serde_yaml::from_str(&format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: {ns}, labels: {{app: {app}}}}}\n\
+             spec: {{nodeName: {node}, containers: [{{name: c, ports: [{{name: http, containerPort: 80}}]}}]}}\n\
+             status: {{podIP: {ip}}}\n"
+        ))
+        .unwrap(),
+    )
+}
+
+/// Namespace `name` labelled `team: TEAM`.
+fn team_namespace(name: &str, team: &str) -> Arc<k8s_openapi::api::core::v1::Namespace> {
+    Arc::new(
+        serde_yaml::from_str(&format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {name}, labels: {{team: {team}}}}}\n"
+        ))
+        .unwrap(),
+    )
 }
