@@ -12,8 +12,7 @@
 //! at debug level). kubelet's chains (`KUBE-IPTABLES-HINT`, `KUBE-KUBELET-CANARY`,
 //! `KUBE-FIREWALL`, `KUBE-MARK-DROP`) are kubelet's and stay.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use dataplane::tool::run;
 
 /// Chains named `KUBE-*` that kubelet makes, not kube-proxy.
 const KUBELET_CHAINS: [&str; 4] = [
@@ -99,38 +98,6 @@ fn tool_exists(name: &str) -> bool {
         || ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
             .iter()
             .any(|d| std::path::Path::new(d).join(name).is_file())
-}
-
-/// Runs `tool args`; `None` when the tool is not installed.
-fn run(tool: &'static str, args: &[&str], stdin: Option<&str>) -> Option<Result<String, String>> {
-    let mut c = Command::new(tool);
-    c.args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = match c.spawn() {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => return Some(Err(format!("{tool}: {e}"))),
-    };
-    if let (Some(text), Some(mut w)) = (stdin, child.stdin.take())
-        && let Err(e) = w.write_all(text.as_bytes())
-    {
-        return Some(Err(format!("{tool}: writing its input: {e}")));
-    }
-    Some(match child.wait_with_output() {
-        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
-        Ok(out) => Err(format!(
-            "{tool} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-        Err(e) => Err(format!("{tool}: {e}")),
-    })
 }
 
 /// kube-proxy's chains in one table of an `iptables-save` output, and the rules of other

@@ -19,6 +19,7 @@ pub mod servicedev;
 pub mod statefile;
 #[allow(unsafe_code)]
 pub mod sys;
+pub mod tool;
 pub mod worker;
 pub mod xdp;
 #[allow(unsafe_code)]

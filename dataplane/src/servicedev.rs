@@ -837,25 +837,11 @@ pub struct KernelPolicy {
     keep: bool,
 }
 
+/// Runs an nftables script.
 fn nft(script: &str) -> Result<(), String> {
-    use std::io::Write;
-    let mut child = std::process::Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run nft (nftables): {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .map_err(|e| format!("nft: {e}"))?;
-    }
-    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    match crate::tool::run("nft", &["-f", "-"], Some(script)) {
+        Some(r) => r.map(drop),
+        None => Err("nft (nftables) is not installed".into()),
     }
 }
 
@@ -1003,13 +989,10 @@ pub fn remove_kernel_policy() -> Result<bool, ServiceDeviceError> {
                 .is_ok();
         }
     }
-    let listed = std::process::Command::new("nft")
-        .args(["list", "table", "inet", HANDOVER_TABLE])
-        .output();
-    match listed {
-        Ok(out) if out.status.success() => {}
-        // No nft, or no such table: nothing of kxp's there.
-        _ => return Ok(removed),
+    // No nft, or no such table: nothing of kxp's there.
+    let listed = crate::tool::run("nft", &["list", "table", "inet", HANDOVER_TABLE], None);
+    if !matches!(listed, Some(Ok(_))) {
+        return Ok(removed);
     }
     nft(&format!("delete table inet {HANDOVER_TABLE}\n")).map_err(|detail| {
         ServiceDeviceError::Nft {
