@@ -44,7 +44,7 @@ fn connection(i: usize) -> Tuple {
 
 fn engine(c: &mut Criterion) {
     let build = || {
-        nat::tracker::build(&cluster(1, 3), &node_settings(), 1)
+        translate::tracker::build(&cluster(1, 3), &node_settings(), 1)
             .expect("a valid cluster")
             .snapshot
     };

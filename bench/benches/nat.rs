@@ -37,7 +37,7 @@ fn frontend_lookup(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3));
     let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
     for &n in &SIZES {
-        let snap = nat::tracker::build(&cluster(n, 3), &node_settings(), 1)
+        let snap = translate::tracker::build(&cluster(n, 3), &node_settings(), 1)
             .unwrap()
             .snapshot;
         for (label, hot) in [("hot64", true), ("uniform", false)] {
@@ -61,7 +61,7 @@ fn new_connection(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(3));
     let mut rng = XorShift(0xD1B5_4A32_D192_ED03);
     for &n in &[1u32, 100_000] {
-        let snap = nat::tracker::build(&cluster(n, 3), &node_settings(), 1)
+        let snap = translate::tracker::build(&cluster(n, 3), &node_settings(), 1)
             .unwrap()
             .snapshot;
         let t = targets(n, 4096, true, &mut rng);

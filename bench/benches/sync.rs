@@ -1,4 +1,4 @@
-//! The control plane's sync: kube-proxy's change tracking in kxp ([`nat::tracker`]) on a
+//! The control plane's sync: kube-proxy's change tracking in kxp ([`translate::tracker`]) on a
 //! cluster of 10,000 Services with 100,000 endpoints (10 each, one EndpointSlice per
 //! Service).
 //!
@@ -18,7 +18,7 @@ use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kxp_bench::{cluster, endpoint_ip, node_settings};
-use nat::tracker::Tracker;
+use translate::tracker::Tracker;
 
 const SERVICES: u32 = 10_000;
 const ENDPOINTS_EACH: u32 = 10;

@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use nat::k8s::{ClusterState, NodeSettings};
+use translate::k8s::{ClusterState, NodeSettings};
 
 fn fold(mut sum: u32) -> u16 {
     while sum > 0xffff {

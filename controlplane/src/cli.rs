@@ -578,7 +578,7 @@ fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
     let settings = node_settings(cfg.as_ref(), &args.node.flags(), &origin)?;
     let state_path = args.state.clone().unwrap_or_default();
     let state = load_state(&state_path)?;
-    let built = nat::tracker::build(&state, &settings, 1)
+    let built = translate::tracker::build(&state, &settings, 1)
         .map_err(|e| anyhow::anyhow!("state file {}: {e}", state_path.display()))?;
     let input = TraceInput {
         src: args.src,

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nat::model::{NodePortAddresses, ServicePort};
 use nat::snapshot::Update;
-use nat::tracker::ObjKey;
+use translate::tracker::ObjKey;
 
 use crate::health::Health;
 use crate::http::{HttpServer, Response};

@@ -40,11 +40,11 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
-use nat::k8s::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
-use nat::tracker::{ObjKey, Tracker};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use translate::k8s::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use translate::tracker::{ObjKey, Tracker};
 
 /// What the source watches for.
 #[derive(Debug, Clone, Default)]

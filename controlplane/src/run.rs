@@ -13,8 +13,8 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context as _;
 use dataplane::plane::{Dataplane, DataplaneConfig};
 use nat::snapshot::{Snapshot, Update};
-use nat::tracker::build;
-use nat::tracker::{Synced, Tracker};
+use translate::tracker::build;
+use translate::tracker::{Synced, Tracker};
 
 use crate::config::KubeProxyConfiguration;
 use crate::hcnp::ServiceHealthServers;
@@ -1102,7 +1102,7 @@ mod tests {
 
     #[test]
     fn changes_are_counted_per_object() {
-        let old = nat::k8s::ClusterState {
+        let old = translate::k8s::ClusterState {
             services: vec![
                 svc("a", "10.0.0.1"),
                 svc("b", "10.0.0.2"),
@@ -1110,7 +1110,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let new = nat::k8s::ClusterState {
+        let new = translate::k8s::ClusterState {
             // a unchanged, b changed, c removed, d added
             services: vec![
                 svc("a", "10.0.0.1"),
@@ -1119,7 +1119,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let mut t = Tracker::new(nat::k8s::NodeSettings::default());
+        let mut t = Tracker::new(translate::k8s::NodeSettings::default());
         t.replace_all(&old);
         assert_eq!(t.sync(1).service_changes, 3);
         t.replace_all(&new);

@@ -4,8 +4,8 @@
 
 use std::net::IpAddr;
 
-use nat::k8s::{DetectLocalMode, NodeSettings};
 use nat::select::Scheduler;
+use translate::k8s::{DetectLocalMode, NodeSettings};
 
 use crate::config::{ConfigError, KubeProxyConfiguration};
 
@@ -80,7 +80,7 @@ pub fn node_settings(
         if c.is_empty() {
             continue;
         }
-        let net = nat::k8s::parse_cidr_sloppy(c)
+        let net = translate::k8s::parse_cidr_sloppy(c)
             .filter(|_| c.contains('/'))
             .ok_or_else(|| invalid(&field, format!("{c:?} is not a CIDR")))?;
         cluster_cidrs.push(net);
@@ -183,7 +183,7 @@ pub fn localhost_node_ports(cfg: Option<&KubeProxyConfiguration>) -> bool {
     let addrs = cfg.node_port_addresses.as_deref().unwrap_or_default();
     let loopback = addrs.is_empty()
         || addrs.iter().any(|a| {
-            nat::k8s::parse_cidr_sloppy(a)
+            translate::k8s::parse_cidr_sloppy(a)
                 .is_some_and(|n| n.contains(&std::net::IpAddr::from([127, 0, 0, 1])))
         });
     iptables_mode && on && loopback

@@ -7,9 +7,9 @@ use std::path::Path;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
-use nat::k8s::ClusterState;
 use serde::Deserialize;
 use serde_yaml::Value;
+use translate::k8s::ClusterState;
 
 /// A state file kxp cannot use. Names the document (1-based), the item inside a List,
 /// and the field.

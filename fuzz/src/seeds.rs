@@ -25,9 +25,9 @@ pub fn all() -> Vec<(&'static str, String, Vec<u8>)> {
         out.push(("config", name.to_string(), text.into_bytes()));
     }
     // The tracker's choices: the unit test's first choices, and a few patterns.
-    let mut lcg = nat::tracker::testutil::Lcg(7);
+    let mut lcg = translate::tracker::testutil::Lcg(7);
     let walk: Vec<u8> = (0..512)
-        .map(|_| nat::tracker::testutil::Choices::next(&mut lcg, 256) as u8)
+        .map(|_| translate::tracker::testutil::Choices::next(&mut lcg, 256) as u8)
         .collect();
     out.push(("snapshot", "lcg-7".into(), walk));
     out.push(("snapshot", "services-then-slices".into(), {

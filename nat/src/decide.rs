@@ -286,7 +286,3 @@ impl fmt::Display for RejectReason {
         })
     }
 }
-
-#[cfg(test)]
-#[path = "decide_tests.rs"]
-mod tests;

@@ -21,18 +21,14 @@
 //! - Label selectors: `matchLabels` and `matchExpressions` (`In`, `NotIn`, `Exists`,
 //!   `DoesNotExist`), all of them; the empty selector matches everything.
 //!
-//! Pure: the caller gives the pods and namespaces it knows; this module does no I/O.
+//! Pure, and free of Kubernetes types: the control plane reads the objects into these
+//! (`translate::policy`); this module does no I/O.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use k8s_openapi::api::networking::v1::{
-    NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::tuple::Protocol;
 
@@ -98,24 +94,18 @@ impl Decision {
     }
 }
 
-/// Why a policy could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("NetworkPolicy {policy}: {field}: {message}")]
-pub struct PolicyError {
-    pub policy: String,
-    pub field: String,
-    pub message: String,
-}
-
 /// A label selector, read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selector {
-    labels: Vec<(String, String)>,
-    exprs: Vec<Expr>,
+    /// `matchLabels`.
+    pub labels: Vec<(String, String)>,
+    /// `matchExpressions`.
+    pub exprs: Vec<Expr>,
 }
 
+/// One of a selector's `matchExpressions`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Expr {
+pub enum Expr {
     In(String, Vec<String>),
     NotIn(String, Vec<String>),
     Exists(String),
@@ -123,33 +113,6 @@ enum Expr {
 }
 
 impl Selector {
-    /// Reads `s`; an unknown operator is an error (the API server refuses it too).
-    fn read(s: &LabelSelector, field: &str, policy: &str) -> Result<Selector, PolicyError> {
-        let labels = s
-            .match_labels
-            .as_ref()
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-            .unwrap_or_default();
-        let mut exprs = Vec::new();
-        for (i, e) in s.match_expressions.iter().flatten().enumerate() {
-            let values = e.values.clone().unwrap_or_default();
-            exprs.push(match e.operator.as_str() {
-                "In" => Expr::In(e.key.clone(), values),
-                "NotIn" => Expr::NotIn(e.key.clone(), values),
-                "Exists" => Expr::Exists(e.key.clone()),
-                "DoesNotExist" => Expr::DoesNotExist(e.key.clone()),
-                other => {
-                    return Err(PolicyError {
-                        policy: policy.to_string(),
-                        field: format!("{field}.matchExpressions[{i}].operator"),
-                        message: format!("{other:?} is not In, NotIn, Exists or DoesNotExist"),
-                    });
-                }
-            });
-        }
-        Ok(Selector { labels, exprs })
-    }
-
     /// Whether `labels` match (the empty selector matches all).
     pub fn matches(&self, labels: &Labels) -> bool {
         self.labels.iter().all(|(k, v)| labels.get(k) == Some(v))
@@ -162,8 +125,11 @@ impl Selector {
     }
 }
 
+/// A rule's peer: pods (by selectors) or an IP block.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum PeerRule {
+pub enum PeerRule {
+    /// `podSelector` (`None`: the policy's namespace's pods, or every pod of the matched
+    /// namespaces) and/or `namespaceSelector` (`None`: the policy's namespace).
     Pods {
         pods: Option<Selector>,
         namespaces: Option<Selector>,
@@ -174,117 +140,38 @@ enum PeerRule {
     },
 }
 
+/// A rule's port: every port of a protocol, a range (one port: `lo == hi`), or a named
+/// container port of the destination pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum PortRule {
+pub enum PortRule {
     Any(Protocol),
     Range(Protocol, u16, u16),
     Named(Protocol, String),
 }
 
+/// One rule of a direction.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Rule {
+pub struct Rule {
     /// Empty: every peer.
-    peers: Vec<PeerRule>,
+    pub peers: Vec<PeerRule>,
     /// Empty: every port.
-    ports: Vec<PortRule>,
+    pub ports: Vec<PortRule>,
 }
-
-/// A rule as the object has it: its peers (`from` or `to`) and ports.
-type RawRule<'a> = (
-    Option<&'a [NetworkPolicyPeer]>,
-    Option<&'a [NetworkPolicyPort]>,
-);
 
 /// A NetworkPolicy, read and checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     pub namespace: String,
     pub name: String,
-    selector: Selector,
-    ingress: Option<Vec<Rule>>,
-    egress: Option<Vec<Rule>>,
+    /// `spec.podSelector`.
+    pub selector: Selector,
+    /// The ingress rules when the policy has type `Ingress` (`None`: it does not).
+    pub ingress: Option<Vec<Rule>>,
+    /// The egress rules when the policy has type `Egress`.
+    pub egress: Option<Vec<Rule>>,
 }
 
 impl Policy {
-    /// Reads a NetworkPolicy object.
-    ///
-    /// # Errors
-    /// A field the API would refuse (a bad CIDR, operator, protocol or port), named.
-    pub fn read(np: &NetworkPolicy) -> Result<Policy, PolicyError> {
-        let namespace = np.metadata.namespace.clone().unwrap_or_default();
-        let name = np.metadata.name.clone().unwrap_or_default();
-        let id = format!("{namespace}/{name}");
-        let spec: NetworkPolicySpec = np.spec.clone().unwrap_or_default();
-        let selector = Selector::read(
-            &spec.pod_selector.clone().unwrap_or_default(),
-            "spec.podSelector",
-            &id,
-        )?;
-        let types: Vec<String> = spec.policy_types.clone().unwrap_or_else(|| {
-            let mut t = vec!["Ingress".to_string()];
-            if spec.egress.is_some() {
-                t.push("Egress".into());
-            }
-            t
-        });
-        for (i, t) in types.iter().enumerate() {
-            if t != "Ingress" && t != "Egress" {
-                return Err(PolicyError {
-                    policy: id,
-                    field: format!("spec.policyTypes[{i}]"),
-                    message: format!("{t:?} is not Ingress or Egress"),
-                });
-            }
-        }
-        // The rules of one direction (`field`: spec.ingress / spec.egress, its peers
-        // under `peers_field`), when the policy has that type.
-        let read_rules = |on: &str,
-                          field: &str,
-                          peers_field: &str,
-                          rules: Vec<RawRule<'_>>|
-         -> Result<Option<Vec<Rule>>, PolicyError> {
-            if !types.iter().any(|t| t == on) {
-                return Ok(None);
-            }
-            let mut out = Vec::new();
-            for (i, (peers, ports)) in rules.into_iter().enumerate() {
-                let f = format!("{field}[{i}]");
-                out.push(Rule {
-                    peers: read_peers(peers, &format!("{f}.{peers_field}"), &id)?,
-                    ports: read_ports(ports, &format!("{f}.ports"), &id)?,
-                });
-            }
-            Ok(Some(out))
-        };
-        let ingress = read_rules(
-            "Ingress",
-            "spec.ingress",
-            "from",
-            spec.ingress
-                .iter()
-                .flatten()
-                .map(|r| (r.from.as_deref(), r.ports.as_deref()))
-                .collect(),
-        )?;
-        let egress = read_rules(
-            "Egress",
-            "spec.egress",
-            "to",
-            spec.egress
-                .iter()
-                .flatten()
-                .map(|r| (r.to.as_deref(), r.ports.as_deref()))
-                .collect(),
-        )?;
-        Ok(Policy {
-            namespace,
-            name,
-            selector,
-            ingress,
-            egress,
-        })
-    }
-
     fn id(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
@@ -357,110 +244,6 @@ fn port_matches(rule: &PortRule, dest: Option<&Pod>, port: u16, proto: Protocol)
                 })
         }
     }
-}
-
-fn read_peers(
-    peers: Option<&[NetworkPolicyPeer]>,
-    field: &str,
-    id: &str,
-) -> Result<Vec<PeerRule>, PolicyError> {
-    let mut out = Vec::new();
-    for (i, p) in peers.into_iter().flatten().enumerate() {
-        let f = format!("{field}[{i}]");
-        if let Some(b) = &p.ip_block {
-            let bad = |field: String, v: &str| PolicyError {
-                policy: id.to_string(),
-                field,
-                message: format!("{v:?} is not a CIDR"),
-            };
-            let cidr: IpNet = b
-                .cidr
-                .trim()
-                .parse()
-                .map_err(|_| bad(format!("{f}.ipBlock.cidr"), &b.cidr))?;
-            let mut except = Vec::new();
-            for (j, e) in b.except.iter().flatten().enumerate() {
-                except.push(
-                    e.trim()
-                        .parse()
-                        .map_err(|_| bad(format!("{f}.ipBlock.except[{j}]"), e))?,
-                );
-            }
-            out.push(PeerRule::Block { cidr, except });
-            continue;
-        }
-        let pods = p
-            .pod_selector
-            .as_ref()
-            .map(|s| Selector::read(s, &format!("{f}.podSelector"), id))
-            .transpose()?;
-        let namespaces = p
-            .namespace_selector
-            .as_ref()
-            .map(|s| Selector::read(s, &format!("{f}.namespaceSelector"), id))
-            .transpose()?;
-        if pods.is_none() && namespaces.is_none() {
-            return Err(PolicyError {
-                policy: id.to_string(),
-                field: f,
-                message: "a peer needs podSelector, namespaceSelector or ipBlock".into(),
-            });
-        }
-        out.push(PeerRule::Pods { pods, namespaces });
-    }
-    Ok(out)
-}
-
-fn read_ports(
-    ports: Option<&[NetworkPolicyPort]>,
-    field: &str,
-    id: &str,
-) -> Result<Vec<PortRule>, PolicyError> {
-    let mut out = Vec::new();
-    for (i, p) in ports.into_iter().flatten().enumerate() {
-        let f = format!("{field}[{i}]");
-        let err = |field: String, message: String| PolicyError {
-            policy: id.to_string(),
-            field,
-            message,
-        };
-        let proto = match p.protocol.as_deref().unwrap_or("TCP") {
-            "TCP" => Protocol::Tcp,
-            "UDP" => Protocol::Udp,
-            "SCTP" => Protocol::Sctp,
-            other => {
-                return Err(err(
-                    format!("{f}.protocol"),
-                    format!("{other:?} is not TCP, UDP or SCTP"),
-                ));
-            }
-        };
-        out.push(match &p.port {
-            None => PortRule::Any(proto),
-            Some(IntOrString::Int(n)) => {
-                let lo = u16::try_from(*n)
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| err(format!("{f}.port"), format!("{n} is not a port")))?;
-                let hi = match p.end_port {
-                    None => lo,
-                    Some(e) => u16::try_from(e).ok().filter(|&e| e >= lo).ok_or_else(|| {
-                        err(
-                            format!("{f}.endPort"),
-                            format!("{e} is not a port at or above {lo}"),
-                        )
-                    })?,
-                };
-                PortRule::Range(proto, lo, hi)
-            }
-            Some(IntOrString::String(s)) => match s.parse::<u16>() {
-                // "80" in a string: the API server takes it as the number.
-                Ok(n) if n > 0 => PortRule::Range(proto, n, n),
-                _ => PortRule::Named(proto, s.clone()),
-            },
-        });
-    }
-    Ok(out)
 }
 
 /// Every policy of the cluster, read.
@@ -569,46 +352,38 @@ impl Verdict {
 }
 
 impl PolicyView {
-    /// Reads the cluster's pods, namespaces and policies for node `node`; `None` when
-    /// there is no policy (nothing is isolated). A policy that cannot be read is left out
-    /// and its error returned (the API server would have refused it).
-    pub fn build<'a>(
-        pods: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Pod>,
-        namespaces: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Namespace>,
-        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
+    /// The view of node `node` over the cluster's pods (each with the node it runs on),
+    /// namespaces (name and labels, as [`namespace_labels`] makes them) and policies;
+    /// `None` when there is no policy (nothing is isolated).
+    pub fn build(
+        pods: impl IntoIterator<Item = (Pod, Option<String>)>,
+        namespaces: impl IntoIterator<Item = (String, Arc<Labels>)>,
+        policies: impl IntoIterator<Item = Policy>,
         node: &str,
-    ) -> (Option<PolicyView>, Vec<PolicyError>) {
-        let mut errors = Vec::new();
+    ) -> Option<PolicyView> {
         let mut by_namespace: HashMap<String, Policies> = HashMap::new();
-        for np in policies {
-            match Policy::read(np) {
-                Ok(p) => by_namespace
-                    .entry(p.namespace.clone())
-                    .or_default()
-                    .policies
-                    .push(p),
-                Err(e) => errors.push(e),
-            }
+        for p in policies {
+            by_namespace
+                .entry(p.namespace.clone())
+                .or_default()
+                .policies
+                .push(p);
         }
         if by_namespace.is_empty() {
-            return (None, errors);
+            return None;
         }
-        let ns_labels: HashMap<String, Arc<Labels>> = namespaces
-            .into_iter()
-            .filter_map(namespace_labels)
-            .collect();
         let mut view = PolicyView {
             by_namespace,
             pods: HashMap::new(),
             by_key: HashMap::new(),
             by_ns: HashMap::new(),
-            ns_labels,
+            ns_labels: namespaces.into_iter().collect(),
             node: node.to_string(),
         };
-        for p in pods {
-            view.set_pod(p);
+        for (pod, on) in pods {
+            view.set_pod(pod, on.as_deref());
         }
-        (Some(view), errors)
+        Some(view)
     }
 
     /// Takes pod `namespace/name` out of the view (it was deleted, or is about to be
@@ -633,62 +408,17 @@ impl PolicyView {
         }
     }
 
-    /// Puts pod `p` in the view (replacing what it held before): its addresses, named
-    /// ports, namespace labels and the policies of its namespace that isolate it. The
-    /// cost of one pod's change: its namespace's policies, once.
-    pub fn set_pod(&mut self, p: &k8s_openapi::api::core::v1::Pod) {
-        let namespace = p.metadata.namespace.clone().unwrap_or_default();
-        let name = p.metadata.name.clone().unwrap_or_default();
-        self.remove_pod(&namespace, &name);
-        let spec = p.spec.as_ref();
-        let status = p.status.as_ref();
-        // Host-network pods have the node's address: not pods to policies.
-        if spec.and_then(|s| s.host_network).unwrap_or(false) {
-            return;
-        }
-        let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("");
-        if phase == "Succeeded" || phase == "Failed" {
-            return; // its IP may be another pod's by now
-        }
-        let mut ips: Vec<IpAddr> = status
-            .and_then(|s| s.pod_ips.as_ref())
-            .into_iter()
-            .flatten()
-            .filter_map(|i| i.ip.parse().ok())
-            .collect();
-        if let Some(ip) = status
-            .and_then(|s| s.pod_ip.as_deref())
-            .and_then(|i| i.parse().ok())
-            && !ips.contains(&ip)
-        {
-            ips.push(ip);
-        }
-        let named_ports = spec
-            .map(|s| s.containers.iter())
-            .into_iter()
-            .flatten()
-            .flat_map(|c| c.ports.iter().flatten())
-            .filter_map(|cp| {
-                let name = cp.name.clone()?;
-                let port = u16::try_from(cp.container_port).ok()?;
-                let proto = match cp.protocol.as_deref().unwrap_or("TCP") {
-                    "UDP" => Protocol::Udp,
-                    "SCTP" => Protocol::Sctp,
-                    _ => Protocol::Tcp,
-                };
-                Some((name, port, proto))
-            })
-            .collect();
+    /// Puts `pod`, running on node `on`, in the view (replacing what it held before):
+    /// its addresses, named ports, namespace labels and the policies of its namespace
+    /// that isolate it. The cost of one pod's change: its namespace's policies, once. (A
+    /// pod that is no pod to policies, host-network or finished, is removed instead.)
+    pub fn set_pod(&mut self, pod: Pod, on: Option<&str>) {
+        self.remove_pod(&pod.namespace, &pod.name);
+        let (namespace, name, ips) = (pod.namespace.clone(), pod.name.clone(), pod.ips.clone());
         let mut entry = PodEntry {
-            pod: Pod {
-                namespace: namespace.clone(),
-                name: name.clone(),
-                labels: p.metadata.labels.clone().unwrap_or_default(),
-                ips: ips.clone(),
-                named_ports,
-            },
             namespace_labels: self.labels_of(&namespace),
-            on_node: spec.and_then(|s| s.node_name.as_deref()) == Some(self.node.as_str()),
+            pod,
+            on_node: on == Some(self.node.as_str()),
             ingress_by: Vec::new(),
             egress_by: Vec::new(),
         };
@@ -712,41 +442,30 @@ impl PolicyView {
     }
 
     /// Makes namespace `namespace`'s policies `policies` (all of them; none: it has no
-    /// more) and finds again which of its pods they isolate. The cost of one policy's
-    /// change: its namespace's policies and pods, nothing else (policies select pods of
-    /// their own namespace only; peers are matched when a connection is checked). A
-    /// policy that cannot be read is left out and its error returned.
-    pub fn set_policies<'a>(
-        &mut self,
-        namespace: &str,
-        policies: impl IntoIterator<Item = &'a NetworkPolicy>,
-    ) -> Vec<PolicyError> {
-        let mut errors = Vec::new();
-        let mut read = Policies::default();
-        for np in policies {
-            match Policy::read(np) {
-                Ok(p) if p.namespace == namespace => read.policies.push(p),
-                Ok(_) => {}
-                Err(e) => errors.push(e),
-            }
-        }
+    /// more; another namespace's are left out) and finds again which of its pods they
+    /// isolate. The cost of one policy's change: its namespace's policies and pods,
+    /// nothing else (policies select pods of their own namespace only; peers are matched
+    /// when a connection is checked).
+    pub fn set_policies(&mut self, namespace: &str, policies: impl IntoIterator<Item = Policy>) {
+        let read = Policies {
+            policies: policies
+                .into_iter()
+                .filter(|p| p.namespace == namespace)
+                .collect(),
+        };
         if read.policies.is_empty() {
             self.by_namespace.remove(namespace);
         } else {
             self.by_namespace.insert(namespace.to_string(), read);
         }
         self.revisit(namespace, |_| {});
-        errors
     }
 
-    /// Namespace `name`'s labels are `ns`'s (`None`: it is gone); its pods take them.
-    pub fn set_namespace(
-        &mut self,
-        name: &str,
-        ns: Option<&k8s_openapi::api::core::v1::Namespace>,
-    ) {
-        match ns.and_then(namespace_labels) {
-            Some((_, labels)) => self.ns_labels.insert(name.to_string(), labels),
+    /// Namespace `name`'s labels are `labels` (as [`namespace_labels`] makes them;
+    /// `None`: it is gone); its pods take them.
+    pub fn set_namespace(&mut self, name: &str, labels: Option<Arc<Labels>>) {
+        match labels {
+            Some(labels) => self.ns_labels.insert(name.to_string(), labels),
             None => self.ns_labels.remove(name),
         };
         let labels = self.labels_of(name);
@@ -754,12 +473,10 @@ impl PolicyView {
     }
 
     fn labels_of(&self, namespace: &str) -> Arc<Labels> {
-        self.ns_labels.get(namespace).cloned().unwrap_or_else(|| {
-            Arc::new(Labels::from([(
-                "kubernetes.io/metadata.name".to_string(),
-                namespace.to_string(),
-            )]))
-        })
+        self.ns_labels
+            .get(namespace)
+            .cloned()
+            .unwrap_or_else(|| namespace_labels(namespace, None))
     }
 
     /// Sets `entry`'s isolating policies: those of its namespace that select it, per
@@ -912,17 +629,12 @@ impl PolicyView {
     }
 }
 
-#[cfg(test)]
-#[path = "policy_tests.rs"]
-mod tests;
-
-/// A namespace's name and labels, with the label the API server sets on every namespace
-/// since 1.22.
-fn namespace_labels(n: &k8s_openapi::api::core::v1::Namespace) -> Option<(String, Arc<Labels>)> {
-    let name = n.metadata.name.clone()?;
-    let mut labels: Labels = n.metadata.labels.clone().unwrap_or_default();
+/// A namespace's labels as policies see them: its own, with the label the API server
+/// sets on every namespace since 1.22.
+pub fn namespace_labels(name: &str, own: Option<&Labels>) -> Arc<Labels> {
+    let mut labels: Labels = own.cloned().unwrap_or_default();
     labels
         .entry("kubernetes.io/metadata.name".into())
-        .or_insert_with(|| name.clone());
-    Some((name, Arc::new(labels)))
+        .or_insert_with(|| name.to_string());
+    Arc::new(labels)
 }

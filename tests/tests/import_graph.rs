@@ -12,17 +12,23 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The crates whose library modules are checked.
-const CRATES: [&str; 8] = [
-    "wire",
-    "nat",
-    "conntrack",
-    "dataplane",
-    "controlplane",
-    "bench",
-    "tests",
-    "fuzz",
-];
+/// The crates whose library modules are checked: every member of the workspace (their
+/// directories, as the root manifest's `members` names them).
+fn crates() -> Vec<String> {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let line = manifest
+        .lines()
+        .find(|l| l.trim_start().starts_with("members"))
+        .expect("the workspace's members");
+    let list = &line[line.find('[').unwrap() + 1..line.rfind(']').unwrap()];
+    let out: Vec<String> = list
+        .split(',')
+        .map(|m| m.trim().trim_matches('"').to_string())
+        .filter(|m| !m.is_empty())
+        .collect();
+    assert!(out.len() >= 8, "members read from Cargo.toml: {out:?}");
+    out
+}
 
 /// Circles that exist today, each as its sorted modules ("crate:path"), to be broken
 /// (none: keep it so).
@@ -257,7 +263,8 @@ fn circles(edges: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<BTreeSet<Module>> 
 /// Every circle of the workspace, as sorted "crate:module::path" names.
 fn workspace_circles() -> Vec<Vec<String>> {
     let mut all = Vec::new();
-    for krate in CRATES {
+    for krate in crates() {
+        let krate = krate.as_str();
         let files = modules(krate);
         let known: BTreeSet<Module> = files.iter().map(|(m, _)| m.clone()).collect();
         let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();

@@ -9,8 +9,8 @@ use controlplane::kube_source::{
     KubeSource, RateLimit, SourceConfig, client_from, foreign_policy_groups,
 };
 use kxp_tests::fakeapi::{FakeApi, Kind};
-use nat::k8s::ClusterState;
 use serde_json::{Value, json};
+use translate::k8s::ClusterState;
 
 const PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 const HEADLESS: &str = "service.kubernetes.io/headless";
@@ -155,9 +155,9 @@ async fn initial_sync_honours_selectors() {
     }
     assert_eq!(status.get("services").unwrap().objects, 1);
     // The state builds a snapshot.
-    let built = nat::tracker::build(
+    let built = translate::tracker::build(
         &st,
-        &nat::k8s::NodeSettings {
+        &translate::k8s::NodeSettings {
             node_name: "node-a".into(),
             ..Default::default()
         },

@@ -7,13 +7,13 @@ use std::net::{IpAddr, SocketAddr};
 use conntrack::{ConnTable, SnatPorts, Timeouts};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use nat::k8s::{ClusterState, NodeSettings};
 use nat::rewrite::tcp_flags::{ACK, RST, SYN};
 use nat::rewrite::testutil::{build_tcp, build_tuple, icmp_error, verify_checksums};
 use nat::rewrite::{Parsed, parse};
 use nat::snapshot::Snapshot;
-use nat::tracker::build;
 use nat::tuple::{Protocol, Tuple};
+use translate::k8s::{ClusterState, NodeSettings};
+use translate::tracker::build;
 
 use super::*;
 

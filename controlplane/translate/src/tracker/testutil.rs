@@ -10,9 +10,9 @@ use serde_json::json;
 
 use super::Tracker;
 use crate::k8s::{ClusterState, NodeSettings};
-use crate::model::Family;
-use crate::snapshot::Snapshot;
 use crate::tracker::build;
+use nat::model::Family;
+use nat::snapshot::Snapshot;
 
 /// The node the tests build for.
 pub fn settings() -> NodeSettings {

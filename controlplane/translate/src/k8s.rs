@@ -15,13 +15,13 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
-use crate::model::{
+use nat::model::{
     Affinity, Endpoint, Family, LocalDetector, NodeContext, NodePortAddresses, ServicePort,
     ServicePortName,
 };
-use crate::select::{Scheduler, maglev_table};
-use crate::topology::{PolicyUse, categorize};
-use crate::tuple::Protocol;
+use nat::select::{Scheduler, maglev_table};
+use nat::topology::{PolicyUse, categorize};
+use nat::tuple::Protocol;
 
 /// Label that hands a Service to another proxy (kube-proxy's informer excludes it).
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -704,7 +704,7 @@ pub fn finish_port(sp: &mut ServicePort, node: &NodeContext) {
         sp.cluster_table.clear();
         sp.local_table.clear();
     }
-    sp.name_hash = crate::select::hash_bytes(
+    sp.name_hash = nat::select::hash_bytes(
         sp.name.to_string().as_bytes(),
         sp.name.protocol.number() as u64,
     );

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::*;
+use nat::policy::{Decision, Direction, Peer, Policies};
 
 /// `ns/pod` pods with upstream's labels, ports and made-up addresses.
 fn pods(names: &[&str]) -> Vec<(Pod, Labels)> {
@@ -51,7 +52,7 @@ fn policy(ns: &str, name: &str, spec: &str) -> Policy {
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n{spec}"
     );
     let np: NetworkPolicy = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    Policy::read(&np).unwrap()
+    read_policy(&np).unwrap()
 }
 
 /// Whether `from` may reach `to` (pods as `ns/name`).
@@ -455,7 +456,7 @@ fn bad_fields_are_errors_naming_the_field() {
             "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: p, namespace: x}}\nspec:\n{spec}"
         );
         let np: NetworkPolicy = serde_yaml::from_str(&text).unwrap();
-        let e = Policy::read(&np).unwrap_err();
+        let e = read_policy(&np).unwrap_err();
         assert_eq!(e.field, field, "{e}");
         assert_eq!(e.policy, "x/p");
     }
@@ -532,7 +533,7 @@ fn the_nodes_view_agrees_with_upstream_truth_tables() {
                 .unwrap()
             })
             .collect();
-        let (view, errors) = PolicyView::build(&k8s_pods, &namespaces, &nps, "node-a");
+        let (view, errors) = build_view(&k8s_pods, &namespaces, &nps, "node-a");
         assert!(errors.is_empty(), "{errors:?}");
         let view = view.expect("policies exist");
         let id = |p: &Pod| format!("{}/{}", p.namespace, p.name);
@@ -586,7 +587,7 @@ fn the_pods_node_is_admitted() {
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: x}\nspec: {podSelector: {}}\n",
     )
     .unwrap();
-    let (view, _) = PolicyView::build(&pods, &[], &[deny], "node-a");
+    let (view, _) = build_view(&pods, &[], &[deny], "node-a");
     let view = view.unwrap();
     let node: IpAddr = "192.0.2.1".parse().unwrap();
     let to = |ip: &str| std::net::SocketAddr::new(ip.parse().unwrap(), 80);
@@ -778,7 +779,7 @@ fn namespaces_and_policies_that_change_give_the_decisions_of_a_whole_build() {
         ..Default::default()
     };
     let mut t = Tracker::new(settings.clone());
-    let decisions = |snap: &crate::snapshot::Snapshot| -> Vec<bool> {
+    let decisions = |snap: &nat::snapshot::Snapshot| -> Vec<bool> {
         let mut out = Vec::new();
         for &src in &ips {
             for &dst in &ips {
@@ -872,7 +873,7 @@ fn random_changes_give_the_decisions_of_a_whole_build() {
     let ips: Vec<IpAddr> = (1..=13)
         .map(|i| format!("10.0.0.{i}").parse().unwrap())
         .collect();
-    let decisions = |snap: &crate::snapshot::Snapshot| -> Vec<bool> {
+    let decisions = |snap: &nat::snapshot::Snapshot| -> Vec<bool> {
         let mut out = Vec::new();
         for &src in &ips {
             for &dst in &ips {

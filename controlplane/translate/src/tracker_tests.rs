@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::testutil::{Lcg, node, random_changes_match_a_fresh_build, settings, slice, svc};
 use super::*;
-use crate::tuple::Protocol;
+use nat::tuple::Protocol;
 
 #[test]
 fn random_changes_match_a_fresh_build_after_every_sync() {

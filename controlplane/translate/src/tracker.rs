@@ -22,8 +22,8 @@ use crate::k8s::{
     ClusterState, LABEL_SERVICE_NAME, ModelError, NodeSettings, index_slices, node_context,
     obj_name, service_ports,
 };
-use crate::model::{NodeContext, ServicePort};
-use crate::snapshot::{Indexer, Op, Snapshot, Update};
+use nat::model::{NodeContext, ServicePort};
+use nat::snapshot::{Indexer, Op, Snapshot, Update};
 
 /// EndpointSlice annotation with the time of the change that triggered it.
 pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -116,7 +116,7 @@ pub struct Tracker {
     dirty_policy_ns: BTreeSet<String>,
     dirty_namespaces: BTreeSet<String>,
     dirty_pods: BTreeSet<ObjKey>,
-    policy: Option<Arc<crate::policy::PolicyView>>,
+    policy: Option<Arc<nat::policy::PolicyView>>,
     /// Snapshots made by copying (the previous one was still in use) and by catching up.
     pub copies: u64,
     pub reuses: u64,
@@ -332,7 +332,7 @@ impl Tracker {
 
     /// The Pods, Namespaces and NetworkPolicies NetworkPolicy decisions are made of, all
     /// of them. At the next sync a changed pod costs its own entry, a changed namespace
-    /// or policy its namespace's pods (see [`crate::policy::PolicyView::set_policies`]).
+    /// or policy its namespace's pods (see [`nat::policy::PolicyView::set_policies`]).
     pub fn replace_policy_inputs(
         &mut self,
         pods: Vec<Arc<k8s_openapi::api::core::v1::Pod>>,
@@ -427,7 +427,7 @@ impl Tracker {
         if !self.settings.network_policy {
             self.policy = None;
         } else if whole {
-            let (view, errs) = crate::policy::PolicyView::build(
+            let (view, errs) = crate::policy::build_view(
                 self.pods.values().map(|p| &**p),
                 self.namespaces.values().map(|n| &**n),
                 self.policies.values().map(|p| &**p),
@@ -442,10 +442,11 @@ impl Tracker {
             // it: pointers, not pods).
             let view = Arc::make_mut(view);
             for name in &dirty_namespaces {
-                view.set_namespace(name, self.namespaces.get(name).map(|n| &**n));
+                crate::policy::set_namespace(view, name, self.namespaces.get(name).map(|n| &**n));
             }
             for ns in &dirty_policy_ns {
-                let errs = view.set_policies(
+                let errs = crate::policy::set_policies(
+                    view,
                     ns,
                     self.policies
                         .iter()
@@ -456,7 +457,7 @@ impl Tracker {
             }
             for key in &dirty_pods {
                 match self.pods.get(key) {
-                    Some(p) => view.set_pod(p),
+                    Some(p) => crate::policy::set_pod(view, p),
                     None => view.remove_pod(&key.0, &key.1),
                 }
             }

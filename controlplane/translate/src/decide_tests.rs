@@ -6,11 +6,11 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
-use crate::decide::{Decision, DropReason, NewPacket, Policy, RejectReason, decide};
 use crate::k8s::{ClusterState, DetectLocalMode, NodeSettings};
-use crate::snapshot::{FrontendKind, Snapshot};
 use crate::tracker::build;
-use crate::tuple::Protocol;
+use nat::decide::{Decision, DropReason, NewPacket, Policy, RejectReason, decide};
+use nat::snapshot::{FrontendKind, Snapshot};
+use nat::tuple::Protocol;
 
 /// Parses `---`-separated objects into a cluster state.
 fn state(yaml: &str) -> ClusterState {
