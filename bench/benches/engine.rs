@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use conntrack::{ConnTable, SnatPorts, Timeouts};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use dataplane::engine::{Engine, FixedSource, Verdict};
+use engine::{Engine, FixedSource, Verdict};
 use kxp_bench::{cluster, cluster_ip, node_settings};
 use nat::rewrite::testutil::build_tcp;
 use nat::rewrite::{Parsed, parse};
@@ -54,12 +54,15 @@ fn engine(c: &mut Criterion) {
         v6: None,
     };
     let table = |capacity| {
-        ConnTable::new(
+        let mut t = ConnTable::new(
             capacity,
             Timeouts::default(),
             SnatPorts::new(32768..=65535).expect("a valid port range"),
         )
-        .expect("a valid capacity")
+        .expect("a valid capacity");
+        // As a worker's table has it (dataplane's plane gives it before the engine).
+        t.set_prefetch(dataplane::sys::prefetch);
+        t
     };
     let pool: Vec<Vec<u8>> = (0..POOL)
         .map(|i| build_tcp(&connection(i), 1, None, SYN, b""))

@@ -235,11 +235,7 @@ fn service_list(shared: &Shared, want: Option<&str>) -> anyhow::Result<Value> {
     Ok(Value::Array(out))
 }
 
-fn answer(
-    shared: &Shared,
-    node: &dataplane::engine::NodeState,
-    req: Request,
-) -> anyhow::Result<Value> {
+fn answer(shared: &Shared, node: &engine::NodeState, req: Request) -> anyhow::Result<Value> {
     match req {
         Request::ServiceList { service } => service_list(shared, service.as_deref()),
         Request::ConntrackList(f) => {
@@ -279,7 +275,7 @@ fn answer(
             let text = crate::trace::render_text(&input, &result, &detail);
             // Given the source port: the endpoint a deterministic choice would make.
             let pick = sport.map(|sport| {
-                use dataplane::engine::Prediction;
+                use engine::Prediction;
                 let p = node.predict(
                     &snap,
                     SocketAddr::new(src, sport),
@@ -407,7 +403,7 @@ impl AdminServer {
     pub fn start(
         path: &Path,
         shared: Arc<Shared>,
-        node: Arc<dataplane::engine::NodeState>,
+        node: Arc<engine::NodeState>,
     ) -> anyhow::Result<AdminServer> {
         if path.exists() {
             anyhow::ensure!(
@@ -444,7 +440,7 @@ impl AdminServer {
     }
 }
 
-fn serve(conn: UnixStream, shared: &Shared, node: &dataplane::engine::NodeState) {
+fn serve(conn: UnixStream, shared: &Shared, node: &engine::NodeState) {
     let _ = conn.set_nonblocking(false);
     let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
     let mut line = String::new();

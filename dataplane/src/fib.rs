@@ -360,7 +360,7 @@ impl fmt::Debug for FibView {
     }
 }
 
-impl crate::engine::MasqueradeSource for FibView {
+impl engine::MasqueradeSource for FibView {
     fn source_for(&self, endpoint: IpAddr) -> Option<IpAddr> {
         FibView::source_for(self, endpoint)
     }

@@ -1,11 +1,11 @@
-//! kxp's dataplane: the per-packet pipeline ([`engine`], pure) and, in small modules of
-//! their own, the AF_XDP sockets, XDP steering program and workers. This is the only crate
+//! kxp's dataplane: the system side of the packet path, which drives the pure per-packet
+//! pipeline (the `engine` crate): in small modules of their own, the AF_XDP sockets, the
+//! XDP steering program, the workers, the FIB mirror and the state files. This is the only crate
 //! of kxp allowed `unsafe`, and only in the modules allowed it below (`sys`, `xsk`,
 //! `statefile`, `xdp::sys` and the XDP tests), each block with a `// SAFETY:` note.
 #![deny(unsafe_code)]
 
 pub mod caps;
-pub mod engine;
 pub mod fib;
 pub mod ifmatch;
 pub mod lab;

@@ -24,12 +24,12 @@ use nat::model::ServicePort;
 use nat::snapshot::{Snapshot, Update};
 use nat::tuple::Protocol;
 
-use crate::engine::{Engine, NodeState};
 use crate::fib::{FibMirror, LinkInfo};
 use crate::servicedev::ServiceDevice;
 use crate::worker::{Command, Shared, Worker, WorkerStats};
 use crate::xdp::{AttachMode, SteerKey, Steering};
 use crate::xsk::{Sockets, XskConfig};
+use engine::{Engine, NodeState};
 
 /// How to run the dataplane.
 #[derive(Debug, Clone)]
@@ -870,7 +870,9 @@ impl Dataplane {
         // there (see crate::xsk): what it needs is gathered here.
         let mut workers = Vec::new();
         let (started_tx, started) = std::sync::mpsc::channel();
-        for (id, (rx, table)) in rxs.into_iter().zip(tables).enumerate() {
+        for (id, (rx, mut table)) in rxs.into_iter().zip(tables).enumerate() {
+            // A hint, no I/O: the table prefetches the flows it will evict next.
+            table.set_prefetch(crate::sys::prefetch);
             // The UMEM's own socket goes on the service device (see crate::servicedev).
             let sockets = Sockets::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
             service_prog.set_socket(id as u32, sockets.fd(0))?;

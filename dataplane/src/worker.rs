@@ -23,10 +23,10 @@ use nat::rewrite::{self, Parsed};
 use nat::snapshot::Snapshot;
 use nat::tuple::Tuple;
 
-use crate::engine::{DropCause, Engine, Handover, MasqueradeSource, Prepared, Verdict};
 use crate::fib::{FibView, Route};
 use crate::servicedev::{HANDOVER_MAC, HANDOVER_MASQ_MAC};
 use crate::xsk::{Frame, WorkerIo};
+use engine::{DropCause, Engine, Handover, MasqueradeSource, Prepared, Verdict};
 
 /// From how many tracked flows a worker warms the cache for each received batch
 /// ([`Worker::warm`]): below, the table's lines (half a MiB of entries and as much of

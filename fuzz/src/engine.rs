@@ -17,7 +17,7 @@ use std::net::IpAddr;
 use std::sync::OnceLock;
 
 use conntrack::{ConnTable, SnatPorts, Timeouts};
-use dataplane::engine::{Engine, FixedSource, NodeState, Verdict};
+use engine::{Engine, FixedSource, NodeState, Verdict};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use nat::rewrite::testutil::{build_tcp, build_tuple, icmp_echo, icmp_error, verify_checksums};

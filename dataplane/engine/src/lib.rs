@@ -4,7 +4,11 @@
 //!
 //! Pure like `nat` and `conntrack` (no clock, no sockets, no unsafe): the worker passes
 //! `now`, the packet bytes and the snapshot it loaded for this batch, so the whole
-//! pipeline runs in tests on a fake clock.
+//! pipeline runs in tests on a fake clock. The dataplane crate holds the system side
+//! (AF_XDP sockets, the XDP program, the FIB mirror, state files) and drives this one,
+//! in the manner of quinn-proto beside quinn-udp. (The dataplane gives the connection
+//! table its prefetch instruction, `ConnTable::set_prefetch`, before handing it here.)
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -291,7 +295,7 @@ pub struct Engine {
 
 /// Whether the packets of a flow's original direction go to the kernel, for the CNI's
 /// policy (`kxp.networkPolicy: kernel`, a connection to a pod of this node; see
-/// [`crate::servicedev::KernelPolicy`]), and whether the kernel masquerades them.
+/// `dataplane::servicedev::KernelPolicy`), and whether the kernel masquerades them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handover {
     No,
@@ -344,8 +348,6 @@ impl Engine {
     /// counts its flows in the node's endpoint load from now on.
     pub fn on_node(mut table: ConnTable, seed: u64, node: Arc<NodeState>) -> Engine {
         table.set_load(node.load.clone());
-        // A hint, no I/O: the table prefetches the flows it will evict next.
-        table.set_prefetch(crate::sys::prefetch);
         Engine {
             table,
             counters: Counters::default(),
