@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use dataplane::fib::{FibMirror, Route};
-use dataplane::lab::Topology;
+use lab::Topology;
 
 const ROUTES: u32 = 1_000;
 const NEIGHBOURS: u32 = 250;

@@ -14,7 +14,6 @@ pub mod kube_source;
 pub mod leftovers;
 pub mod localnp;
 pub mod metrics;
-pub mod netns;
 pub mod run;
 pub mod settings;
 pub mod state;

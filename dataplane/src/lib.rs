@@ -8,7 +8,6 @@
 pub mod caps;
 pub mod fib;
 pub mod ifmatch;
-pub mod lab;
 pub mod logrl;
 pub mod napi;
 pub mod persistence;

@@ -1,6 +1,5 @@
 //! The few system calls the dataplane makes directly (through libc), each wrapped safely.
 
-use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 
@@ -290,19 +289,6 @@ pub fn thread_ids() -> Vec<libc::pid_t> {
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
-}
-
-/// Moves the calling thread into the network namespace `/var/run/netns/NAME` (setns(2) is
-/// per thread; sockets keep the namespace they were created in).
-pub fn enter_netns(name: &str) -> io::Result<()> {
-    let f = File::open(format!("/var/run/netns/{name}"))?;
-    // SAFETY: `f` is an open namespace file for the duration of the call; setns only
-    // changes the calling thread's network namespace.
-    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Sends `sig` to the process group `pgid` (a child started in its own group).

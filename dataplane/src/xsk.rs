@@ -1115,7 +1115,7 @@ impl<'id> WorkerIo<'id> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lab::Topology;
+    use lab::Topology;
 
     /// A namespace for the sockets with two veths, `anchor` (the UMEM's first socket, as
     /// kxp's service device) and `pod`, to a peer namespace; the namespace's name.

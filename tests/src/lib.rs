@@ -6,7 +6,7 @@ pub mod fakeapi;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use controlplane::demo::{KxpProcess, wait_healthy};
+use lab::{KxpProcess, wait_healthy};
 
 /// The `kxp` binary the tests run: `KXP_BIN`, else `target/debug/kxp` of this workspace
 /// (the tests build nothing themselves: `cargo build -p controlplane` first).

@@ -34,10 +34,8 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use controlplane::demo::{
-    Backend, KxpProcess, VIP, http_get, spawn_in, state_yaml_with, wait_healthy,
-};
-use controlplane::netns::{Topology, in_ns};
+use lab::{Backend, KxpProcess, VIP, http_get, spawn_in, state_yaml_with, wait_healthy};
+use lab::{Topology, in_ns};
 
 const WEB: [&str; 3] = ["198.18.2.2", "198.18.2.6", "198.18.2.10"];
 /// Receive queues of the default node's uplink (`n-client`): more than the workers.
@@ -2365,7 +2363,7 @@ fn http_from(src: SocketAddr, dst: SocketAddr) -> std::io::Result<String> {
     s.set_reuse_address(true)?;
     s.bind(&src.into())?;
     s.connect_timeout(&dst.into(), Duration::from_secs(3))?;
-    controlplane::demo::http_get_on(s.into(), Duration::from_secs(3))
+    lab::http_get_on(s.into(), Duration::from_secs(3))
 }
 
 #[test]
@@ -5383,7 +5381,7 @@ fn tagged_frames_on_a_trunk_go_through_a_cluster_ip_and_come_back_with_their_tag
         node_setup: &["ip route add 198.18.61.0/24 dev n-client"],
         ..Default::default()
     });
-    let out = dataplane::lab::in_ns(
+    let out = lab::in_ns(
         &lab.client,
         &["ip", "addr", "add", "198.18.61.2/32", "dev", "eth0"],
     )
@@ -5615,7 +5613,7 @@ fn network_policy_kernel_carries_connections_to_the_nodes_pods_through_the_cnis_
     );
     let node = lab.node.clone();
     let listed = |what: &[&str]| {
-        let out = dataplane::lab::in_ns(&node, what).unwrap();
+        let out = lab::in_ns(&node, what).unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     assert!(listed(&["nft", "list", "tables"]).contains("kxp_policy_handover"));

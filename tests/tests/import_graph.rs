@@ -341,3 +341,89 @@ fn no_import_circle_but_the_known_ones_and_each_known_one_still_there() {
         "import circles not in KNOWN: {new:#?}\nKNOWN circles no longer there (take them off): {gone:#?}"
     );
 }
+
+/// A member's package name and the workspace packages its `[dependencies]` name.
+fn manifest_deps(dir: &str) -> (String, BTreeSet<String>) {
+    let text = std::fs::read_to_string(root().join(dir).join("Cargo.toml")).unwrap();
+    let mut name = String::new();
+    let mut deps = BTreeSet::new();
+    let mut section = "";
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            section = if line == "[dependencies]" {
+                "deps"
+            } else if line == "[package]" {
+                "package"
+            } else {
+                ""
+            };
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let key = line.split(['=', '.']).next().unwrap_or("").trim();
+        match section {
+            "package" if key == "name" => {
+                name = line.split('"').nth(1).unwrap_or("").to_string();
+            }
+            "deps" => {
+                deps.insert(key.to_string());
+            }
+            _ => {}
+        }
+    }
+    (name, deps)
+}
+
+/// The README's list of crates and what each uses (`dir -> dir, dir`), as written.
+fn readme_crates() -> BTreeMap<String, BTreeSet<String>> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let start = readme
+        .find("The crates, each using only those after its arrow")
+        .expect("the README's list of crates");
+    let block = readme[start..].split("```").nth(1).expect("its code block");
+    block
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let (krate, uses) = l.split_once("->").unwrap_or((l, ""));
+            let uses = uses
+                .split(',')
+                .map(|u| u.trim().to_string())
+                .filter(|u| !u.is_empty())
+                .collect();
+            (krate.trim().to_string(), uses)
+        })
+        .collect()
+}
+
+#[test]
+fn the_readmes_picture_of_the_crates_is_the_manifests() {
+    // Every member but the harnesses around them (benchmarks, end-to-end tests, fuzz).
+    let members: Vec<String> = crates()
+        .into_iter()
+        .filter(|c| !["bench", "tests", "fuzz"].contains(&c.as_str()))
+        .collect();
+    let by_name: BTreeMap<String, String> = members
+        .iter()
+        .map(|dir| (manifest_deps(dir).0, dir.clone()))
+        .collect();
+    let actual: BTreeMap<String, BTreeSet<String>> = members
+        .iter()
+        .map(|dir| {
+            let uses = manifest_deps(dir)
+                .1
+                .into_iter()
+                .filter_map(|d| by_name.get(&d).cloned())
+                .collect();
+            (dir.clone(), uses)
+        })
+        .collect();
+    assert_eq!(
+        readme_crates(),
+        actual,
+        "README.md's list of crates (left) against the manifests (right)"
+    );
+}

@@ -633,7 +633,7 @@ fn trace_names_the_endpoints_network_policy_denies_and_why() {
     let dir = std::env::temp_dir().join(format!("kxp-trace-np-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let state = dir.join("state.yaml");
-    let mut text = controlplane::demo::state_yaml_with(&["10.1.0.2", "10.1.0.3"], "");
+    let mut text = lab::state_yaml_with(&["10.1.0.2", "10.1.0.3"], "");
     for (n, ip) in [(1, "10.1.0.2"), (2, "10.1.0.3")] {
         text.push_str(&format!(
             "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: web-{n}, namespace: demo, labels: {{name: web-{n}, app: web}}}}\n\

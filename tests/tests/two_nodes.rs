@@ -33,9 +33,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use controlplane::demo::{Backend, KxpProcess, http_get, spawn_in};
-use controlplane::netns::{Topology, in_ns};
 use kxp_tests::{CT_INVALID_DROP, add6, metric};
+use lab::{Backend, KxpProcess, http_get, spawn_in};
+use lab::{Topology, in_ns};
 use socket2::{Domain, Protocol, Socket, Type};
 
 const NODE_A_IP: &str = "198.18.30.1";
@@ -446,7 +446,7 @@ impl V6Server {
         let ns = ns.to_string();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let h = std::thread::spawn(move || {
-            dataplane::sys::enter_netns(&ns).unwrap();
+            lab::enter_netns(&ns).unwrap();
             let bind = |ty: Type, proto: Protocol| {
                 let s = Socket::new(Domain::IPV6, ty, Some(proto)).unwrap();
                 s.set_only_v6(true).unwrap();

@@ -38,8 +38,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use controlplane::netns::{Topology, in_ns, ip};
 use hdrhistogram::Histogram;
+use lab::{Topology, in_ns, ip};
 
 const VIP: &str = "198.19.0.10";
 const SINK_PORT: u16 = 9000;
@@ -1497,7 +1497,7 @@ impl Drop for Router<'_> {
                 // A stopped kxp keeps its steering and connections for the next one: the
                 // next case or mode starts afresh instead.
                 if let Some((bin, _)) = &self.kxp_cmd {
-                    let _ = dataplane::lab::node_command(&lab.router)
+                    let _ = lab::node_command(&lab.router)
                         .arg(bin)
                         .arg("cleanup")
                         .stdin(Stdio::null())
@@ -1512,7 +1512,7 @@ impl Drop for Router<'_> {
 }
 
 fn spawn_kxp(lab: &Lab, bin: &Path, args: &[String], tag: &str) -> anyhow::Result<Proc> {
-    let mut cmd = dataplane::lab::node_command(&lab.router);
+    let mut cmd = lab::node_command(&lab.router);
     cmd.args(["env", "KXP_LOG_STATS=1"]).arg(bin).args(args);
     Proc::spawn(cmd, "kxp", &lab.dir.join(format!("{tag}.log")))
 }
@@ -1525,7 +1525,7 @@ fn wait_healthy(lab: &Lab, p: &mut Proc) -> anyhow::Result<()> {
         if !p.running() {
             bail!("kxp run exited before becoming healthy:\n{}", p.log_text());
         }
-        let ok = controlplane::demo::healthz_ok(&lab.router, addr)?;
+        let ok = lab::healthz_ok(&lab.router, addr)?;
         if ok {
             return Ok(());
         }
@@ -1664,7 +1664,7 @@ impl Probe {
         let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<io::Result<()>>();
         let stop_rx = stop.clone();
-        let rx = controlplane::demo::spawn_in(&lab.back, move || -> anyhow::Result<Latency> {
+        let rx = lab::spawn_in(&lab.back, move || -> anyhow::Result<Latency> {
             let _ = dataplane::sys::pin_to_cpu(GEN_CPU);
             let sock = match UdpSocket::bind(("0.0.0.0", PROBE_PORT)).and_then(|s| {
                 dataplane::sys::enable_rx_timestamps(s.as_raw_fd())?;
@@ -1721,34 +1721,31 @@ impl Probe {
             Err(_) => bail!("probe receiver did not start"),
         }
         let stop_tx = stop;
-        probe.tx = Some(controlplane::demo::spawn_in(
-            &lab.genns,
-            move || -> anyhow::Result<u64> {
-                let _ = dataplane::sys::pin_to_cpu(GEN_CPU);
-                let s = UdpSocket::bind((GEN_IP, PROBE_SPORT)).context("probe sender bind")?;
-                s.connect((VIP, PROBE_PORT))?;
-                let interval = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
-                let start = Instant::now();
-                let limit = (max.as_secs_f64() * f64::from(rate)) as u64 + 1;
-                let mut sent = 0u64;
-                let mut next = start;
-                while !stop_tx.load(Ordering::Relaxed) && sent < limit && start.elapsed() < max {
-                    let mut p = [0u8; 18];
-                    p[..4].copy_from_slice(&PROBE_MAGIC.to_be_bytes());
-                    p[4..8].copy_from_slice(&(sent as u32).to_be_bytes());
-                    p[8..16].copy_from_slice(&realtime_ns().to_be_bytes());
-                    if s.send(&p).is_ok() {
-                        sent += 1;
-                    }
-                    next += interval;
-                    let now = Instant::now();
-                    if next > now {
-                        std::thread::sleep(next - now);
-                    }
+        probe.tx = Some(lab::spawn_in(&lab.genns, move || -> anyhow::Result<u64> {
+            let _ = dataplane::sys::pin_to_cpu(GEN_CPU);
+            let s = UdpSocket::bind((GEN_IP, PROBE_SPORT)).context("probe sender bind")?;
+            s.connect((VIP, PROBE_PORT))?;
+            let interval = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
+            let start = Instant::now();
+            let limit = (max.as_secs_f64() * f64::from(rate)) as u64 + 1;
+            let mut sent = 0u64;
+            let mut next = start;
+            while !stop_tx.load(Ordering::Relaxed) && sent < limit && start.elapsed() < max {
+                let mut p = [0u8; 18];
+                p[..4].copy_from_slice(&PROBE_MAGIC.to_be_bytes());
+                p[4..8].copy_from_slice(&(sent as u32).to_be_bytes());
+                p[8..16].copy_from_slice(&realtime_ns().to_be_bytes());
+                if s.send(&p).is_ok() {
+                    sent += 1;
                 }
-                Ok(sent)
-            },
-        ));
+                next += interval;
+                let now = Instant::now();
+                if next > now {
+                    std::thread::sleep(next - now);
+                }
+            }
+            Ok(sent)
+        }));
         Ok(probe)
     }
 

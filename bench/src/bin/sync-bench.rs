@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use controlplane::demo::{KxpProcess, spawn_in, wait_healthy};
-use controlplane::netns::Topology;
 use kxp_bench::{cluster, endpoint_ip, locate_kxp};
 use kxp_tests::fakeapi::FakeApi;
+use lab::Topology;
+use lab::{KxpProcess, spawn_in, wait_healthy};
 
 #[derive(Debug, Parser)]
 struct Args {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::table::Resolved;
 use super::{FibMirror, FibView, NextHop, Route};
-use crate::lab::{self, Topology};
+use lab::Topology;
 
 /// Prefix of this file's namespaces (`kxpf-{tag}{a|b}{n}-{pid}`).
 const LAB: &str = "kxpf";
@@ -16,7 +16,7 @@ const WAIT: Duration = Duration::from_secs(5);
 
 fn require_root() {
     assert!(
-        nix::unistd::geteuid().is_root(),
+        lab::is_root(),
         "the FIB netns tests need root (they create network namespaces); run them as root, e.g. `sudo -E cargo test -p dataplane fib`"
     );
 }

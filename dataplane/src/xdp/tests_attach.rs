@@ -15,7 +15,7 @@ use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 
 use super::testutil::require_root;
 use super::*;
-use crate::lab::{Topology, ip};
+use lab::{Topology, ip};
 
 /// Prefix of this module's namespaces (`kxpx-{role}{n}-{pid}`).
 const LAB: &str = "kxpx";

@@ -185,10 +185,10 @@ fn replies_of_flows_the_kernel_tracks_are_left_to_it() {
     // forwarded the request and tracks the flow, so the endpoint's answers are its own
     // (its conntrack must see them). Here the kernel's entries are the namespace's own
     // connections over loopback, with conntrack on (an nftables `ct state` rule).
-    let mut topo = crate::lab::Topology::new("kxpct");
+    let mut topo = lab::Topology::new("kxpct");
     let ns = topo.add_ns("ct").unwrap();
-    crate::lab::in_ns(&ns, &["ip", "link", "set", "lo", "up"]).unwrap();
-    crate::lab::in_ns(
+    lab::in_ns(&ns, &["ip", "link", "set", "lo", "up"]).unwrap();
+    lab::in_ns(
         &ns,
         &[
             "nft",
@@ -199,7 +199,7 @@ fn replies_of_flows_the_kernel_tracks_are_left_to_it() {
     .unwrap();
     let ns2 = ns.clone();
     std::thread::spawn(move || {
-        crate::sys::enter_netns(&ns2).unwrap();
+        lab::enter_netns(&ns2).unwrap();
         let lo = |p: u16| SocketAddr::new(IpAddr::from([127, 0, 0, 1]), p);
         // The kernel's flows: 127.0.0.1:X -> :9 (UDP) and -> :7 (TCP, refused: the
         // entry stays a while in CLOSE).
@@ -505,7 +505,7 @@ fn a_packet_from_an_interface_without_a_slot_is_passed_as_nobodys() {
     s.sync_frontends(&set([key(e.vip, Protocol::Tcp)])).unwrap();
     let frame = eth_ip(&pkt::build(&e, Protocol::Tcp, b"x"));
     assert_eq!(classify(&s, &frame), Some(Rule::Frontend), "from loopback");
-    let mut topo = crate::lab::Topology::new("kxqs");
+    let mut topo = lab::Topology::new("kxqs");
     let ns = topo.add_ns_unique("p").unwrap();
     let peer = topo.add_ns_unique("q").unwrap();
     topo.link((&ns, "kxport", ""), (&peer, "kxpeer", ""))

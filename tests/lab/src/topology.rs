@@ -186,13 +186,13 @@ impl Topology {
         .map(|_| ())
     }
 
-    /// Runs `f` on a thread of its own that entered namespace `ns` ([`crate::sys::enter_netns`];
+    /// Runs `f` on a thread of its own that entered namespace `ns` ([`enter_netns`];
     /// setns(2) is per thread), and returns its result. Sockets, netlink requests and
     /// threads made there stay in the namespace; a panic in `f` is resumed in the caller.
     pub fn run_in<R: Send>(&self, ns: &str, f: impl FnOnce() -> R + Send) -> io::Result<R> {
         std::thread::scope(|scope| {
             let thread = scope.spawn(|| {
-                crate::sys::enter_netns(ns).map_err(|e| {
+                enter_netns(ns).map_err(|e| {
                     io::Error::new(e.kind(), format!("entering network namespace {ns}: {e}"))
                 })?;
                 Ok(f())
@@ -230,6 +230,21 @@ impl Drop for Topology {
             let _ = Command::new("ip").args(["netns", "del", &ns]).output();
         }
     }
+}
+
+/// Moves the calling thread into the network namespace `/var/run/netns/NAME` (setns(2) is
+/// per thread).
+///
+/// # Errors
+/// No such namespace, or setns(2) refused (not root).
+pub fn enter_netns(name: &str) -> io::Result<()> {
+    let f = std::fs::File::open(format!("/var/run/netns/{name}"))?;
+    nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).map_err(io::Error::from)
+}
+
+/// Whether this process runs as root (the lab needs it).
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
 }
 
 fn invalid(msg: String) -> io::Error {
@@ -285,7 +300,7 @@ mod tests {
     #[test]
     fn namespaces_are_linked_entered_and_removed_on_drop_and_panic() {
         assert!(
-            crate::sys::is_root(),
+            is_root(),
             "this test creates network namespaces: it needs root"
         );
         // What a killed run leaves: a namespace whose PID is gone.
