@@ -263,7 +263,6 @@ fn answer(shared: &Shared, node: &engine::NodeState, req: Request) -> anyhow::Re
             protocol,
             in_interface,
         } => {
-            let snap = shared.snapshot.load_full();
             let input = crate::trace::TraceInput {
                 src,
                 dst,
@@ -271,119 +270,143 @@ fn answer(shared: &Shared, node: &engine::NodeState, req: Request) -> anyhow::Re
                 proto: parse_proto(&protocol)?,
                 in_interface,
             };
-            let (result, detail) = crate::trace::trace(&snap, &input);
-            let text = crate::trace::render_text(&input, &result, &detail);
-            // Given the source port: the endpoint a deterministic choice would make.
-            let pick = sport.map(|sport| {
-                use engine::Prediction;
-                let p = node.predict(
-                    &snap,
-                    SocketAddr::new(src, sport),
-                    SocketAddr::new(dst, dport),
-                    input.proto,
-                    input.in_interface.as_deref(),
-                    dataplane::sys::monotonic_ns(),
-                );
-                match p {
-                    Prediction::Affinity(ep) => json!({"endpoint": ep.to_string(), "by": "affinity"}),
-                    Prediction::Hash(ep) => json!({"endpoint": ep.to_string(), "by": "hash"}),
-                    Prediction::AtConnection => json!({"endpoint": null, "by": "at-connection"}),
-                    Prediction::NotForwarded => json!({"endpoint": null, "by": "not-forwarded"}),
-                }
-            });
-            // The tracked flow of this packet, if any: by its tuple as the client sends it.
-            let flow = match sport {
-                Some(sport) => {
-                    let proto = input.proto;
-                    let pred: FlowFilter = Arc::new(move |e: &conntrack::Entry| {
-                        let o = e.orig();
-                        o.proto == proto
-                            && o.src == src
-                            && o.sport == sport
-                            && o.dst == dst
-                            && o.dport == dport
-                    });
-                    let (flows, _) = shared.flows(pred, false, WORKER_WAIT);
-                    flows.first().map(|f| flow_json(&snap, f))
-                }
-                None => None,
-            };
-            Ok(json!({
-                "trace": serde_json::to_value(&result)?,
-                "text": text,
-                "flow": flow,
-                "pick": pick,
-                "generation": snap.generation,
-            }))
+            live_trace(shared, node, input, sport)
         }
-        Request::Stats => Ok(Value::Array(
-            shared
-                .stats
-                .iter()
-                .enumerate()
-                .map(|(i, w)| {
-                    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-                    let drops: serde_json::Map<String, Value> = w
-                        .drop_detail
-                        .lock()
-                        .map(|d| {
-                            d.iter()
-                                .filter(|(_, n)| *n > 0)
-                                .map(|(k, n)| (k.to_string(), json!(n)))
-                                .collect()
-                        })
-                        .unwrap_or_default();
-                    let it = g(&w.iterations);
-                    // The (interface, queue) sockets this worker serves, and what each
-                    // received: how RSS spreads the traffic.
-                    let queues: Vec<Value> = shared
-                        .socket_stats_of(i, WORKER_WAIT)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(ifname, st)| {
-                            json!({"interface": ifname, "queue": st.queue, "rx_packets": st.rx_packets})
-                        })
-                        .collect();
-                    json!({
-                        "worker": i,
-                        // Acquire, before the verdicts (see `Worker::publish`).
-                        "rx_packets": w.rx_packets.load(Ordering::Acquire),
-                        "tx_packets": g(&w.tx_packets),
-                        "forwarded": g(&w.forwarded),
-                        "new_flows": g(&w.new_flows),
-                        "rejected": g(&w.rejected),
-                        "passed": g(&w.passed),
-                        "dropped": g(&w.dropped),
-                        "drops": drops,
-                        "handoffs_out": g(&w.handoffs_out),
-                        "handoffs_in": g(&w.handoffs_in),
-                        "busy_ratio": if it == 0 { 0.0 } else { g(&w.busy_iterations) as f64 / it as f64 },
-                        "conntrack_entries": g(&w.conntrack_entries),
-                        "queues": queues,
-                    })
-                })
-                .collect(),
-        )),
-        Request::ConntrackStats => Ok(Value::Array(
-            shared
-                .table_stats(WORKER_WAIT)
-                .into_iter()
-                .map(|t| {
-                    json!({
-                        "worker": t.worker,
-                        "entries": t.entries,
-                        "capacity": t.capacity,
-                        "insertions": t.stats.inserts,
-                        "evictions": t.stats.evictions,
-                        "insert_failed_full": t.stats.insert_failed_full,
-                        "expired": t.stats.expired,
-                        "removed": t.stats.removed + t.stats.removed_stale,
-                        "clashes": t.stats.clashes,
-                    })
-                })
-                .collect(),
-        )),
+        Request::Stats => Ok(worker_stats(shared)),
+        Request::ConntrackStats => Ok(table_stats(shared)),
     }
+}
+
+/// `kxp trace --live`: the decision for `input` on the running snapshot, the endpoint a
+/// deterministic choice would make given the source port `sport`, and the flow the
+/// packet belongs to if one is tracked.
+fn live_trace(
+    shared: &Shared,
+    node: &engine::NodeState,
+    input: crate::trace::TraceInput,
+    sport: Option<u16>,
+) -> anyhow::Result<Value> {
+    let (src, dst, dport) = (input.src, input.dst, input.dport);
+    let snap = shared.snapshot.load_full();
+    let (result, detail) = crate::trace::trace(&snap, &input);
+    let text = crate::trace::render_text(&input, &result, &detail);
+    // Given the source port: the endpoint a deterministic choice would make.
+    let pick = sport.map(|sport| {
+        use engine::Prediction;
+        let p = node.predict(
+            &snap,
+            SocketAddr::new(src, sport),
+            SocketAddr::new(dst, dport),
+            input.proto,
+            input.in_interface.as_deref(),
+            dataplane::sys::monotonic_ns(),
+        );
+        match p {
+            Prediction::Affinity(ep) => json!({"endpoint": ep.to_string(), "by": "affinity"}),
+            Prediction::Hash(ep) => json!({"endpoint": ep.to_string(), "by": "hash"}),
+            Prediction::AtConnection => json!({"endpoint": null, "by": "at-connection"}),
+            Prediction::NotForwarded => json!({"endpoint": null, "by": "not-forwarded"}),
+        }
+    });
+    // The tracked flow of this packet, if any: by its tuple as the client sends it.
+    let flow = match sport {
+        Some(sport) => {
+            let proto = input.proto;
+            let pred: FlowFilter = Arc::new(move |e: &conntrack::Entry| {
+                let o = e.orig();
+                o.proto == proto
+                    && o.src == src
+                    && o.sport == sport
+                    && o.dst == dst
+                    && o.dport == dport
+            });
+            let (flows, _) = shared.flows(pred, false, WORKER_WAIT);
+            flows.first().map(|f| flow_json(&snap, f))
+        }
+        None => None,
+    };
+    Ok(json!({
+        "trace": serde_json::to_value(&result)?,
+        "text": text,
+        "flow": flow,
+        "pick": pick,
+        "generation": snap.generation,
+    }))
+}
+
+/// Every worker's counters now, with the (interface, queue) sockets it serves.
+fn worker_stats(shared: &Shared) -> Value {
+    Value::Array(
+    shared
+        .stats
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            let drops: serde_json::Map<String, Value> = w
+                .drop_detail
+                .lock()
+                .map(|d| {
+                    d.iter()
+                        .filter(|(_, n)| *n > 0)
+                        .map(|(k, n)| (k.to_string(), json!(n)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let it = g(&w.iterations);
+            // The (interface, queue) sockets this worker serves, and what each
+            // received: how RSS spreads the traffic.
+            let queues: Vec<Value> = shared
+                .socket_stats_of(i, WORKER_WAIT)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(ifname, st)| {
+                    json!({"interface": ifname, "queue": st.queue, "rx_packets": st.rx_packets})
+                })
+                .collect();
+            json!({
+                "worker": i,
+                // Acquire, before the verdicts (see `Worker::publish`).
+                "rx_packets": w.rx_packets.load(Ordering::Acquire),
+                "tx_packets": g(&w.tx_packets),
+                "forwarded": g(&w.forwarded),
+                "new_flows": g(&w.new_flows),
+                "rejected": g(&w.rejected),
+                "passed": g(&w.passed),
+                "dropped": g(&w.dropped),
+                "drops": drops,
+                "handoffs_out": g(&w.handoffs_out),
+                "handoffs_in": g(&w.handoffs_in),
+                "busy_ratio": if it == 0 { 0.0 } else { g(&w.busy_iterations) as f64 / it as f64 },
+                "conntrack_entries": g(&w.conntrack_entries),
+                "queues": queues,
+            })
+        })
+        .collect(),
+    )
+}
+
+/// Every worker's connection table: entries, capacity and its counters.
+fn table_stats(shared: &Shared) -> Value {
+    Value::Array(
+        shared
+            .table_stats(WORKER_WAIT)
+            .into_iter()
+            .map(|t| {
+                json!({
+                    "worker": t.worker,
+                    "entries": t.entries,
+                    "capacity": t.capacity,
+                    "insertions": t.stats.inserts,
+                    "evictions": t.stats.evictions,
+                    "insert_failed_full": t.stats.insert_failed_full,
+                    "expired": t.stats.expired,
+                    "removed": t.stats.removed + t.stats.removed_stale,
+                    "clashes": t.stats.clashes,
+                })
+            })
+            .collect(),
+    )
 }
 
 /// The admin socket of a running kxp; removed when dropped.

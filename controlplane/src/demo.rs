@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream, UdpSocket};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -40,33 +40,10 @@ pub fn demo() -> anyhow::Result<()> {
         bail!("kxp demo creates network namespaces and attaches XDP programs: run it as root");
     }
     run("ip", &["-V"]).context("kxp demo needs iproute2 (bash tests/install-deps.sh)")?;
-    let mut topo = Topology::new("kxd");
-    let client = topo.add_ns("client")?;
-    let node = topo.add_ns("node")?;
-    topo.forwarding(&node)?;
-    topo.link(
-        (&node, "n-client", "198.18.1.1/24"),
-        (&client, "eth0", "198.18.1.2/24"),
-    )?;
-    in_ns(
-        &client,
-        &["ip", "route", "add", "default", "via", "198.18.1.1"],
-    )?;
-    let mut interfaces = vec!["n-client".to_string()];
-    let mut backend_ns = Vec::new();
-    for (i, (_, node_side, pod_side)) in BACKENDS.iter().enumerate() {
-        let ns = topo.add_ns(&format!("web{}", i + 1))?;
-        let dev = format!("n-web{}", i + 1);
-        topo.link((&node, &dev, node_side), (&ns, "eth0", pod_side))?;
-        in_ns(
-            &ns,
-            &["ip", "route", "add", "default", "via", host(node_side)],
-        )?;
-        interfaces.push(dev);
-        backend_ns.push(ns);
-    }
+    let lab = DemoLab::build()?;
     println!(
-        "topology: client {client} -> node {node} (kxp) -> 3 backends (web-1..3), addresses from 198.18.0.0/15"
+        "topology: client {} -> node {} (kxp) -> 3 backends (web-1..3), addresses from 198.18.0.0/15",
+        lab.client, lab.node
     );
 
     let dir = std::env::temp_dir().join(format!("kxp-demo-{}", std::process::id()));
@@ -80,13 +57,80 @@ pub fn demo() -> anyhow::Result<()> {
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut backends = Vec::new();
-    for (ns, (name, ..)) in backend_ns.iter().zip(BACKENDS) {
+    for (ns, (name, ..)) in lab.backends.iter().zip(BACKENDS) {
         backends.push(Backend::start(ns, name, stop.clone())?);
     }
+    let mut kxp = start_kxp(&lab, &state, &config, &dir)?;
 
+    let vip: SocketAddr = format!("{VIP}:80").parse()?;
+    http_through_the_vip(&lab.client, vip)?;
+    throughput(&lab.client, &backends)?;
+    scale_to_zero(&lab.client, vip, &state, &kxp)?;
+
+    let code = kxp.terminate();
+    stop.store(true, Ordering::Relaxed);
+    for b in backends {
+        b.join();
+    }
+    stop_and_clean_up(&lab.node, code, &mut kxp)?;
+    drop(lab);
+    println!("removed the namespaces; done");
+    Ok(())
+}
+
+/// The demo's namespaces: a client, the node, three backends.
+struct DemoLab {
+    client: String,
+    node: String,
+    backends: Vec<String>,
+    /// The node's interfaces kxp attaches to.
+    interfaces: Vec<String>,
+    /// Removes them all when dropped.
+    _topo: Topology,
+}
+
+impl DemoLab {
+    fn build() -> anyhow::Result<DemoLab> {
+        let mut topo = Topology::new("kxd");
+        let client = topo.add_ns("client")?;
+        let node = topo.add_ns("node")?;
+        topo.forwarding(&node)?;
+        topo.link(
+            (&node, "n-client", "198.18.1.1/24"),
+            (&client, "eth0", "198.18.1.2/24"),
+        )?;
+        in_ns(
+            &client,
+            &["ip", "route", "add", "default", "via", "198.18.1.1"],
+        )?;
+        let mut interfaces = vec!["n-client".to_string()];
+        let mut backends = Vec::new();
+        for (i, (_, node_side, pod_side)) in BACKENDS.iter().enumerate() {
+            let ns = topo.add_ns(&format!("web{}", i + 1))?;
+            let dev = format!("n-web{}", i + 1);
+            topo.link((&node, &dev, node_side), (&ns, "eth0", pod_side))?;
+            in_ns(
+                &ns,
+                &["ip", "route", "add", "default", "via", host(node_side)],
+            )?;
+            interfaces.push(dev);
+            backends.push(ns);
+        }
+        Ok(DemoLab {
+            client,
+            node,
+            backends,
+            interfaces,
+            _topo: topo,
+        })
+    }
+}
+
+/// `kxp run` on the node, on the state file and configuration, until healthy.
+fn start_kxp(lab: &DemoLab, state: &Path, config: &Path, dir: &Path) -> anyhow::Result<KxpProcess> {
     let healthz: SocketAddr = "127.0.0.1:10256".parse()?;
     let mut args: Vec<String> = Vec::new();
-    for i in &interfaces {
+    for i in &lab.interfaces {
         args.push("--interface".into());
         args.push(i.clone());
     }
@@ -103,17 +147,19 @@ pub fn demo() -> anyhow::Result<()> {
         ]
         .map(String::from),
     );
-    let mut kxp = KxpProcess::spawn(&node, &args, &dir.join("kxp.log"))?;
-    wait_healthy(&node, healthz, Duration::from_secs(20), &mut kxp)?;
+    let mut kxp = KxpProcess::spawn(&lab.node, &args, &dir.join("kxp.log"))?;
+    wait_healthy(&lab.node, healthz, Duration::from_secs(20), &mut kxp)?;
     println!(
         "kxp run is up: {} interfaces attached, /healthz 200",
-        interfaces.len()
+        lab.interfaces.len()
     );
+    Ok(kxp)
+}
 
-    // 300 HTTP connections through the VIP.
-    let vip: SocketAddr = format!("{VIP}:80").parse()?;
+/// 300 HTTP connections through the VIP, and how they were spread.
+fn http_through_the_vip(client: &str, vip: SocketAddr) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let results = join(spawn_in(&client, move || {
+    let results = join(spawn_in(client, move || {
         let mut spread: BTreeMap<String, u32> = BTreeMap::new();
         let mut failed = 0u32;
         for _ in 0..300 {
@@ -136,10 +182,13 @@ pub fn demo() -> anyhow::Result<()> {
         elapsed.as_secs_f64(),
         300.0 / elapsed.as_secs_f64()
     );
+    Ok(())
+}
 
-    // Throughput: 64-byte UDP datagrams through the VIP for 2 s (bounded in count too).
+/// Throughput: 64-byte UDP datagrams through the VIP for 2 s (bounded in count too).
+fn throughput(client: &str, backends: &[Backend]) -> anyhow::Result<()> {
     let sink: SocketAddr = format!("{VIP}:9").parse()?;
-    let (sent, secs) = join(spawn_in(&client, move || {
+    let (sent, secs) = join(spawn_in(client, move || {
         let s = UdpSocket::bind("0.0.0.0:0").ok()?;
         let payload = [b'.'; 18];
         let start = Instant::now();
@@ -163,14 +212,22 @@ pub fn demo() -> anyhow::Result<()> {
         "throughput: {sent} UDP datagrams sent in {secs:.1} s, {got} delivered to the backends: {:.0} packets/s through kxp (one worker, copy-mode AF_XDP on veth)",
         got as f64 / secs
     );
+    Ok(())
+}
 
-    // Scale to zero: new connections are refused at once.
-    std::fs::write(&state, state_yaml(&[]))?;
+/// Scale to zero: new connections are refused at once.
+fn scale_to_zero(
+    client: &str,
+    vip: SocketAddr,
+    state: &Path,
+    kxp: &KxpProcess,
+) -> anyhow::Result<()> {
+    std::fs::write(state, state_yaml(&[]))?;
     let deadline = Instant::now() + Duration::from_secs(5);
     while !kxp.log_text().contains("generation 3") && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let refused = join(spawn_in(&client, move || {
+    let refused = join(spawn_in(client, move || {
         let t = Instant::now();
         let r = TcpStream::connect_timeout(&vip, Duration::from_secs(3));
         (r.err().map(|e| e.kind()), t.elapsed())
@@ -184,14 +241,13 @@ pub fn demo() -> anyhow::Result<()> {
             println!("scaled to zero: connection result {other:?} after {t:?} (expected a refusal)")
         }
     }
+    Ok(())
+}
 
-    let code = kxp.terminate();
-    stop.store(true, Ordering::Relaxed);
-    for b in backends {
-        b.join();
-    }
+/// After kxp stopped (exit `code`): what it kept for a next kxp, then `kxp cleanup`.
+fn stop_and_clean_up(node: &str, code: Option<i32>, kxp: &mut KxpProcess) -> anyhow::Result<()> {
     let programs = || {
-        in_ns(&node, &["ip", "-d", "link", "show"])
+        in_ns(node, &["ip", "-d", "link", "show"])
             .map(|o| {
                 String::from_utf8_lossy(&o.stdout)
                     .matches("prog/xdp")
@@ -214,8 +270,6 @@ pub fn demo() -> anyhow::Result<()> {
             "none"
         }
     );
-    drop(topo);
-    println!("removed the namespaces; done");
     Ok(())
 }
 

@@ -337,14 +337,52 @@ impl KubeProxyFlags {
     /// The flags as a KubeProxyConfiguration — what kube-proxy builds when there is no
     /// `--config`: its defaults, then every flag given — and the names of the flags given.
     pub fn to_config(&self) -> (KubeProxyConfiguration, Vec<&'static str>) {
-        let mut given = Vec::new();
-        let mut g = |set: bool, name: &'static str| {
-            if set {
-                given.push(name);
-            }
+        let mut c = self.top_level();
+        c.client_connection = self.client_connection();
+        // kube-proxy applies the iptables periods unless the mode is ipvs, and the ipvs
+        // ones only in ipvs mode.
+        let ipvs_mode = c.mode.as_deref() == Some("ipvs");
+        let (sync, min_sync) = if ipvs_mode {
+            (self.ipvs_sync_period, self.ipvs_min_sync_period)
+        } else {
+            (self.iptables_sync_period, self.iptables_min_sync_period)
         };
+        c.sync_period = sync;
+        c.min_sync_period = min_sync;
+        let ipt = IpTables {
+            masquerade_bit: self.iptables_masquerade_bit,
+            localhost_node_ports: self.iptables_localhost_nodeports,
+            ..Default::default()
+        };
+        c.iptables = (ipt != IpTables::default()).then_some(ipt);
+        c.nftables = self.masquerade_all.map(|m| NfTables {
+            masquerade_all: Some(m),
+            ..Default::default()
+        });
+        let ipvs = Ipvs {
+            scheduler: self.ipvs_scheduler.clone().filter(|s| !s.is_empty()),
+            exclude_cidrs: self.ipvs_exclude_cidrs.clone(),
+            strict_arp: self.ipvs_strict_arp,
+            tcp_timeout: self.ipvs_tcp_timeout,
+            tcp_fin_timeout: self.ipvs_tcpfin_timeout,
+            udp_timeout: self.ipvs_udp_timeout,
+            ..Default::default()
+        };
+        c.ipvs = (ipvs != Ipvs::default()).then_some(ipvs);
+        let dl = DetectLocal {
+            bridge_interface: self.pod_bridge_interface.clone(),
+            interface_name_prefix: self.pod_interface_name_prefix.clone(),
+            ..Default::default()
+        };
+        c.detect_local = (dl != DetectLocal::default()).then_some(dl);
+        c.conntrack = self.conntrack();
+        (c, self.given())
+    }
+
+    /// The configuration's top-level fields: kube-proxy's defaults and the flags that
+    /// set them.
+    fn top_level(&self) -> KubeProxyConfiguration {
         let mode = self.proxy_mode.clone().filter(|m| !m.is_empty());
-        let ipvs_mode = mode.as_deref() == Some("ipvs");
         let healthz = with_deprecated_port(
             self.healthz_bind_address
                 .clone()
@@ -357,10 +395,10 @@ impl KubeProxyFlags {
                 .unwrap_or_else(|| METRICS_DEFAULT.to_string()),
             self.metrics_port,
         );
-        let mut c = KubeProxyConfiguration {
+        KubeProxyConfiguration {
             api_version: Some(crate::config::API_VERSIONS[0].to_string()),
             kind: Some("KubeProxyConfiguration".to_string()),
-            mode: Some(mode.clone().unwrap_or_else(|| "nftables".to_string())),
+            mode: Some(mode.unwrap_or_else(|| "nftables".to_string())),
             healthz_bind_address: Some(healthz),
             metrics_bind_address: Some(metrics),
             feature_gates: self.feature_gates.clone(),
@@ -374,87 +412,24 @@ impl KubeProxyFlags {
             oom_score_adj: self.oom_score_adj,
             config_sync_period: self.config_sync_period,
             ..Default::default()
-        };
-        g(self.proxy_mode.is_some(), "--proxy-mode");
-        // Not in `given`: kxp applies --healthz-bind-address over the file too.
-        g(self.healthz_port.is_some(), "--healthz-port");
-        g(
-            self.metrics_bind_address.is_some(),
-            "--metrics-bind-address",
-        );
-        g(self.metrics_port.is_some(), "--metrics-port");
-        g(self.feature_gates.is_some(), "--feature-gates");
-        g(self.bind_address.is_some(), "--bind-address");
-        g(
-            self.bind_address_hard_fail.is_some(),
-            "--bind-address-hard-fail",
-        );
-        g(self.profiling.is_some(), "--profiling");
-        g(
-            self.show_hidden_metrics_for_version.is_some(),
-            "--show-hidden-metrics-for-version",
-        );
-        g(self.cluster_cidr.is_some(), "--cluster-cidr");
-        g(self.nodeport_addresses.is_some(), "--nodeport-addresses");
-        g(self.detect_local_mode.is_some(), "--detect-local-mode");
-        g(self.oom_score_adj.is_some(), "--oom-score-adj");
-        g(self.config_sync_period.is_some(), "--config-sync-period");
-        if self.kube_api_content_type.is_some()
+        }
+    }
+
+    /// `clientConnection`, when a `--kube-api-*` flag is given.
+    fn client_connection(&self) -> Option<ClientConnection> {
+        let any = self.kube_api_content_type.is_some()
             || self.kube_api_burst.is_some()
-            || self.kube_api_qps.is_some()
-        {
-            c.client_connection = Some(ClientConnection {
-                content_type: self.kube_api_content_type.clone(),
-                burst: self.kube_api_burst,
-                qps: self.kube_api_qps.map(f64::from),
-                ..Default::default()
-            });
-            given.push("--kube-api-*");
-        }
-        // kube-proxy applies the iptables periods unless the mode is ipvs, and the ipvs
-        // ones only in ipvs mode.
-        let (sync, min_sync) = if ipvs_mode {
-            (self.ipvs_sync_period, self.ipvs_min_sync_period)
-        } else {
-            (self.iptables_sync_period, self.iptables_min_sync_period)
-        };
-        c.sync_period = sync;
-        c.min_sync_period = min_sync;
-        let ipt = IpTables {
-            masquerade_bit: self.iptables_masquerade_bit,
-            localhost_node_ports: self.iptables_localhost_nodeports,
+            || self.kube_api_qps.is_some();
+        any.then(|| ClientConnection {
+            content_type: self.kube_api_content_type.clone(),
+            burst: self.kube_api_burst,
+            qps: self.kube_api_qps.map(f64::from),
             ..Default::default()
-        };
-        if ipt != IpTables::default() {
-            c.iptables = Some(ipt);
-        }
-        if let Some(m) = self.masquerade_all {
-            c.nftables = Some(NfTables {
-                masquerade_all: Some(m),
-                ..Default::default()
-            });
-            given.push("--masquerade-all");
-        }
-        let ipvs = Ipvs {
-            scheduler: self.ipvs_scheduler.clone().filter(|s| !s.is_empty()),
-            exclude_cidrs: self.ipvs_exclude_cidrs.clone(),
-            strict_arp: self.ipvs_strict_arp,
-            tcp_timeout: self.ipvs_tcp_timeout,
-            tcp_fin_timeout: self.ipvs_tcpfin_timeout,
-            udp_timeout: self.ipvs_udp_timeout,
-            ..Default::default()
-        };
-        if ipvs != Ipvs::default() {
-            c.ipvs = Some(ipvs);
-        }
-        let dl = DetectLocal {
-            bridge_interface: self.pod_bridge_interface.clone(),
-            interface_name_prefix: self.pod_interface_name_prefix.clone(),
-            ..Default::default()
-        };
-        if dl != DetectLocal::default() {
-            c.detect_local = Some(dl);
-        }
+        })
+    }
+
+    /// `conntrack`, when a `--conntrack-*` flag is given.
+    fn conntrack(&self) -> Option<Conntrack> {
         let ct = Conntrack {
             max_per_core: self.conntrack_max_per_core,
             min: self.conntrack_min,
@@ -464,11 +439,40 @@ impl KubeProxyFlags {
             udp_timeout: self.conntrack_udp_timeout,
             udp_stream_timeout: self.conntrack_udp_timeout_stream,
         };
-        if ct != Conntrack::default() {
-            c.conntrack = Some(ct);
-            given.push("--conntrack-*");
-        }
-        for (set, name) in [
+        (ct != Conntrack::default()).then_some(ct)
+    }
+
+    /// The names of the flags given, in kube-proxy's order. (`--healthz-bind-address` is
+    /// not among them: kxp applies it over the file too.)
+    fn given(&self) -> Vec<&'static str> {
+        let kube_api = self.client_connection().is_some();
+        [
+            (self.proxy_mode.is_some(), "--proxy-mode"),
+            (self.healthz_port.is_some(), "--healthz-port"),
+            (
+                self.metrics_bind_address.is_some(),
+                "--metrics-bind-address",
+            ),
+            (self.metrics_port.is_some(), "--metrics-port"),
+            (self.feature_gates.is_some(), "--feature-gates"),
+            (self.bind_address.is_some(), "--bind-address"),
+            (
+                self.bind_address_hard_fail.is_some(),
+                "--bind-address-hard-fail",
+            ),
+            (self.profiling.is_some(), "--profiling"),
+            (
+                self.show_hidden_metrics_for_version.is_some(),
+                "--show-hidden-metrics-for-version",
+            ),
+            (self.cluster_cidr.is_some(), "--cluster-cidr"),
+            (self.nodeport_addresses.is_some(), "--nodeport-addresses"),
+            (self.detect_local_mode.is_some(), "--detect-local-mode"),
+            (self.oom_score_adj.is_some(), "--oom-score-adj"),
+            (self.config_sync_period.is_some(), "--config-sync-period"),
+            (kube_api, "--kube-api-*"),
+            (self.masquerade_all.is_some(), "--masquerade-all"),
+            (self.conntrack().is_some(), "--conntrack-*"),
             (
                 self.iptables_masquerade_bit.is_some(),
                 "--iptables-masquerade-bit",
@@ -507,12 +511,10 @@ impl KubeProxyFlags {
                 self.pod_interface_name_prefix.is_some(),
                 "--pod-interface-name-prefix",
             ),
-        ] {
-            if set {
-                given.push(name);
-            }
-        }
-        (c, given)
+        ]
+        .into_iter()
+        .filter_map(|(set, name)| set.then_some(name))
+        .collect()
     }
 
     /// The flags given that kxp accepts and does not apply, each with why (named once at

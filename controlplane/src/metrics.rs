@@ -363,8 +363,15 @@ impl Metrics {
 
     /// kxp's own metrics (`kxp_*`).
     fn register_kxp(&self, registry: &mut Registry) {
-        let m = self;
         let kxp = registry.sub_registry_with_prefix("kxp");
+        self.register_packet_path(kxp);
+        self.register_sync(kxp);
+        self.register_sockets_and_workers(kxp);
+    }
+
+    /// kxp's packet-path counters: verdicts, drops, connection tracking, affinity.
+    fn register_packet_path(&self, kxp: &mut Registry) {
+        let m = self;
         kxp.register(
             "packets",
             "Packets handled by the dataplane, by verdict",
@@ -432,6 +439,11 @@ impl Metrics {
              (kxp.networkPolicy: kernel)",
             m.policy_handover.clone(),
         );
+    }
+
+    /// The snapshot the dataplane runs and the API server's watches.
+    fn register_sync(&self, kxp: &mut Registry) {
+        let m = self;
         kxp.register(
             "snapshot_generation",
             "Generation of the snapshot the dataplane runs",
@@ -467,6 +479,11 @@ impl Metrics {
             "Objects held from the API server, by resource",
             m.api_objects.clone(),
         );
+    }
+
+    /// The steering program, the AF_XDP sockets and the workers' loops.
+    fn register_sockets_and_workers(&self, kxp: &mut Registry) {
+        let m = self;
         kxp.register(
             "xdp_packets",
             "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged frames not looked inside, passed: looking inside is off, or the tag is cut short); dropped (held while kxp restarts, or on the service device and not for the node)",

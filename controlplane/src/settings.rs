@@ -4,6 +4,8 @@
 
 use std::net::IpAddr;
 
+use ipnet::IpNet;
+
 use nat::select::Scheduler;
 use translate::k8s::{DetectLocalMode, NodeSettings};
 
@@ -56,8 +58,61 @@ pub fn node_settings(
         .as_deref()
         .or(cfg.hostname_override.as_deref());
     let node_name = hostname(override_).map_err(|m| invalid("hostnameOverride", m))?;
+    let cluster_cidrs = cluster_cidrs(cfg, &invalid)?;
+    let detect_local = detect_local(cfg, &invalid)?;
+    let default_scheduler = match cfg.scheduler() {
+        None => Scheduler::Random,
+        Some(s) => Scheduler::parse(s).ok_or_else(|| {
+            invalid(
+                "kxp.scheduler",
+                format!(
+                    "{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"
+                ),
+            )
+        })?,
+    };
+    let mut node_ips = flags.node_ips.clone();
+    if node_ips.is_empty()
+        && let Some(b) = cfg
+            .bind_address
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+    {
+        let ip: IpAddr = b
+            .parse()
+            .map_err(|_| invalid("bindAddress", format!("{b:?} is not an IP address")))?;
+        if !ip.is_unspecified() {
+            node_ips.push(ip);
+        }
+    }
+    Ok(NodeSettings {
+        node_name,
+        node_ips,
+        host_addrs: Vec::new(),
+        cluster_cidrs,
+        detect_local,
+        node_port_addresses: cfg.node_port_addresses.clone().unwrap_or_default(),
+        // kube-proxy's iptables mode (its default on Linux: `mode: ""`, as kubeadm
+        // writes it) and IPVS mode answer NodePorts on every local address; nftables on
+        // the primary IPs.
+        node_ports_on_every_address: cfg.mode.as_deref().map(str::trim) != Some("nftables"),
+        network_policy: cfg.network_policy(),
+        masquerade_all: cfg.masquerade_all(),
+        default_scheduler,
+        service_proxy_name: cfg.service_proxy_name.clone().filter(|n| !n.is_empty()),
+    })
+}
 
-    let mut cluster_cidrs = Vec::new();
+/// An error about field `field` of the configuration, with its message.
+type Invalid<'a> = dyn Fn(&str, String) -> ConfigError + 'a;
+
+/// The cluster's pod CIDRs: `clusterCIDR` (comma-separated), else
+/// `detectLocal.clusterCIDRs`.
+fn cluster_cidrs(
+    cfg: &KubeProxyConfiguration,
+    invalid: &Invalid<'_>,
+) -> Result<Vec<IpNet>, ConfigError> {
     let cidr_texts: Vec<(String, String)> = match (
         &cfg.cluster_cidr,
         cfg.detect_local
@@ -75,6 +130,7 @@ pub fn node_settings(
             .collect(),
         _ => vec![],
     };
+    let mut cluster_cidrs = Vec::new();
     for (field, c) in cidr_texts {
         let c = c.trim();
         if c.is_empty() {
@@ -85,9 +141,16 @@ pub fn node_settings(
             .ok_or_else(|| invalid(&field, format!("{c:?} is not a CIDR")))?;
         cluster_cidrs.push(net);
     }
+    Ok(cluster_cidrs)
+}
 
+/// `detectLocalMode` with the `detectLocal` field it needs.
+fn detect_local(
+    cfg: &KubeProxyConfiguration,
+    invalid: &Invalid<'_>,
+) -> Result<DetectLocalMode, ConfigError> {
     let dl = cfg.detect_local.clone().unwrap_or_default();
-    let detect_local = match cfg.detect_local_mode.as_deref().unwrap_or("") {
+    Ok(match cfg.detect_local_mode.as_deref().unwrap_or("") {
         "" | "ClusterCIDR" => DetectLocalMode::ClusterCidr,
         "NodeCIDR" => DetectLocalMode::NodeCidr,
         "BridgeInterface" => DetectLocalMode::BridgeInterface(
@@ -116,51 +179,6 @@ pub fn node_settings(
                 format!("{other:?} is not a local-detection mode"),
             ));
         }
-    };
-
-    let default_scheduler = match cfg.scheduler() {
-        None => Scheduler::Random,
-        Some(s) => Scheduler::parse(s).ok_or_else(|| {
-            invalid(
-                "kxp.scheduler",
-                format!(
-                    "{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"
-                ),
-            )
-        })?,
-    };
-
-    let mut node_ips = flags.node_ips.clone();
-    if node_ips.is_empty()
-        && let Some(b) = cfg
-            .bind_address
-            .as_deref()
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-    {
-        let ip: IpAddr = b
-            .parse()
-            .map_err(|_| invalid("bindAddress", format!("{b:?} is not an IP address")))?;
-        if !ip.is_unspecified() {
-            node_ips.push(ip);
-        }
-    }
-
-    Ok(NodeSettings {
-        node_name,
-        node_ips,
-        host_addrs: Vec::new(),
-        cluster_cidrs,
-        detect_local,
-        node_port_addresses: cfg.node_port_addresses.clone().unwrap_or_default(),
-        // kube-proxy's iptables mode (its default on Linux: `mode: ""`, as kubeadm
-        // writes it) and IPVS mode answer NodePorts on every local address; nftables on
-        // the primary IPs.
-        node_ports_on_every_address: cfg.mode.as_deref().map(str::trim) != Some("nftables"),
-        network_policy: cfg.network_policy(),
-        masquerade_all: cfg.masquerade_all(),
-        default_scheduler,
-        service_proxy_name: cfg.service_proxy_name.clone().filter(|n| !n.is_empty()),
     })
 }
 

@@ -61,98 +61,105 @@ pub fn trace(snap: &Snapshot, input: &TraceInput) -> (TraceResult, TraceDetail) 
         input.proto
     );
     let mut detail = TraceDetail::default();
+    let not_forwarded = |verdict, service: Option<String>, reason| TraceResult {
+        verdict,
+        endpoints: vec![],
+        masquerade: false,
+        service,
+        reason,
+        network_policy_denied: vec![],
+    };
     let result = match decide(snap, &pkt) {
-        Decision::Pass => TraceResult {
-            verdict: "pass",
-            endpoints: vec![],
-            masquerade: false,
-            service: None,
-            reason: format!("{dest} is not a Service frontend: the kernel handles it"),
-            network_policy_denied: vec![],
-        },
-        Decision::Drop { reason, port } => TraceResult {
-            verdict: "drop",
-            endpoints: vec![],
-            masquerade: false,
-            service: port.map(|p| p.name.to_string()),
-            reason: reason.to_string(),
-            network_policy_denied: vec![],
-        },
-        Decision::Reject { reason, port } => TraceResult {
-            verdict: "reject",
-            endpoints: vec![],
-            masquerade: false,
-            service: port.map(|p| p.name.to_string()),
-            reason: reason.to_string(),
-            network_policy_denied: vec![],
-        },
-        Decision::Forward(fwd) => {
-            let mut endpoints: Vec<String> = fwd.candidate_endpoints().map(|e| e.key()).collect();
-            endpoints.sort();
-            let hairpin = fwd.candidate_endpoints().any(|e| e.addr.ip() == input.src);
-            let masquerade = fwd.masquerade || hairpin;
-            let policy = match fwd.policy {
-                nat::Policy::Cluster => "Cluster",
-                nat::Policy::Local => "Local",
-            };
-            detail.frontend = Some(format!("{} {dest}", fwd.frontend.name()));
-            detail.policy = Some(policy);
-            detail.scheduler = Some(fwd.port.scheduler.name());
-            if let Affinity::ClientIp { timeout_secs } = fwd.port.affinity {
-                detail.affinity = Some(timeout_secs);
-            }
-            detail.topology = match fwd.port.cat.topology {
-                nat::model::Topology::None => None,
-                t => Some(format!("{t:?}")),
-            };
-            let mut reason = format!(
-                "{} {dest} of {}: {policy} traffic policy, {} endpoint(s); {}",
-                fwd.frontend.name(),
-                fwd.port.name,
-                endpoints.len(),
-                fwd.why
-            );
-            if hairpin {
-                reason.push_str("; hairpin: the source is one of the endpoints");
-            }
-            // NetworkPolicy, per endpoint: the client's connection is checked once an
-            // endpoint is chosen (after DNAT, before SNAT).
-            let mut denied = Vec::new();
-            if let Some(pv) = &snap.policy {
-                let mut eps: Vec<_> = fwd.candidate_endpoints().collect();
-                eps.sort_by_key(|e| e.key());
-                for e in eps {
-                    let v = pv.check(
-                        input.src,
-                        e.addr,
-                        input.proto,
-                        snap.node.is_local_addr(input.src),
-                    );
-                    if !v.allowed() {
-                        denied.push(format!("{} ({})", e.key(), policy_why(&v)));
-                    }
-                }
-            }
-            let all_denied = !denied.is_empty() && denied.len() == endpoints.len();
-            if all_denied {
-                reason.push_str("; NetworkPolicy denies every endpoint to this client: dropped");
-            } else if !denied.is_empty() {
-                reason.push_str(&format!(
-                    "; NetworkPolicy denies {} of them to this client (a connection that lands on one is dropped)",
-                    denied.len()
-                ));
-            }
-            TraceResult {
-                verdict: if all_denied { "drop" } else { "dnat" },
-                endpoints,
-                masquerade,
-                service: Some(fwd.port.name.to_string()),
-                reason,
-                network_policy_denied: denied,
-            }
+        Decision::Pass => not_forwarded(
+            "pass",
+            None,
+            format!("{dest} is not a Service frontend: the kernel handles it"),
+        ),
+        Decision::Drop { reason, port } => {
+            not_forwarded("drop", port.map(|p| p.name.to_string()), reason.to_string())
         }
+        Decision::Reject { reason, port } => not_forwarded(
+            "reject",
+            port.map(|p| p.name.to_string()),
+            reason.to_string(),
+        ),
+        Decision::Forward(fwd) => forwarded(snap, input, &fwd, &dest, &mut detail),
     };
     (result, detail)
+}
+
+/// The trace of a forwarded connection: its endpoints, masquerade, traffic policy, and
+/// the endpoints NetworkPolicy denies this client.
+fn forwarded(
+    snap: &Snapshot,
+    input: &TraceInput,
+    fwd: &nat::Forward<'_>,
+    dest: &str,
+    detail: &mut TraceDetail,
+) -> TraceResult {
+    let mut endpoints: Vec<String> = fwd.candidate_endpoints().map(|e| e.key()).collect();
+    endpoints.sort();
+    let hairpin = fwd.candidate_endpoints().any(|e| e.addr.ip() == input.src);
+    let masquerade = fwd.masquerade || hairpin;
+    let policy = match fwd.policy {
+        nat::Policy::Cluster => "Cluster",
+        nat::Policy::Local => "Local",
+    };
+    detail.frontend = Some(format!("{} {dest}", fwd.frontend.name()));
+    detail.policy = Some(policy);
+    detail.scheduler = Some(fwd.port.scheduler.name());
+    if let Affinity::ClientIp { timeout_secs } = fwd.port.affinity {
+        detail.affinity = Some(timeout_secs);
+    }
+    detail.topology = match fwd.port.cat.topology {
+        nat::model::Topology::None => None,
+        t => Some(format!("{t:?}")),
+    };
+    let mut reason = format!(
+        "{} {dest} of {}: {policy} traffic policy, {} endpoint(s); {}",
+        fwd.frontend.name(),
+        fwd.port.name,
+        endpoints.len(),
+        fwd.why
+    );
+    if hairpin {
+        reason.push_str("; hairpin: the source is one of the endpoints");
+    }
+    // NetworkPolicy, per endpoint: the client's connection is checked once an
+    // endpoint is chosen (after DNAT, before SNAT).
+    let mut denied = Vec::new();
+    if let Some(pv) = &snap.policy {
+        let mut eps: Vec<_> = fwd.candidate_endpoints().collect();
+        eps.sort_by_key(|e| e.key());
+        for e in eps {
+            let v = pv.check(
+                input.src,
+                e.addr,
+                input.proto,
+                snap.node.is_local_addr(input.src),
+            );
+            if !v.allowed() {
+                denied.push(format!("{} ({})", e.key(), policy_why(&v)));
+            }
+        }
+    }
+    let all_denied = !denied.is_empty() && denied.len() == endpoints.len();
+    if all_denied {
+        reason.push_str("; NetworkPolicy denies every endpoint to this client: dropped");
+    } else if !denied.is_empty() {
+        reason.push_str(&format!(
+            "; NetworkPolicy denies {} of them to this client (a connection that lands on one is dropped)",
+            denied.len()
+        ));
+    }
+    TraceResult {
+        verdict: if all_denied { "drop" } else { "dnat" },
+        endpoints,
+        masquerade,
+        service: Some(fwd.port.name.to_string()),
+        reason,
+        network_policy_denied: denied,
+    }
 }
 
 /// Which policies deny a connection, and on which side.

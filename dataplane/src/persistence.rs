@@ -71,113 +71,14 @@ impl Persistence {
         now: u64,
     ) -> io::Result<(Persistence, AffinityTable)> {
         let sd = StateDir::lock(dir, LOCK_WAIT)?;
-        let boot = boot_id()?;
-        let netns = crate::sys::netns_cookie().unwrap_or(0);
-        let workers = tables.len();
+        let id = FileId {
+            boot: boot_id()?,
+            netns: crate::sys::netns_cookie().unwrap_or(0),
+        };
         let mut r = Restored::default();
-
-        // Connection tables.
-        for (_, path) in sd.conntrack_files() {
-            let old = match OldFile::read(&path, boot, netns) {
-                Ok(Some(f)) if f.header.kind == Kind::Conntrack => f,
-                Ok(Some(_)) => {
-                    r.bad_files
-                        .push(format!("{}: not a connection table", path.display()));
-                    continue;
-                }
-                Ok(None) => continue,
-                Err(e) => {
-                    r.bad_files.push(format!("{}: {e}", path.display()));
-                    continue;
-                }
-            };
-            for rec in old.records() {
-                let Ok(f) = rec.and_then(|p| FlowRecord::decode(&p)) else {
-                    r.bad_records += 1;
-                    continue;
-                };
-                let a = flow_owner(f.orig.src, f.orig.sport, workers);
-                let b = flow_owner(f.reply.dst, f.reply.dport, workers);
-                if a != b || tables[a].restore(&f, now).is_err() {
-                    r.flows_dropped += 1;
-                    continue;
-                }
-                r.flows += 1;
-            }
-        }
-        let mut files = Vec::with_capacity(workers);
-        for (i, t) in tables.iter_mut().enumerate() {
-            let path = sd.conntrack(i);
-            let h = Header {
-                kind: Kind::Conntrack,
-                records: t.capacity() as u64,
-                worker: i as u32,
-                workers: workers as u32,
-                boot_id: boot,
-                seed: 0,
-                netns,
-            };
-            let f = StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?;
-            t.enable_journal();
-            t.drain_journal(|slot, rec| {
-                f.write(
-                    slot,
-                    &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()),
-                );
-            });
-            f.commit().map_err(|e| io_err("renaming", &path, e))?;
-            files.push(Some(f));
-        }
-        for (i, path) in sd.conntrack_files() {
-            if i >= workers {
-                let _ = std::fs::remove_file(path);
-            }
-        }
-
-        // The affinity table: same shard seed as before, so that clients fit as they did.
-        let path = sd.affinity();
-        let old = match OldFile::read(&path, boot, netns) {
-            Ok(Some(f)) if f.header.kind == Kind::Affinity => Some(f),
-            Ok(Some(_)) => {
-                r.bad_files
-                    .push(format!("{}: not an affinity table", path.display()));
-                None
-            }
-            Ok(None) => None,
-            Err(e) => {
-                r.bad_files.push(format!("{}: {e}", path.display()));
-                None
-            }
-        };
-        let seed = old
-            .as_ref()
-            .map_or_else(AffinityTable::random_seed, |f| f.header.seed);
-        let capacity = AffinityTable::capacity_for(affinity_capacity);
-        let h = Header {
-            kind: Kind::Affinity,
-            records: capacity as u64,
-            worker: 0,
-            workers: 1,
-            boot_id: boot,
-            seed,
-            netns,
-        };
-        let file =
-            Arc::new(StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?);
-        let table = AffinityTable::with_sink(
-            affinity_capacity,
-            seed,
-            Some(Box::new(SharedFile(file.clone()))),
-        );
-        if let Some(old) = &old {
-            for rec in old.records() {
-                match rec.and_then(|p| AffinityRecord::decode(&p)) {
-                    Ok(a) => r.affinity += usize::from(table.restore(&a, now)),
-                    Err(_) => r.bad_records += 1,
-                }
-            }
-        }
-        file.commit().map_err(|e| io_err("renaming", &path, e))?;
+        restore_flows(&sd, id, tables, now, &mut r);
+        let files = start_flow_files(&sd, id, tables)?;
+        let table = start_affinity(&sd, id, affinity_capacity, now, &mut r)?;
         Ok((
             Persistence {
                 dir: sd,
@@ -187,6 +88,140 @@ impl Persistence {
             table,
         ))
     }
+}
+
+/// What a state file is valid for: this boot, this network namespace.
+#[derive(Debug, Clone, Copy)]
+struct FileId {
+    boot: [u8; 16],
+    netns: u64,
+}
+
+/// The previous process's connection tables, into `tables` (each flow to the worker that
+/// owns both its directions; the others dropped and counted in `r`).
+fn restore_flows(sd: &StateDir, id: FileId, tables: &mut [ConnTable], now: u64, r: &mut Restored) {
+    let workers = tables.len();
+    for (_, path) in sd.conntrack_files() {
+        let old = match OldFile::read(&path, id.boot, id.netns) {
+            Ok(Some(f)) if f.header.kind == Kind::Conntrack => f,
+            Ok(Some(_)) => {
+                r.bad_files
+                    .push(format!("{}: not a connection table", path.display()));
+                continue;
+            }
+            Ok(None) => continue,
+            Err(e) => {
+                r.bad_files.push(format!("{}: {e}", path.display()));
+                continue;
+            }
+        };
+        for rec in old.records() {
+            let Ok(f) = rec.and_then(|p| FlowRecord::decode(&p)) else {
+                r.bad_records += 1;
+                continue;
+            };
+            let a = flow_owner(f.orig.src, f.orig.sport, workers);
+            let b = flow_owner(f.reply.dst, f.reply.dport, workers);
+            if a != b || tables[a].restore(&f, now).is_err() {
+                r.flows_dropped += 1;
+                continue;
+            }
+            r.flows += 1;
+        }
+    }
+}
+
+/// Each worker's new connection-table file, holding what its table holds now, its
+/// journal on from now; the files of workers that no longer exist removed.
+fn start_flow_files(
+    sd: &StateDir,
+    id: FileId,
+    tables: &mut [ConnTable],
+) -> io::Result<Vec<Option<StateFile>>> {
+    let workers = tables.len();
+    let mut files = Vec::with_capacity(workers);
+    for (i, t) in tables.iter_mut().enumerate() {
+        let path = sd.conntrack(i);
+        let h = Header {
+            kind: Kind::Conntrack,
+            records: t.capacity() as u64,
+            worker: i as u32,
+            workers: workers as u32,
+            boot_id: id.boot,
+            seed: 0,
+            netns: id.netns,
+        };
+        let f = StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?;
+        t.enable_journal();
+        t.drain_journal(|slot, rec| {
+            f.write(
+                slot,
+                &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()),
+            );
+        });
+        f.commit().map_err(|e| io_err("renaming", &path, e))?;
+        files.push(Some(f));
+    }
+    for (i, path) in sd.conntrack_files() {
+        if i >= workers {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    Ok(files)
+}
+
+/// The node's affinity table, restored from the previous one, with its new file: same
+/// shard seed as before, so that clients fit as they did.
+fn start_affinity(
+    sd: &StateDir,
+    id: FileId,
+    affinity_capacity: usize,
+    now: u64,
+    r: &mut Restored,
+) -> io::Result<AffinityTable> {
+    let path = sd.affinity();
+    let old = match OldFile::read(&path, id.boot, id.netns) {
+        Ok(Some(f)) if f.header.kind == Kind::Affinity => Some(f),
+        Ok(Some(_)) => {
+            r.bad_files
+                .push(format!("{}: not an affinity table", path.display()));
+            None
+        }
+        Ok(None) => None,
+        Err(e) => {
+            r.bad_files.push(format!("{}: {e}", path.display()));
+            None
+        }
+    };
+    let seed = old
+        .as_ref()
+        .map_or_else(AffinityTable::random_seed, |f| f.header.seed);
+    let capacity = AffinityTable::capacity_for(affinity_capacity);
+    let h = Header {
+        kind: Kind::Affinity,
+        records: capacity as u64,
+        worker: 0,
+        workers: 1,
+        boot_id: id.boot,
+        seed,
+        netns: id.netns,
+    };
+    let file = Arc::new(StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?);
+    let table = AffinityTable::with_sink(
+        affinity_capacity,
+        seed,
+        Some(Box::new(SharedFile(file.clone()))),
+    );
+    if let Some(old) = &old {
+        for rec in old.records() {
+            match rec.and_then(|p| AffinityRecord::decode(&p)) {
+                Ok(a) => r.affinity += usize::from(table.restore(&a, now)),
+                Err(_) => r.bad_records += 1,
+            }
+        }
+    }
+    file.commit().map_err(|e| io_err("renaming", &path, e))?;
+    Ok(table)
 }
 
 #[cfg(test)]

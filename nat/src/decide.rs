@@ -18,7 +18,7 @@
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::model::{Endpoint, ServicePort};
+use crate::model::{Endpoint, NodeContext, ServicePort};
 use crate::snapshot::{FrontendKind, Snapshot};
 use crate::tuple::Protocol;
 
@@ -128,29 +128,11 @@ pub struct NewPacket<'a> {
 
 /// Decides what kube-proxy would do with `pkt`.
 pub fn decide<'s>(snap: &'s Snapshot, pkt: &NewPacket<'_>) -> Decision<'s> {
-    let node = &*snap.node;
-    let (index, kind) = if let Some(f) = snap.lookup_addr(pkt.dst, pkt.proto, pkt.dport) {
-        (f.port, f.kind)
-    } else if let Some(i) = snap
-        .lookup_node_port(pkt.dst, pkt.proto, pkt.dport)
-        .filter(|_| node.node_port_addresses.accepts(pkt.dst, &node.local_addrs))
-    {
-        (i, FrontendKind::NodePort)
-    } else if snap.is_cluster_ip(pkt.dst) {
-        return Decision::Reject {
-            reason: RejectReason::ClusterIpPort,
-            port: None,
-        };
-    } else if node.service_cidrs.iter().any(|n| n.contains(&pkt.dst)) {
-        return Decision::Drop {
-            reason: DropReason::UnallocatedServiceIp,
-            port: None,
-        };
-    } else {
-        return Decision::Pass;
+    let (index, kind) = match frontend(snap, pkt) {
+        Ok(f) => f,
+        Err(d) => return d,
     };
     let sp = snap.port(index);
-    let cat = &sp.cat;
 
     // filter-prerouting: firewall-check (only programmed while the Service has endpoints).
     if kind == FrontendKind::LoadBalancer
@@ -163,82 +145,143 @@ pub fn decide<'s>(snap: &'s Snapshot, pkt: &NewPacket<'_>) -> Decision<'s> {
         };
     }
 
-    if !cat.has_endpoints {
+    if !sp.cat.has_endpoints {
         return Decision::Reject {
             reason: RejectReason::NoEndpoints,
             port: Some(sp),
         };
     }
+    let to = Target { index, sp, kind };
+    let local_pod = snap.node.local_detector.is_local(pkt.src, pkt.in_interface);
+    if kind == FrontendKind::ClusterIp {
+        cluster_ip(&to, &snap.node, local_pod)
+    } else {
+        external(&to, &snap.node, local_pod, pkt.src)
+    }
+}
 
-    let forward = |policy: Policy, masquerade: bool, why: &'static str| {
+/// The Service port and frontend `pkt` is for; else what becomes of a packet to no
+/// frontend: a ClusterIP's other port is rejected, an unallocated Service IP dropped,
+/// anything else passed.
+#[inline]
+fn frontend<'s>(
+    snap: &'s Snapshot,
+    pkt: &NewPacket<'_>,
+) -> Result<(u32, FrontendKind), Decision<'s>> {
+    let node = &*snap.node;
+    if let Some(f) = snap.lookup_addr(pkt.dst, pkt.proto, pkt.dport) {
+        Ok((f.port, f.kind))
+    } else if let Some(i) = snap
+        .lookup_node_port(pkt.dst, pkt.proto, pkt.dport)
+        .filter(|_| node.node_port_addresses.accepts(pkt.dst, &node.local_addrs))
+    {
+        Ok((i, FrontendKind::NodePort))
+    } else if snap.is_cluster_ip(pkt.dst) {
+        Err(Decision::Reject {
+            reason: RejectReason::ClusterIpPort,
+            port: None,
+        })
+    } else if node.service_cidrs.iter().any(|n| n.contains(&pkt.dst)) {
+        Err(Decision::Drop {
+            reason: DropReason::UnallocatedServiceIp,
+            port: None,
+        })
+    } else {
+        Err(Decision::Pass)
+    }
+}
+
+/// The Service port a connection is for, and through which frontend.
+struct Target<'s> {
+    index: u32,
+    sp: &'s ServicePort,
+    kind: FrontendKind,
+}
+
+impl<'s> Target<'s> {
+    /// Forward to the endpoints `policy` allows.
+    #[inline]
+    fn forward(&self, policy: Policy, masquerade: bool, why: &'static str) -> Decision<'s> {
         let candidates: &[u32] = match policy {
-            Policy::Cluster => &cat.cluster,
-            Policy::Local => &cat.local,
+            Policy::Cluster => &self.sp.cat.cluster,
+            Policy::Local => &self.sp.cat.local,
         };
         Decision::Forward(Forward {
-            port_index: index,
-            port: sp,
-            frontend: kind,
+            port_index: self.index,
+            port: self.sp,
+            frontend: self.kind,
             policy,
             candidates,
             masquerade,
             why,
         })
-    };
+    }
+}
 
-    let local_pod = node.local_detector.is_local(pkt.src, pkt.in_interface);
-    if kind == FrontendKind::ClusterIp {
-        if sp.internal_policy_local && cat.local.is_empty() {
-            return Decision::Drop {
-                reason: DropReason::NoLocalEndpointsInternal,
-                port: Some(sp),
-            };
-        }
-        let policy = if sp.internal_policy_local {
-            Policy::Local
-        } else {
-            Policy::Cluster
-        };
-        return if node.masquerade_all {
-            forward(policy, true, "masqueradeAll")
-        } else {
-            match local_pod {
-                Some(false) => forward(policy, true, "source outside the cluster CIDR"),
-                Some(true) => forward(policy, false, "source inside the cluster CIDR"),
-                None => forward(policy, false, "no local-traffic detector"),
-            }
+/// A ClusterIP: internalTrafficPolicy, and masquerade for sources outside the cluster.
+#[inline]
+fn cluster_ip<'s>(to: &Target<'s>, node: &NodeContext, local_pod: Option<bool>) -> Decision<'s> {
+    let sp = to.sp;
+    if sp.internal_policy_local && sp.cat.local.is_empty() {
+        return Decision::Drop {
+            reason: DropReason::NoLocalEndpointsInternal,
+            port: Some(sp),
         };
     }
+    let policy = if sp.internal_policy_local {
+        Policy::Local
+    } else {
+        Policy::Cluster
+    };
+    if node.masquerade_all {
+        to.forward(policy, true, "masqueradeAll")
+    } else {
+        match local_pod {
+            Some(false) => to.forward(policy, true, "source outside the cluster CIDR"),
+            Some(true) => to.forward(policy, false, "source inside the cluster CIDR"),
+            None => to.forward(policy, false, "no local-traffic detector"),
+        }
+    }
+}
 
-    // External destinations: the service's external-* chain.
+/// External destinations (NodePort, LoadBalancer, externalIP): the Service's external-*
+/// chain, externalTrafficPolicy and its short-circuits.
+#[inline]
+fn external<'s>(
+    to: &Target<'s>,
+    node: &NodeContext,
+    local_pod: Option<bool>,
+    src: IpAddr,
+) -> Decision<'s> {
+    let sp = to.sp;
     if !sp.external_policy_local {
-        return forward(
+        return to.forward(
             Policy::Cluster,
             true,
             "external traffic with externalTrafficPolicy Cluster",
         );
     }
     if local_pod == Some(true) {
-        return forward(
+        return to.forward(
             Policy::Cluster,
             false,
             "pod traffic to an external destination short-circuits to Cluster policy",
         );
     }
-    if node.is_local_addr(pkt.src) {
-        return forward(
+    if node.is_local_addr(src) {
+        return to.forward(
             Policy::Cluster,
             true,
             "traffic from the node itself short-circuits to Cluster policy",
         );
     }
-    if cat.local.is_empty() {
+    if sp.cat.local.is_empty() {
         return Decision::Drop {
             reason: DropReason::NoLocalEndpointsExternal,
             port: Some(sp),
         };
     }
-    forward(
+    to.forward(
         Policy::Local,
         false,
         "externalTrafficPolicy Local keeps the client address",

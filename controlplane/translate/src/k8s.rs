@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Node, Service, ServiceSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
@@ -176,10 +176,36 @@ pub(crate) fn node_context<'a>(
         .and_then(|n| n.metadata.labels.as_ref())
         .and_then(|l| l.get(LABEL_ZONE))
         .cloned();
+    let addrs = node_addresses(node, settings, notes)?;
+    let node_port_addresses = node_port_addresses(&addrs, settings)?;
+    Ok(NodeContext {
+        name: settings.node_name.clone(),
+        zone,
+        local_addrs: addrs.local,
+        primary_v4: addrs.primary_v4,
+        primary_v6: addrs.primary_v6,
+        node_port_addresses,
+        local_detector: local_detector(node, settings, notes),
+        masquerade_all: settings.masquerade_all,
+        service_cidrs: service_cidrs(cidr_objects)?,
+    })
+}
 
-    // Local addresses: the --node-ip / bindAddress values, else every address of the Node
-    // object, else the host's. Primary per family: the first --node-ip, else InternalIP
-    // before ExternalIP (kube-proxy 1.34), else the host's lowest address.
+/// The node's local addresses and its primary address per family.
+struct NodeAddrs {
+    local: Vec<IpAddr>,
+    primary_v4: Option<IpAddr>,
+    primary_v6: Option<IpAddr>,
+}
+
+/// Local addresses: the --node-ip / bindAddress values, else every address of the Node
+/// object, else the host's. Primary per family: the first --node-ip, else InternalIP
+/// before ExternalIP (kube-proxy 1.34), else the host's lowest address.
+fn node_addresses(
+    node: Option<&Node>,
+    settings: &NodeSettings,
+    notes: &mut Vec<String>,
+) -> Result<NodeAddrs, ModelError> {
     let mut local = settings.node_ips.clone();
     let mut primary_v4 = local.iter().copied().find(IpAddr::is_ipv4);
     let mut primary_v6 = local.iter().copied().find(IpAddr::is_ipv6);
@@ -244,10 +270,27 @@ pub(crate) fn node_context<'a>(
     local.extend(settings.host_addrs.iter().copied());
     local.sort();
     local.dedup();
+    Ok(NodeAddrs {
+        local,
+        primary_v4,
+        primary_v6,
+    })
+}
 
+/// Where NodePorts answer: `nodePortAddresses` (CIDRs of local addresses, or
+/// "primary"), else the primary addresses, or every local address where the mode says
+/// so (iptables and IPVS modes).
+fn node_port_addresses(
+    addrs: &NodeAddrs,
+    settings: &NodeSettings,
+) -> Result<NodePortAddresses, ModelError> {
     let mut node_port_addresses = Vec::new();
     let mut match_all = false;
-    let primaries: Vec<IpAddr> = primary_v4.into_iter().chain(primary_v6).collect();
+    let primaries: Vec<IpAddr> = addrs
+        .primary_v4
+        .into_iter()
+        .chain(addrs.primary_v6)
+        .collect();
     if settings.node_port_addresses.is_empty() {
         if settings.node_ports_on_every_address {
             match_all = true;
@@ -271,13 +314,25 @@ pub(crate) fn node_context<'a>(
         if net.prefix_len() == 0 {
             match_all = true;
         }
-        node_port_addresses.extend(local.iter().copied().filter(|ip| net.contains(ip)));
+        node_port_addresses.extend(addrs.local.iter().copied().filter(|ip| net.contains(ip)));
     }
     node_port_addresses.retain(|ip| !ip.is_loopback());
     node_port_addresses.sort();
     node_port_addresses.dedup();
+    Ok(if match_all {
+        NodePortAddresses::All
+    } else {
+        NodePortAddresses::Addrs(node_port_addresses)
+    })
+}
 
-    let local_detector = match &settings.detect_local {
+/// What tells traffic from this node's pods apart (`detectLocalMode`).
+fn local_detector(
+    node: Option<&Node>,
+    settings: &NodeSettings,
+    notes: &mut Vec<String>,
+) -> LocalDetector {
+    match &settings.detect_local {
         DetectLocalMode::ClusterCidr if settings.cluster_cidrs.is_empty() => LocalDetector::None,
         DetectLocalMode::ClusterCidr => LocalDetector::Cidrs(settings.cluster_cidrs.clone()),
         DetectLocalMode::NodeCidr => {
@@ -305,8 +360,13 @@ pub(crate) fn node_context<'a>(
         }
         DetectLocalMode::BridgeInterface(b) => LocalDetector::Bridge(b.clone()),
         DetectLocalMode::InterfaceNamePrefix(p) => LocalDetector::InterfacePrefix(p.clone()),
-    };
+    }
+}
 
+/// The cluster's Service CIDRs, from its ServiceCIDR objects.
+fn service_cidrs<'a>(
+    cidr_objects: impl IntoIterator<Item = &'a ServiceCIDR>,
+) -> Result<Vec<IpNet>, ModelError> {
     let mut service_cidrs = Vec::new();
     for sc in cidr_objects {
         let name = obj_name(&sc.metadata);
@@ -324,22 +384,7 @@ pub(crate) fn node_context<'a>(
             })?);
         }
     }
-
-    Ok(NodeContext {
-        name: settings.node_name.clone(),
-        zone,
-        local_addrs: local,
-        primary_v4,
-        primary_v6,
-        node_port_addresses: if match_all {
-            NodePortAddresses::All
-        } else {
-            NodePortAddresses::Addrs(node_port_addresses)
-        },
-        local_detector,
-        masquerade_all: settings.masquerade_all,
-        service_cidrs,
-    })
+    Ok(service_cidrs)
 }
 
 /// One endpoint of a slice as read, before it is joined to a Service port.
@@ -389,50 +434,7 @@ pub(crate) fn index_slices<'a>(
             }
         };
         let ns = slice.metadata.namespace.clone().unwrap_or_default();
-        let mut eps = Vec::with_capacity(slice.endpoints.len());
-        for (i, ep) in slice.endpoints.iter().enumerate() {
-            let Some(first) = ep.addresses.first() else {
-                continue;
-            };
-            let ip = parse_ip(
-                "EndpointSlice",
-                &name,
-                &format!("endpoints[{i}].addresses[0]"),
-                first,
-            )?;
-            if Family::of(&ip) != family {
-                notes.push(format!(
-                    "EndpointSlice {name}: endpoints[{i}] address {ip} is not {}, ignored",
-                    family.as_k8s()
-                ));
-                continue;
-            }
-            let c = ep.conditions.clone().unwrap_or_default();
-            let hints = ep.hints.clone().unwrap_or_default();
-            let mut zone_hints: Vec<String> = hints
-                .for_zones
-                .unwrap_or_default()
-                .into_iter()
-                .map(|z| z.name)
-                .collect();
-            let mut node_hints: Vec<String> = hints
-                .for_nodes
-                .unwrap_or_default()
-                .into_iter()
-                .map(|n| n.name)
-                .collect();
-            zone_hints.sort();
-            node_hints.sort();
-            eps.push(SliceEndpoint {
-                ip,
-                node_name: ep.node_name.clone(),
-                ready: c.ready.unwrap_or(true),
-                serving: c.serving.unwrap_or(true),
-                terminating: c.terminating.unwrap_or(false),
-                zone_hints,
-                node_hints,
-            });
-        }
+        let eps = slice_endpoints(slice, &name, family, notes)?;
         for (i, p) in slice.ports.iter().flatten().enumerate() {
             let Some(port_name) = p.name.clone() else {
                 continue;
@@ -460,6 +462,61 @@ pub(crate) fn index_slices<'a>(
         }
     }
     Ok(index)
+}
+
+/// A slice's endpoints of `family` (its first address each; another family's said in
+/// `notes` and left out), with their conditions and topology hints.
+fn slice_endpoints(
+    slice: &EndpointSlice,
+    name: &str,
+    family: Family,
+    notes: &mut Vec<String>,
+) -> Result<Vec<SliceEndpoint>, ModelError> {
+    let mut eps = Vec::with_capacity(slice.endpoints.len());
+    for (i, ep) in slice.endpoints.iter().enumerate() {
+        let Some(first) = ep.addresses.first() else {
+            continue;
+        };
+        let ip = parse_ip(
+            "EndpointSlice",
+            name,
+            &format!("endpoints[{i}].addresses[0]"),
+            first,
+        )?;
+        if Family::of(&ip) != family {
+            notes.push(format!(
+                "EndpointSlice {name}: endpoints[{i}] address {ip} is not {}, ignored",
+                family.as_k8s()
+            ));
+            continue;
+        }
+        let c = ep.conditions.clone().unwrap_or_default();
+        let hints = ep.hints.clone().unwrap_or_default();
+        let mut zone_hints: Vec<String> = hints
+            .for_zones
+            .unwrap_or_default()
+            .into_iter()
+            .map(|z| z.name)
+            .collect();
+        let mut node_hints: Vec<String> = hints
+            .for_nodes
+            .unwrap_or_default()
+            .into_iter()
+            .map(|n| n.name)
+            .collect();
+        zone_hints.sort();
+        node_hints.sort();
+        eps.push(SliceEndpoint {
+            ip,
+            node_name: ep.node_name.clone(),
+            ready: c.ready.unwrap_or(true),
+            serving: c.serving.unwrap_or(true),
+            terminating: c.terminating.unwrap_or(false),
+            zone_hints,
+            node_hints,
+        });
+    }
+    Ok(eps)
 }
 
 /// kube-proxy's `GetClusterIPByFamily`.
@@ -503,6 +560,9 @@ fn cluster_ip_for(
     Ok(None)
 }
 
+/// A Service read into its ports, per IP family, with their endpoints from `slices`:
+/// none when another proxy owns it (its `service.kubernetes.io/service-proxy-name`), when
+/// it is headless or an ExternalName, or has no spec.
 pub(crate) fn service_ports(
     svc: &Service,
     slices: &SliceIndex,
@@ -512,8 +572,76 @@ pub(crate) fn service_ports(
     notes: &mut Vec<String>,
 ) -> Result<Vec<ServicePort>, ModelError> {
     let name = obj_name(&svc.metadata);
-    let labels = svc.metadata.labels.clone().unwrap_or_default();
-    let label = labels.get(LABEL_SERVICE_PROXY_NAME).map(String::as_str);
+    if !proxied_here(svc, &name, proxy_name, notes) {
+        return Ok(vec![]);
+    }
+    let Some(spec) = svc.spec.as_ref() else {
+        return Ok(vec![]);
+    };
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    match spec.cluster_ip.as_deref() {
+        None | Some("") | Some("None") => return Ok(vec![]),
+        _ => {}
+    }
+    if svc_type == "ExternalName" {
+        return Ok(vec![]);
+    }
+    let wide = ServiceWide::read(svc, spec, svc_type, &name, default_scheduler)?;
+    let mut out = Vec::new();
+    for family in [Family::V4, Family::V6] {
+        let Some(addrs) = FamilyAddrs::read(svc, spec, family, &name, notes)? else {
+            continue;
+        };
+        for (i, p) in spec.ports.iter().flatten().enumerate() {
+            let (proto, port, node_port) = read_port(p, i, &name)?;
+            let spn = ServicePortName {
+                namespace: svc.metadata.namespace.clone().unwrap_or_default(),
+                name: svc.metadata.name.clone().unwrap_or_default(),
+                port: p.name.clone().unwrap_or_default(),
+                protocol: proto,
+            };
+            let endpoints = join_endpoints(slices, &spn, family, &node.name, &wide.weights);
+            let mut sp = ServicePort {
+                name: spn,
+                cluster_ip: addrs.cluster_ip,
+                port,
+                node_port,
+                external_ips: addrs.external_ips.clone(),
+                lb_vips: addrs.lb_vips.clone(),
+                lb_source_ranges: addrs.lb_source_ranges.clone(),
+                external_policy_local: wide.external_policy_local,
+                internal_policy_local: wide.internal_policy_local,
+                affinity: wide.affinity,
+                health_check_node_port: wide.health_check_node_port,
+                scheduler: wide.scheduler,
+                endpoints,
+                cat: Default::default(),
+                cluster_table: Vec::new(),
+                local_table: Vec::new(),
+                name_hash: 0,
+            };
+            finish_port(&mut sp, node);
+            out.push(sp);
+        }
+    }
+    Ok(out)
+}
+
+/// Whether this proxy serves Service `svc` (named `name`): with `proxy_name` set, the
+/// Services labelled with it; else those with no proxy-name label. A Service left to
+/// another proxy is said in `notes`.
+fn proxied_here(
+    svc: &Service,
+    name: &str,
+    proxy_name: Option<&str>,
+    notes: &mut Vec<String>,
+) -> bool {
+    let label = svc
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_SERVICE_PROXY_NAME))
+        .map(String::as_str);
     let ours = match proxy_name.filter(|n| !n.is_empty()) {
         Some(mine) => label == Some(mine),
         None => label.is_none(),
@@ -528,63 +656,97 @@ pub(crate) fn service_ports(
                 proxy_name.unwrap_or_default()
             ),
         });
-        return Ok(vec![]);
     }
-    let Some(spec) = svc.spec.as_ref() else {
-        return Ok(vec![]);
-    };
-    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
-    match spec.cluster_ip.as_deref() {
-        None | Some("") | Some("None") => return Ok(vec![]),
-        _ => {}
-    }
-    if svc_type == "ExternalName" {
-        return Ok(vec![]);
-    }
-    let nodeportish = svc_type == "NodePort" || svc_type == "LoadBalancer";
-    let external_policy_local =
-        nodeportish && spec.external_traffic_policy.as_deref() == Some("Local");
-    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
-    let affinity = if spec.session_affinity.as_deref() == Some("ClientIP") {
-        let t = spec
-            .session_affinity_config
-            .as_ref()
-            .and_then(|c| c.client_ip.as_ref())
-            .and_then(|c| c.timeout_seconds)
-            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT as i32);
-        Affinity::ClientIp {
-            timeout_secs: t.clamp(1, 86_400) as u32,
-        }
-    } else {
-        Affinity::None
-    };
-    let annotations = svc.metadata.annotations.clone().unwrap_or_default();
-    let scheduler = match annotations.get(ANNOTATION_SCHEDULER) {
-        Some(s) => Scheduler::parse(s).ok_or_else(|| ModelError {
-            kind: "Service",
-            object: name.clone(),
-            field: format!("metadata.annotations[{ANNOTATION_SCHEDULER}]"),
-            message: format!(
-                "{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"
-            ),
-        })?,
-        None => default_scheduler,
-    };
-    let weights = parse_weights(&annotations, &name)?;
-    let health_check_node_port = if svc_type == "LoadBalancer" && external_policy_local {
-        spec.health_check_node_port.unwrap_or(0).clamp(0, 65535) as u16
-    } else {
-        0
-    };
+    ours
+}
 
-    let mut out = Vec::new();
-    for family in [Family::V4, Family::V6] {
-        let Some(cluster_ip) = cluster_ip_for(spec, family, &name)? else {
-            continue;
+/// What a Service's ports share, whatever their family: traffic policies, affinity, the
+/// scheduler and endpoint weights (kxp's annotations), the health-check NodePort.
+struct ServiceWide {
+    external_policy_local: bool,
+    internal_policy_local: bool,
+    affinity: Affinity,
+    scheduler: Scheduler,
+    weights: BTreeMap<IpAddr, u32>,
+    health_check_node_port: u16,
+}
+
+impl ServiceWide {
+    fn read(
+        svc: &Service,
+        spec: &ServiceSpec,
+        svc_type: &str,
+        name: &str,
+        default_scheduler: Scheduler,
+    ) -> Result<ServiceWide, ModelError> {
+        let nodeportish = svc_type == "NodePort" || svc_type == "LoadBalancer";
+        let external_policy_local =
+            nodeportish && spec.external_traffic_policy.as_deref() == Some("Local");
+        let affinity = if spec.session_affinity.as_deref() == Some("ClientIP") {
+            let t = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds)
+                .unwrap_or(DEFAULT_AFFINITY_TIMEOUT as i32);
+            Affinity::ClientIp {
+                timeout_secs: t.clamp(1, 86_400) as u32,
+            }
+        } else {
+            Affinity::None
+        };
+        let annotations = svc.metadata.annotations.clone().unwrap_or_default();
+        let scheduler = match annotations.get(ANNOTATION_SCHEDULER) {
+            Some(s) => Scheduler::parse(s).ok_or_else(|| ModelError {
+                kind: "Service",
+                object: name.to_string(),
+                field: format!("metadata.annotations[{ANNOTATION_SCHEDULER}]"),
+                message: format!(
+                    "{s:?} is not a scheduler (random, rr, wrr, lc, wlc, sh, dh, sed, nq, maglev)"
+                ),
+            })?,
+            None => default_scheduler,
+        };
+        let health_check_node_port = if svc_type == "LoadBalancer" && external_policy_local {
+            spec.health_check_node_port.unwrap_or(0).clamp(0, 65535) as u16
+        } else {
+            0
+        };
+        Ok(ServiceWide {
+            external_policy_local,
+            internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+            affinity,
+            scheduler,
+            weights: parse_weights(&annotations, name)?,
+            health_check_node_port,
+        })
+    }
+}
+
+/// A Service's addresses of one IP family: its ClusterIP, externalIPs, load-balancer
+/// source ranges and ingress IPs (those of `ipMode: Proxy` left to the load balancer).
+struct FamilyAddrs {
+    cluster_ip: IpAddr,
+    external_ips: Vec<IpAddr>,
+    lb_source_ranges: Vec<IpNet>,
+    lb_vips: Vec<IpAddr>,
+}
+
+impl FamilyAddrs {
+    /// `None` when the Service has no ClusterIP of `family`.
+    fn read(
+        svc: &Service,
+        spec: &ServiceSpec,
+        family: Family,
+        name: &str,
+        notes: &mut Vec<String>,
+    ) -> Result<Option<FamilyAddrs>, ModelError> {
+        let Some(cluster_ip) = cluster_ip_for(spec, family, name)? else {
+            return Ok(None);
         };
         let mut external_ips = Vec::new();
         for (i, s) in spec.external_ips.iter().flatten().enumerate() {
-            let ip = parse_ip("Service", &name, &format!("spec.externalIPs[{i}]"), s)?;
+            let ip = parse_ip("Service", name, &format!("spec.externalIPs[{i}]"), s)?;
             if Family::of(&ip) == family {
                 external_ips.push(ip);
             }
@@ -620,7 +782,7 @@ pub(crate) fn service_ports(
             }
             let ip = parse_ip(
                 "Service",
-                &name,
+                name,
                 &format!("status.loadBalancer.ingress[{i}].ip"),
                 ip,
             )?;
@@ -628,62 +790,50 @@ pub(crate) fn service_ports(
                 lb_vips.push(ip);
             }
         }
-
-        for (i, p) in spec.ports.iter().flatten().enumerate() {
-            let proto_s = p.protocol.as_deref().unwrap_or("TCP");
-            let proto = Protocol::parse(proto_s).ok_or_else(|| ModelError {
-                kind: "Service",
-                object: name.clone(),
-                field: format!("spec.ports[{i}].protocol"),
-                message: format!("{proto_s:?} is not TCP, UDP or SCTP"),
-            })?;
-            let port = u16::try_from(p.port)
-                .ok()
-                .filter(|&p| p != 0)
-                .ok_or_else(|| ModelError {
-                    kind: "Service",
-                    object: name.clone(),
-                    field: format!("spec.ports[{i}].port"),
-                    message: format!("{} is not a port number", p.port),
-                })?;
-            let node_port = u16::try_from(p.node_port.unwrap_or(0)).map_err(|_| ModelError {
-                kind: "Service",
-                object: name.clone(),
-                field: format!("spec.ports[{i}].nodePort"),
-                message: format!("{} is not a port number", p.node_port.unwrap_or(0)),
-            })?;
-            let port_name = p.name.clone().unwrap_or_default();
-            let spn = ServicePortName {
-                namespace: svc.metadata.namespace.clone().unwrap_or_default(),
-                name: svc.metadata.name.clone().unwrap_or_default(),
-                port: port_name,
-                protocol: proto,
-            };
-            let endpoints = join_endpoints(slices, &spn, family, &node.name, &weights);
-            let mut sp = ServicePort {
-                name: spn,
-                cluster_ip,
-                port,
-                node_port,
-                external_ips: external_ips.clone(),
-                lb_vips: lb_vips.clone(),
-                lb_source_ranges: lb_source_ranges.clone(),
-                external_policy_local,
-                internal_policy_local,
-                affinity,
-                health_check_node_port,
-                scheduler,
-                endpoints,
-                cat: Default::default(),
-                cluster_table: Vec::new(),
-                local_table: Vec::new(),
-                name_hash: 0,
-            };
-            finish_port(&mut sp, node);
-            out.push(sp);
-        }
+        Ok(Some(FamilyAddrs {
+            cluster_ip,
+            external_ips,
+            lb_source_ranges,
+            lb_vips,
+        }))
     }
-    Ok(out)
+}
+
+/// Port `i` of Service `name`: its protocol, port and NodePort (0: none), checked.
+fn read_port(
+    p: &k8s_openapi::api::core::v1::ServicePort,
+    i: usize,
+    name: &str,
+) -> Result<(Protocol, u16, u16), ModelError> {
+    let err = |field: String, message: String| ModelError {
+        kind: "Service",
+        object: name.to_string(),
+        field,
+        message,
+    };
+    let proto_s = p.protocol.as_deref().unwrap_or("TCP");
+    let proto = Protocol::parse(proto_s).ok_or_else(|| {
+        err(
+            format!("spec.ports[{i}].protocol"),
+            format!("{proto_s:?} is not TCP, UDP or SCTP"),
+        )
+    })?;
+    let port = u16::try_from(p.port)
+        .ok()
+        .filter(|&p| p != 0)
+        .ok_or_else(|| {
+            err(
+                format!("spec.ports[{i}].port"),
+                format!("{} is not a port number", p.port),
+            )
+        })?;
+    let node_port = u16::try_from(p.node_port.unwrap_or(0)).map_err(|_| {
+        err(
+            format!("spec.ports[{i}].nodePort"),
+            format!("{} is not a port number", p.node_port.unwrap_or(0)),
+        )
+    })?;
+    Ok((proto, port, node_port))
 }
 
 /// Categorises endpoints and builds the consistent-hash tables a port's scheduler needs.

@@ -392,32 +392,64 @@ impl Tracker {
             || !self.dirty.is_empty()
     }
 
-    /// Rebuilds what changed and produces the next snapshot (see the module docs).
+    /// Rebuilds what changed and produces the next snapshot (see the module docs): the
+    /// node's context, the NetworkPolicy view, the Services a change touched, then the
+    /// snapshot with those changes applied.
     pub fn sync(&mut self, generation: u64) -> Synced {
         let mut notes = std::mem::take(&mut self.pending_notes);
         let mut errors = Vec::new();
-        let mut full = self.current.is_none();
-        if self.node_dirty {
-            self.node_dirty = false;
-            let node = self.nodes.get(&self.settings.node_name).map(|n| &**n);
-            match node_context(
-                node,
-                self.cidrs.values().map(|c| &**c),
-                &self.settings,
-                &mut notes,
-            ) {
-                Ok(ctx) => {
-                    if ctx != *self.node {
-                        self.node = Arc::new(ctx);
-                        full = true;
-                        self.dirty.extend(self.services.keys().cloned());
-                        self.dirty.extend(self.built.keys().cloned());
-                    }
-                }
-                Err(e) => errors.push(e),
+        let full = self.sync_node(&mut notes, &mut errors) || self.current.is_none();
+        self.sync_policy(&mut notes);
+        let rebuilt = self.dirty.len();
+        let (removed, added) = self.rebuild_services(&mut notes, &mut errors);
+        let snapshot = self.next_snapshot(generation);
+        Synced {
+            update: Update {
+                snapshot,
+                removed,
+                added,
+                full,
+            },
+            notes,
+            errors,
+            service_changes: std::mem::take(&mut self.changed_services).len() as u64,
+            endpoint_changes: std::mem::take(&mut self.changed_slices).len() as u64,
+            rebuilt,
+            trigger_times: std::mem::take(&mut self.trigger_times),
+        }
+    }
+
+    /// Reads the node's context again when its Node or the ServiceCIDRs changed; true
+    /// when it is different (every Service is then rebuilt: a full update).
+    fn sync_node(&mut self, notes: &mut Vec<String>, errors: &mut Vec<ModelError>) -> bool {
+        if !self.node_dirty {
+            return false;
+        }
+        self.node_dirty = false;
+        let node = self.nodes.get(&self.settings.node_name).map(|n| &**n);
+        match node_context(
+            node,
+            self.cidrs.values().map(|c| &**c),
+            &self.settings,
+            notes,
+        ) {
+            Ok(ctx) if ctx != *self.node => {
+                self.node = Arc::new(ctx);
+                self.dirty.extend(self.services.keys().cloned());
+                self.dirty.extend(self.built.keys().cloned());
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                errors.push(e);
+                false
             }
         }
+    }
 
+    /// Brings the NetworkPolicy view up to date: built whole when asked or when policies
+    /// appear, else changed pod by pod, namespace by namespace.
+    fn sync_policy(&mut self, notes: &mut Vec<String>) {
         let dirty_pods = std::mem::take(&mut self.dirty_pods);
         let dirty_namespaces = std::mem::take(&mut self.dirty_namespaces);
         let dirty_policy_ns = std::mem::take(&mut self.dirty_policy_ns);
@@ -465,15 +497,21 @@ impl Tracker {
                 self.policy = None;
             }
         }
+    }
 
+    /// Rebuilds the ports of every Service a change touched, in the indexer; the ports
+    /// removed and added. A Service that cannot be read keeps what was working.
+    fn rebuild_services(
+        &mut self,
+        notes: &mut Vec<String>,
+        errors: &mut Vec<ModelError>,
+    ) -> (Vec<Arc<ServicePort>>, Vec<Arc<ServicePort>>) {
         let mut removed = Vec::new();
         let mut added = Vec::new();
-        let dirty = std::mem::take(&mut self.dirty);
-        let rebuilt = dirty.len();
-        for key in dirty {
+        for key in std::mem::take(&mut self.dirty) {
             let ports = match self.services.get(&key) {
                 None => Ok(Vec::new()),
-                Some(svc) => self.ports_of(&key, svc, &mut notes),
+                Some(svc) => self.ports_of(&key, svc, notes),
             };
             let ports = match ports {
                 Ok(p) => p,
@@ -498,7 +536,12 @@ impl Tracker {
                 self.built.insert(key, slots);
             }
         }
+        (removed, added)
+    }
 
+    /// The next snapshot: the spare one (two syncs old, no longer read by anyone) with
+    /// the last two syncs' operations applied, else a copy of the current one.
+    fn next_snapshot(&mut self, generation: u64) -> Arc<Snapshot> {
         let ops = self.indexer.take_ops();
         let reused = match self.spare.take() {
             Some((mut spare, lag)) => match Arc::get_mut(&mut spare) {
@@ -533,20 +576,7 @@ impl Tracker {
         if let Some(prev) = self.current.replace(next.clone()) {
             self.spare = Some((prev, ops));
         }
-        Synced {
-            update: Update {
-                snapshot: next,
-                removed,
-                added,
-                full,
-            },
-            notes,
-            errors,
-            service_changes: std::mem::take(&mut self.changed_services).len() as u64,
-            endpoint_changes: std::mem::take(&mut self.changed_slices).len() as u64,
-            rebuilt,
-            trigger_times: std::mem::take(&mut self.trigger_times),
-        }
+        next
     }
 
     fn ports_of(
