@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use conntrack::{ConnTable, SnatPorts, Timeouts};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use engine::{Engine, FixedSource, Verdict};
+use engine::{Engine, FixedSource, Ingress, Verdict};
 use kxp_bench::{cluster, cluster_ip, node_settings};
 use nat::rewrite::testutil::build_tcp;
 use nat::rewrite::{Parsed, parse};
@@ -102,7 +102,7 @@ fn engine(c: &mut Criterion) {
                     Ok(Parsed::Flow(fl)),
                     prep,
                     1,
-                    None,
+                    Ingress::default(),
                     &masq,
                     &mut out,
                 );

@@ -16,9 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
-use conntrack::{SnatPorts, Timeouts};
-use crossbeam::queue::ArrayQueue;
+use conntrack::Timeouts;
 use nat::model::NodePortAddresses;
 use nat::model::ServicePort;
 use nat::snapshot::{Snapshot, Update};
@@ -30,6 +28,8 @@ use crate::worker::{Command, Shared, Worker, WorkerStats};
 use crate::xdp::{AttachMode, SteerKey, Steering};
 use crate::xsk::{Sockets, XskConfig};
 use engine::{Engine, NodeState};
+
+mod start;
 
 /// How to run the dataplane.
 #[derive(Debug, Clone)]
@@ -598,6 +598,62 @@ pub struct Totals {
     pub policy_handover: u64,
 }
 
+impl Totals {
+    /// Adds one worker's counters.
+    fn add_worker(&mut self, s: &WorkerStats) {
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        self.rx_packets += g(&s.rx_packets);
+        self.tx_packets += g(&s.tx_packets);
+        self.forwarded += g(&s.forwarded);
+        self.new_flows += g(&s.new_flows);
+        self.rejected += g(&s.rejected);
+        self.dropped += g(&s.dropped);
+        self.handoffs += g(&s.handoffs_out);
+        self.conntrack_entries += g(&s.conntrack_entries);
+        self.neighbour_pending += g(&s.neighbour_pending);
+        self.no_route += g(&s.no_route);
+        self.fragmented_out += g(&s.fragmented_out);
+        self.too_big_icmp += g(&s.too_big_icmp);
+        self.to_kernel += g(&s.to_kernel);
+        self.pass_checksums_completed += g(&s.pass_checksums_completed);
+        self.vlan_untagged += g(&s.vlan_untagged);
+        self.vlan_tagged += g(&s.vlan_tagged);
+        self.policy_handover += g(&s.policy_handover);
+        *self.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
+        // Dropped after waiting for their next hop's MAC (the queue full, or 1 s
+        // passed), and with no route at all: drops like the others.
+        *self.drops.entry("neighbour_unresolved").or_default() += g(&s.neighbour_pending);
+        *self.drops.entry("no_route").or_default() += g(&s.no_route);
+        self.passed += g(&s.passed);
+        self.forwarded_bytes += g(&s.forwarded_bytes);
+        self.conntrack_inserts += g(&s.conntrack_inserts);
+        self.conntrack_evictions += g(&s.conntrack_evictions);
+        let it = g(&s.iterations);
+        self.busy_ratio.push(if it == 0 {
+            0.0
+        } else {
+            g(&s.busy_iterations) as f64 / it as f64
+        });
+        self.stalls.push(crate::worker::Stalls {
+            count: g(&s.stalls),
+            total_ns: g(&s.stalled_ns),
+            longest_ns: g(&s.longest_stall_ns),
+            by_part: [0, 1, 2, 3].map(|i| g(&s.stall_parts[i])),
+        });
+        let gen_ = g(&s.snapshot_generation);
+        self.generation = if self.generation == 0 {
+            gen_
+        } else {
+            self.generation.min(gen_)
+        };
+        if let Ok(d) = s.drop_detail.lock() {
+            for (k, v) in d.iter() {
+                *self.drops.entry(k).or_default() += v;
+            }
+        }
+    }
+}
+
 /// A seed for a worker's random endpoint choice from the OS, so that nodes and restarts
 /// do not all draw the same sequence (kube-proxy's `numgen random` is the kernel's
 /// per-boot random too). Falls back to the clock if `/dev/urandom` cannot be read.
@@ -642,6 +698,25 @@ fn rx_queues(ifname: &str) -> Option<usize> {
     )
 }
 
+/// The receive queues of `ifname` kxp serves: all of them (at least one), up to
+/// [`MAX_QUEUES`]; more are warned about.
+fn served_queues(ifname: &str) -> usize {
+    let queues = rx_queues(ifname).unwrap_or(1).max(1);
+    if queues > MAX_QUEUES {
+        tracing::warn!(
+            interface = %ifname,
+            queues,
+            "more receive queues than kxp serves ({}): Service traffic that RSS puts on \
+             the others is passed to the kernel untranslated; lower the count (ethtool -L \
+             {} combined {})",
+            MAX_QUEUES,
+            ifname,
+            MAX_QUEUES
+        );
+    }
+    queues.min(MAX_QUEUES)
+}
+
 impl Dataplane {
     /// Creates kxp's service device, starts the FIB mirror and the workers, publishes
     /// `initial`, attaches to every interface that matches `cfg.interfaces`, and follows
@@ -654,291 +729,50 @@ impl Dataplane {
         initial: impl Into<Arc<Snapshot>>,
     ) -> Result<Dataplane, DataplaneError> {
         let initial: Arc<Snapshot> = initial.into();
-        crate::caps::check_required().map_err(DataplaneError::Capabilities)?;
-        if cfg.interfaces.is_empty() {
-            return Err(DataplaneError::NoInterface);
-        }
-        if cfg.workers == 0 || cfg.workers > 64 {
-            return Err(DataplaneError::Config(format!(
-                "{} workers: give 1 to 64",
-                cfg.workers
-            )));
-        }
-        if let Some(cpus) = &cfg.cpus
-            && cpus.len() != cfg.workers
-        {
-            return Err(DataplaneError::Config(format!(
-                "{} CPUs listed for {} workers",
-                cpus.len(),
-                cfg.workers
-            )));
-        }
-        for pattern in &cfg.interfaces {
-            crate::ifmatch::check(pattern).map_err(DataplaneError::BadPattern)?;
-            if crate::ifmatch::is_pattern(pattern) {
-                continue;
-            }
-            // A name without a wildcard must exist now: a typo is an error.
-            let queues = rx_queues(pattern)
-                .ok_or_else(|| DataplaneError::NoSuchInterface(pattern.clone()))?;
-            if let Some(ports) = crate::ifmatch::bond_ports(pattern) {
-                return Err(DataplaneError::Bond {
-                    ifname: pattern.clone(),
-                    ports,
-                });
-            }
-            if queues < cfg.workers {
-                return Err(DataplaneError::Queues {
-                    ifname: pattern.clone(),
-                    queues,
-                    workers: cfg.workers,
-                });
-            }
-        }
-        let (lo, hi) = cfg.snat_ports;
-        let ranges = SnatPorts::for_workers(lo..=hi, cfg.workers)
-            .map_err(|e| DataplaneError::Config(format!("SNAT port range {lo}-{hi}: {e}")))?;
-
-        // Multi-buffer costs on every packet in copy mode: on only when an interface that
-        // matches has an MTU larger than a UMEM frame holds (or when asked).
-        let mut xsk = cfg.xsk.clone();
-        let frame_mtu = (xsk.frame_size as usize).saturating_sub(256 + 14);
-        let big = matching_links(&cfg.interfaces)
-            .into_iter()
-            .filter(|(_, mtu)| *mtu > frame_mtu)
-            .collect::<Vec<_>>();
-        if !xsk.multi_buffer && !big.is_empty() {
-            tracing::info!(interfaces = ?big, "MTU larger than a frame: AF_XDP multi-buffer on");
-            xsk.multi_buffer = true;
-        }
-        // With a state directory, kxp's steering outlives the process: programs attached
-        // over netlink (native mode; a bpf_link would go with the process), the service
-        // device, its routes and rules are kept at stop and taken over at start (see
-        // crate::statefile).
-        let keep = cfg.state_dir.is_some();
-        let attach = if keep && cfg.attach == AttachMode::Link {
-            AttachMode::Native
-        } else {
-            cfg.attach
-        };
+        let ranges = start::check(cfg)?;
+        let settings = start::Settings::of(cfg);
         let mut times = StartTimes::default();
         let mut lap = Instant::now();
-        let service = ServiceDevice::create(&cfg.service_device, cfg.workers as u32, keep)?;
+        let service =
+            ServiceDevice::create(&cfg.service_device, cfg.workers as u32, settings.keep)?;
         times.lap("service device", &mut lap);
-        let fib = Arc::new(FibMirror::start(&[])?);
-        fib.wait_ready(Duration::from_secs(5))?;
+        let fib = start::fib_mirror()?;
         times.lap("FIB mirror", &mut lap);
-
-        let (txs, rxs): (Vec<_>, Vec<_>) = (0..cfg.workers)
-            .map(|_| crossbeam::channel::unbounded())
-            .unzip();
-        let shared = Arc::new(Shared {
-            snapshot: ArcSwap::new(initial.clone()),
-            stop: AtomicBool::new(false),
-            stats: (0..cfg.workers).map(|_| WorkerStats::default()).collect(),
-            inbox: (0..cfg.workers).map(|_| ArrayQueue::new(4096)).collect(),
-            commands: txs
-                .into_iter()
-                .map(|tx| {
-                    crate::sys::Wake::new()
-                        .map(|w| crate::worker::CommandSender::new(tx, Arc::new(w)))
-                })
-                .collect::<Result<_, _>>()
-                .map_err(|e| DataplaneError::Config(format!("cannot create an eventfd: {e}")))?,
-            attached: ArcSwap::from_pointee(Vec::new()),
-            frags: std::sync::Mutex::new(conntrack::FragTable::new(
-                FRAG_DATAGRAMS,
-                FRAG_PARKED_BYTES,
-                FRAG_TIMEOUT_NS,
-            )),
-        });
+        let (rxs, shared) = start::shared_state(cfg, &initial)?;
 
         // The node's own traffic: a program on the service device's kxp side, and
         // routes of the Service addresses into its host side (see crate::servicedev).
         // The steering program is loaded (and verified) once, here: every interface
         // attached later shares it and its maps (see crate::xdp).
         lap = Instant::now();
-        let mut service_prog = Steering::load()?;
-        tracing::info!(
-            took_ms = lap.elapsed().as_millis() as u64,
-            prog_id = service_prog.prog_id(),
-            "steering program loaded"
-        );
+        let mut service_prog = start::load_steering(lap)?;
         times.lap("steering program", &mut lap);
-        service_prog.prepare_for(&service.dp, service.dp_ifindex)?;
-        service_prog.set_snat_range(lo, hi)?;
-        // Frames with one 802.1Q tag (a trunk) are looked into: a tagged client's
-        // Service traffic is kxp's like an untagged one's, its tag taken off by the
-        // worker and put back on what goes back to it.
-        service_prog.set_vlan_steering(true)?;
-        service_prog.set_service_device()?;
-        if keep {
-            service_prog.set_hold(cfg.workers as u32)?;
-            // The rules a previous kxp kept, back in order before this one adds its own.
-            crate::servicedev::cleanup_rules()?;
-        }
-        let routes = crate::servicedev::Routes::new(&service.host, service.host_ifindex)?;
-        let nodeport_rules =
-            crate::servicedev::NodePortRules::new(&service.host, service.host_ifindex)?;
-        let kernel_policy = if cfg.kernel_policy {
-            // The kernel's masquerade ports: its ephemeral range below kxp's own SNAT
-            // ports (never a NodePort: an answer to one would look like a connection).
-            let lo = cfg.snat_ports.0;
-            let masq = (
-                if lo > 33_792 { 32_768 } else { 1_024 },
-                lo.saturating_sub(1),
-            );
-            let p = crate::servicedev::KernelPolicy::install(
-                &service.host,
-                service.host_ifindex,
-                masq,
-            )?;
-            tracing::info!(
-                table = crate::servicedev::HANDOVER_TABLE,
-                "kxp.networkPolicy: kernel: connections to this node's pods are translated \
-                 by kxp and carried by the kernel through {} (its connection tracking, the \
-                 CNI's filtering in FORWARD, its masquerade into ports {}-{}); their answers \
-                 come back through routing table {}",
-                service.host,
-                masq.0,
-                masq.1,
-                crate::servicedev::HANDOVER_ROUTE_TABLE
-            );
-            Some(p)
-        } else {
-            // A previous kxp's, in that mode.
-            if crate::servicedev::remove_kernel_policy()? {
-                tracing::info!("removed the rules of kxp.networkPolicy: kernel (a previous kxp's)");
-            }
-            None
-        };
+        start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
+        let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, &service)?;
 
-        let mut tables = ranges
-            .into_iter()
-            .map(|snat| {
-                conntrack::ConnTable::new(cfg.conntrack_per_worker, cfg.timeouts, snat)
-                    .map_err(|e| DataplaneError::Conntrack(e.to_string()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // The tables on huge pages (at hundreds of thousands of flows a lookup misses the
-        // TLB as well as the cache) and resident from now: a page fault on the packet
-        // path, a huge page's above all, stalled the worker for milliseconds.
-        let mut advised = Ok(());
-        let mut bytes = 0;
-        for (addr, len) in tables.iter().flat_map(conntrack::ConnTable::regions) {
-            advised = advised.and(crate::sys::populate_huge(addr, len));
-            bytes += len;
-        }
-        match advised {
-            Ok(()) => tracing::info!(
-                "connection tables resident, on huge pages where the kernel has them: {} MiB",
-                bytes >> 20
-            ),
-            Err(e) => tracing::info!(
-                "connection tables ({} MiB) not all on huge pages or resident: {e}",
-                bytes >> 20
-            ),
-        }
+        let mut tables = start::connection_tables(cfg, ranges)?;
         times.lap("connection tables", &mut lap);
-        let (mut persistence, node) = match &cfg.state_dir {
-            Some(dir) => {
-                let (p, affinity) = crate::persistence::Persistence::start(
-                    dir,
-                    &mut tables,
-                    cfg.affinity_capacity,
-                    crate::sys::monotonic_ns(),
-                )
-                .map_err(|e| DataplaneError::State(e.to_string()))?;
-                let r = &p.restored;
-                tracing::info!(
-                    dir = %dir.display(),
-                    flows = r.flows,
-                    affinity = r.affinity,
-                    bad_records = r.bad_records,
-                    flows_dropped = r.flows_dropped,
-                    "state restored"
-                );
-                for f in &r.bad_files {
-                    tracing::warn!("state file not used, starting without what it held: {f}");
-                }
-                (Some(p), NodeState::with_affinity(affinity))
-            }
-            None => (None, NodeState::new(cfg.affinity_capacity)),
-        };
+        let (mut persistence, node) = start::restore_state(cfg, &mut tables)?;
         times.lap("state restore", &mut lap);
-        // Each worker is put together in its own thread, around its sockets branded
-        // there (see crate::xsk): what it needs is gathered here.
-        let mut workers = Vec::new();
-        let (started_tx, started) = std::sync::mpsc::channel();
-        for (id, (rx, mut table)) in rxs.into_iter().zip(tables).enumerate() {
-            // A hint, no I/O: the table prefetches the flows it will evict next.
-            table.set_prefetch(crate::sys::prefetch);
-            // The UMEM's own socket goes on the service device (see crate::servicedev).
-            let sockets = Sockets::open(&xsk, std::slice::from_ref(&service.dp), id as u32)?;
-            service_prog.set_socket(id as u32, sockets.fd(0))?;
-            let mut engine = Engine::on_node(
-                table,
-                os_seed() ^ (id as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                node.clone(),
-            );
-            engine.host_interface = Some(service.dp.clone());
-            engine.kernel_policy = cfg.kernel_policy;
-            workers.push(WorkerParts {
-                id,
-                cpu: cfg.cpus.as_ref().map(|c| c[id]),
-                nice: cfg.effective_worker_nice(),
-                sockets,
-                engine,
-                fib: fib.view(),
-                shared: shared.clone(),
-                commands: rx,
-                busy_poll: xsk.busy_poll.is_some(),
-                idle_spin_us: xsk.idle_spin_us.unwrap_or(if cfg.cpus.is_some() {
-                    10_000
-                } else {
-                    0
-                }),
-                queue_budget_us: xsk.queue_budget_us,
-                journal: persistence
-                    .as_mut()
-                    .and_then(|p| p.conntrack.get_mut(id))
-                    .and_then(Option::take),
-                local_delivery: crate::worker::LocalDelivery {
-                    ifindex: service.dp_ifindex,
-                    src_mac: service.dp_mac,
-                    dst_mac: service.host_mac,
-                },
-                handover: cfg.kernel_policy,
-                started: started_tx.clone(),
-            });
-        }
-        drop(started_tx);
-        let taken_over = !(keep && Steering::kept_on(&service.dp, attach));
-        if taken_over {
-            service_prog.attach(&service.dp, attach, keep)?;
-        }
-        let links = Arc::new(LinkCtl {
-            prog: Mutex::new(Programming {
-                taken_over,
-                needs_full: true,
-                service: Some(service_prog),
-                routes: Some(routes),
-                nodeport_rules: Some(nodeport_rules),
-                kernel_policy,
-                snat: cfg.snat_ports,
-                ..Programming::default()
-            }),
-            patterns: cfg.interfaces.clone(),
-            attach,
-            workers: cfg.workers,
-            busy_poll: cfg.xsk.busy_poll.is_some(),
-            shared: shared.clone(),
-            fib: fib.clone(),
-            reserved: vec![service.host.clone(), service.dp.clone()],
-            multi_buffer: xsk.multi_buffer,
-            frame_mtu,
-            keep,
-        });
+        let kit = start::WorkerKit {
+            cfg,
+            xsk: &settings.xsk,
+            service: &service,
+            fib: &fib,
+            shared: &shared,
+            node: &node,
+        };
+        let (workers, started) = kit.parts(rxs, tables, &mut service_prog, &mut persistence)?;
+        let taken_over = start::steer_service_device(&mut service_prog, &service, &settings)?;
+        let prog = Programming::at_start(
+            cfg,
+            taken_over,
+            service_prog,
+            routes,
+            nodeport_rules,
+            kernel_policy,
+        );
+        let links = LinkCtl::at_start(cfg, &settings, &service, &shared, &fib, prog);
         let mut dp = Dataplane {
             shared: shared.clone(),
             start_times: StartTimes::default(),
@@ -951,81 +785,16 @@ impl Dataplane {
             link_stop: Arc::new(AtomicBool::new(false)),
             service: Some(service),
         };
-        for p in workers {
-            let name = format!("kxp-worker-{}", p.id);
-            let h = std::thread::Builder::new()
-                .name(name)
-                .spawn(move || p.run())
-                .map_err(|e| {
-                    DataplaneError::Config(format!("cannot start a worker thread: {e}"))
-                })?;
-            dp.threads.push(h);
-        }
+        dp.spawn_workers(workers)?;
         times.lap("workers", &mut lap);
         dp.program(&Update::full(initial))?;
         // The interfaces there now; one named without a wildcard must attach.
         links.reconcile(&dp.fib.view().links(), true)?;
         times.lap("interfaces", &mut lap);
-        times.interfaces = links
-            .prog
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .steering
-            .len();
+        times.interfaces = links.lock().steering.len();
         dp.start_times = times;
-        let stop = dp.link_stop.clone();
-        let published = dp.fib.published();
-        let view = dp.fib.view();
-        // With pinned workers, the attached interfaces' threaded NAPI kthreads are kept
-        // off their CPUs (crate::napi), checked once a second.
-        let mut napi = cfg.cpus.as_ref().map(|cpus| {
-            crate::napi::NapiGuard::new(cpus.clone(), other_cpus(cpus).unwrap_or_default())
-        });
-        // And their CPUs' ksoftirqd kept at the workers' nice (crate::priority), put
-        // back when the thread ends.
-        let mut softirq = cfg
-            .cpus
-            .as_ref()
-            .zip(cfg.effective_worker_nice())
-            .filter(|&(_, nice)| nice < 0)
-            .map(|(cpus, nice)| crate::priority::SoftirqNice::new(cpus.clone(), nice));
-        let h = std::thread::Builder::new()
-            .name("kxp-links".into())
-            .spawn(move || {
-                let mut napi_checked: Option<Instant> = None;
-                while !stop.load(Ordering::Relaxed) {
-                    if let Some(g) = napi.as_mut()
-                        && napi_checked.is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-                    {
-                        napi_checked = Some(Instant::now());
-                        if let Some(s) = softirq.as_mut() {
-                            s.check();
-                        }
-                        let names: Vec<String> = links
-                            .lock()
-                            .steering
-                            .iter()
-                            .filter_map(|s| s.ifname().map(str::to_string))
-                            .collect();
-                        g.check(&names);
-                    }
-                    // Woken by every change of the host's tables (links included), and
-                    // at least ten times a second (a stop is seen within 0.1 s).
-                    let _ = published.recv_timeout(Duration::from_millis(100));
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let _ = links.reconcile(&view.links(), false);
-                }
-            })
-            .map_err(|e| DataplaneError::Config(format!("cannot start the link thread: {e}")))?;
-        dp.link_thread = Some(h);
-        if let Some(cpus) = &cfg.cpus {
-            let worker_tids: Vec<libc::pid_t> = (0..cpus.len())
-                .map_while(|_| started.recv_timeout(Duration::from_secs(2)).ok())
-                .collect();
-            keep_off_worker_cpus(cpus, &worker_tids);
-        }
+        dp.follow_links(cfg, links)?;
+        start::keep_others_off(cfg, &started);
         Ok(dp)
     }
 
@@ -1113,12 +882,12 @@ impl Dataplane {
         self.shared.snapshot.load_full()
     }
 
-    /// Sums of the workers' counters.
     /// What start-up restored from the state directory (`None` without one).
     pub fn restored(&self) -> Option<&crate::persistence::Restored> {
         self.persistence.as_ref().map(|p| &p.restored)
     }
 
+    /// Sums of the workers' counters.
     pub fn totals(&self) -> Totals {
         let mut t = Totals {
             affinity: self.node.affinity.stats(),
@@ -1131,56 +900,7 @@ impl Dataplane {
             t.drops.insert("fragment_table_full", st.full);
         }
         for s in &self.shared.stats {
-            let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-            t.rx_packets += g(&s.rx_packets);
-            t.tx_packets += g(&s.tx_packets);
-            t.forwarded += g(&s.forwarded);
-            t.new_flows += g(&s.new_flows);
-            t.rejected += g(&s.rejected);
-            t.dropped += g(&s.dropped);
-            t.handoffs += g(&s.handoffs_out);
-            t.conntrack_entries += g(&s.conntrack_entries);
-            t.neighbour_pending += g(&s.neighbour_pending);
-            t.no_route += g(&s.no_route);
-            t.fragmented_out += g(&s.fragmented_out);
-            t.too_big_icmp += g(&s.too_big_icmp);
-            t.to_kernel += g(&s.to_kernel);
-            t.pass_checksums_completed += g(&s.pass_checksums_completed);
-            t.vlan_untagged += g(&s.vlan_untagged);
-            t.vlan_tagged += g(&s.vlan_tagged);
-            t.policy_handover += g(&s.policy_handover);
-            *t.drops.entry("too_big_unanswerable").or_default() += g(&s.too_big_dropped);
-            // Dropped after waiting for their next hop's MAC (the queue full, or 1 s
-            // passed), and with no route at all: drops like the others.
-            *t.drops.entry("neighbour_unresolved").or_default() += g(&s.neighbour_pending);
-            *t.drops.entry("no_route").or_default() += g(&s.no_route);
-            t.passed += g(&s.passed);
-            t.forwarded_bytes += g(&s.forwarded_bytes);
-            t.conntrack_inserts += g(&s.conntrack_inserts);
-            t.conntrack_evictions += g(&s.conntrack_evictions);
-            let it = g(&s.iterations);
-            t.busy_ratio.push(if it == 0 {
-                0.0
-            } else {
-                g(&s.busy_iterations) as f64 / it as f64
-            });
-            t.stalls.push(crate::worker::Stalls {
-                count: g(&s.stalls),
-                total_ns: g(&s.stalled_ns),
-                longest_ns: g(&s.longest_stall_ns),
-                by_part: [0, 1, 2, 3].map(|i| g(&s.stall_parts[i])),
-            });
-            let gen_ = g(&s.snapshot_generation);
-            t.generation = if t.generation == 0 {
-                gen_
-            } else {
-                t.generation.min(gen_)
-            };
-            if let Ok(d) = s.drop_detail.lock() {
-                for (k, v) in d.iter() {
-                    *t.drops.entry(k).or_default() += v;
-                }
-            }
+            t.add_worker(s);
         }
         t
     }
@@ -1344,6 +1064,20 @@ impl LinkCtl {
         for ifindex in gone {
             self.detach(&mut prog, ifindex);
         }
+        changed |= self.recount_queues(&mut prog);
+        prog.failed
+            .retain(|i, at| at.elapsed() < ATTACH_RETRY && links.iter().any(|l| l.ifindex == *i));
+        changed |= self.attach_new(&mut prog, links, strict)?;
+        if changed {
+            self.publish_attached(&prog);
+        }
+        Ok(())
+    }
+
+    /// Detaches each attached interface whose receive queue count changed, to be attached
+    /// again; returns whether any was.
+    fn recount_queues(&self, prog: &mut Programming) -> bool {
+        let mut changed = false;
         // A queue count changed (`ethtool -L`, no netlink event says so): attached again
         // below, a socket on every queue. Compared once a second.
         if prog
@@ -1370,12 +1104,23 @@ impl LinkCtl {
                     to = now,
                     "receive queue count changed: attaching again with a socket on every queue"
                 );
-                self.detach(&mut prog, ifindex);
+                self.detach(prog, ifindex);
                 changed = true;
             }
         }
-        prog.failed
-            .retain(|i, at| at.elapsed() < ATTACH_RETRY && links.iter().any(|l| l.ifindex == *i));
+        changed
+    }
+
+    /// Attaches to every link of `links` that is wanted, not attached, and has not
+    /// failed in the last [`ATTACH_RETRY`]; returns whether it tried any. With `strict`,
+    /// an interface named without a wildcard that fails to attach is an error.
+    fn attach_new(
+        &self,
+        prog: &mut Programming,
+        links: &[LinkInfo],
+        strict: bool,
+    ) -> Result<bool, DataplaneError> {
+        let mut changed = false;
         for l in links {
             if !self.wanted_name(&l.name)
                 || prog.steering.iter().any(|s| s.ifindex() == l.ifindex)
@@ -1385,7 +1130,7 @@ impl LinkCtl {
                 continue;
             }
             changed = true;
-            match self.attach(&mut prog, l) {
+            match self.attach(prog, l) {
                 Ok((queues, mode, tx_per_sendto)) => tracing::info!(
                     interface = %l.name,
                     ifindex = l.ifindex,
@@ -1407,17 +1152,19 @@ impl LinkCtl {
                 }
             }
         }
-        if changed {
-            let list: Vec<(u32, String)> = prog
-                .steering
-                .iter()
-                .map(|s| (s.ifindex(), s.ifname().unwrap_or_default().to_string()))
-                .collect();
-            self.fib
-                .set_attached(&list.iter().map(|(i, _)| *i).collect::<Vec<_>>());
-            self.shared.attached.store(Arc::new(list));
-        }
-        Ok(())
+        Ok(changed)
+    }
+
+    /// Tells the FIB mirror and the workers which interfaces are attached now.
+    fn publish_attached(&self, prog: &Programming) {
+        let list: Vec<(u32, String)> = prog
+            .steering
+            .iter()
+            .map(|s| (s.ifindex(), s.ifname().unwrap_or_default().to_string()))
+            .collect();
+        self.fib
+            .set_attached(&list.iter().map(|(i, _)| *i).collect::<Vec<_>>());
+        self.shared.attached.store(Arc::new(list));
     }
 
     /// Attaches the shared steering program to `link` (a new handle, a slot in its maps,
@@ -1433,20 +1180,44 @@ impl LinkCtl {
         prog: &mut Programming,
         link: &LinkInfo,
     ) -> Result<(usize, &'static str, u32), DataplaneError> {
-        let queues = rx_queues(&link.name).unwrap_or(1).max(1);
-        if queues > MAX_QUEUES {
-            tracing::warn!(
-                interface = %link.name,
-                queues,
-                "more receive queues than kxp serves ({}): Service traffic that RSS puts on \
-                 the others is passed to the kernel untranslated; lower the count (ethtool -L \
-                 {} combined {})",
-                MAX_QUEUES,
-                link.name,
-                MAX_QUEUES
-            );
+        let queues = served_queues(&link.name);
+        self.warn_frame_mtu(link);
+        // The service device's program, shared: its maps already hold what is wanted.
+        let mut s = prog
+            .service
+            .as_ref()
+            .ok_or_else(|| DataplaneError::Config("the steering program is not loaded".into()))?
+            .share()?;
+        s.prepare_for(&link.name, link.ifindex)?;
+        if self.keep {
+            s.set_hold(queues as u32)?;
         }
-        let queues = queues.min(MAX_QUEUES);
+        let (opened, mut result) = self.open_sockets(&s, link, queues);
+        // Filled and with its sockets: attach it, or, if a previous kxp's link steers
+        // this interface, leave that one in place until `take_over`.
+        let kept = self.keep && !prog.taken_over && Steering::kept_on(&link.name, self.attach);
+        if result.is_ok() && !kept {
+            result = s
+                .attach(&link.name, self.attach, self.keep)
+                .map_err(DataplaneError::from);
+        }
+        if let Err(e) = result {
+            drop(s);
+            self.close_ports(link.ifindex, &opened.workers);
+            return Err(e);
+        }
+        if self.busy_poll {
+            prog.restore
+                .extend(busy_poll_knobs(std::slice::from_ref(&link.name)));
+        }
+        prog.steering.push(s);
+        prog.queues.insert(link.ifindex, queues);
+        Ok((queues, opened.mode(), opened.tx_per_sendto()))
+    }
+
+    /// Warns that packets from `link` larger than a frame are dropped, if its MTU is
+    /// larger than a frame holds and kxp started without multi-buffer.
+    fn warn_frame_mtu(&self, link: &LinkInfo) {
         if !self.multi_buffer
             && let Some((_, mtu)) = matching_links(std::slice::from_ref(&link.name)).first()
             && *mtu > self.frame_mtu
@@ -1460,50 +1231,32 @@ impl LinkCtl {
                 self.frame_mtu
             );
         }
-        // The service device's program, shared: its maps already hold what is wanted.
-        let mut s = prog
-            .service
-            .as_ref()
-            .ok_or_else(|| DataplaneError::Config("the steering program is not loaded".into()))?
-            .share()?;
-        s.prepare_for(&link.name, link.ifindex)?;
-        if self.keep {
-            s.set_hold(queues as u32)?;
-        }
-        let mut opened = Vec::new();
-        let mut zero_copy = Vec::new();
-        let mut tx_budget = u32::MAX;
-        let mut result = Ok(());
+    }
+
+    /// Has the workers open a socket on each of `link`'s first `queues` receive queues
+    /// (queue `q` by worker `q % workers`) and enters each in `s`'s socket map, up to the
+    /// first failure. Returns the sockets opened (to be closed if the attach fails) and
+    /// that failure, if any.
+    fn open_sockets(
+        &self,
+        s: &Steering,
+        link: &LinkInfo,
+        queues: usize,
+    ) -> (Opened, Result<(), DataplaneError>) {
+        let mut opened = Opened {
+            workers: Vec::new(),
+            zero_copy: Vec::new(),
+            tx_budget: u32::MAX,
+        };
         for queue in 0..queues {
             let worker = queue % self.workers;
-            let open = || {
-                let (rtx, rrx) = crossbeam::channel::bounded(1);
-                let _ = self.shared.commands[worker].send(Command::AddPort {
-                    ifname: link.name.clone(),
-                    ifindex: link.ifindex,
-                    queue: queue as u32,
-                    reply: rtx,
-                });
-                rrx.recv_timeout(WORKER_REPLY)
-            };
-            // A socket closed on this queue a moment ago (attaching again after a queue
-            // count change) may still hold it (see XskError::is_busy): tried again for
-            // up to a second.
-            let mut reply = open();
-            let busy_since = Instant::now();
-            while matches!(&reply, Ok(Err(e)) if e.is_busy())
-                && busy_since.elapsed() < Duration::from_secs(1)
-            {
-                std::thread::sleep(Duration::from_millis(10));
-                reply = open();
-            }
-            let r = match reply {
+            let r = match self.open_socket(worker, link, queue) {
                 Ok(Ok((fd, zc, budget))) => {
-                    if !opened.contains(&worker) {
-                        opened.push(worker);
+                    if !opened.workers.contains(&worker) {
+                        opened.workers.push(worker);
                     }
-                    zero_copy.push(zc);
-                    tx_budget = tx_budget.min(budget);
+                    opened.zero_copy.push(zc);
+                    opened.tx_budget = opened.tx_budget.min(budget);
                     s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
                 }
                 Ok(Err(e)) => Err(DataplaneError::Config(e.to_string())),
@@ -1513,38 +1266,37 @@ impl LinkCtl {
                 ))),
             };
             if let Err(e) = r {
-                result = Err(e);
-                break;
+                return (opened, Err(e));
             }
         }
-        // Filled and with its sockets: attach it, or, if a previous kxp's link steers
-        // this interface, leave that one in place until `take_over`.
-        let kept = self.keep && !prog.taken_over && Steering::kept_on(&link.name, self.attach);
-        if result.is_ok() && !kept {
-            result = s
-                .attach(&link.name, self.attach, self.keep)
-                .map_err(DataplaneError::from);
+        (opened, Ok(()))
+    }
+
+    /// Has `worker` open a socket on `link`'s receive queue `queue`; its reply (the
+    /// socket, or why not), or the timeout's error if it did not answer in time.
+    fn open_socket(&self, worker: usize, link: &LinkInfo, queue: usize) -> PortReply {
+        let open = || {
+            let (rtx, rrx) = crossbeam::channel::bounded(1);
+            let _ = self.shared.commands[worker].send(Command::AddPort {
+                ifname: link.name.clone(),
+                ifindex: link.ifindex,
+                queue: queue as u32,
+                reply: rtx,
+            });
+            rrx.recv_timeout(WORKER_REPLY)
+        };
+        // A socket closed on this queue a moment ago (attaching again after a queue
+        // count change) may still hold it (see XskError::is_busy): tried again for
+        // up to a second.
+        let mut reply = open();
+        let busy_since = Instant::now();
+        while matches!(&reply, Ok(Err(e)) if e.is_busy())
+            && busy_since.elapsed() < Duration::from_secs(1)
+        {
+            std::thread::sleep(Duration::from_millis(10));
+            reply = open();
         }
-        if let Err(e) = result {
-            drop(s);
-            self.close_ports(link.ifindex, &opened);
-            return Err(e);
-        }
-        if self.busy_poll {
-            prog.restore
-                .extend(busy_poll_knobs(std::slice::from_ref(&link.name)));
-        }
-        prog.steering.push(s);
-        prog.queues.insert(link.ifindex, queues);
-        Ok((
-            queues,
-            match (zero_copy.iter().all(|z| *z), zero_copy.iter().any(|z| *z)) {
-                (true, _) => "zero-copy",
-                (false, true) => "zero-copy on some queues, copy on others",
-                (false, false) => "copy",
-            },
-            if tx_budget == u32::MAX { 0 } else { tx_budget },
-        ))
+        reply
     }
 
     /// Detaches from `ifindex` and has the workers close their sockets there.
@@ -1583,6 +1335,44 @@ impl LinkCtl {
     }
 }
 
+/// A worker's answer to [`Command::AddPort`]: the socket's descriptor, whether it is in
+/// zero-copy mode and its TX budget per sendto(), or why not; or no answer in time.
+type PortReply = Result<
+    Result<(std::os::fd::RawFd, bool, u32), crate::xsk::XskError>,
+    crossbeam::channel::RecvTimeoutError,
+>;
+
+/// The sockets opened on an interface's receive queues (see [`LinkCtl::attach`]).
+struct Opened {
+    /// The workers that opened one or more.
+    workers: Vec<usize>,
+    /// Whether each socket is in zero-copy mode.
+    zero_copy: Vec<bool>,
+    /// The fewest frames one sendto() on them transmits (`u32::MAX`: none opened).
+    tx_budget: u32,
+}
+
+impl Opened {
+    /// The sockets' AF_XDP mode.
+    fn mode(&self) -> &'static str {
+        let zero_copy = &self.zero_copy;
+        match (zero_copy.iter().all(|z| *z), zero_copy.iter().any(|z| *z)) {
+            (true, _) => "zero-copy",
+            (false, true) => "zero-copy on some queues, copy on others",
+            (false, false) => "copy",
+        }
+    }
+
+    /// The fewest frames one sendto() on them transmits in copy mode (0: zero-copy).
+    fn tx_per_sendto(&self) -> u32 {
+        if self.tx_budget == u32::MAX {
+            0
+        } else {
+            self.tx_budget
+        }
+    }
+}
+
 impl Programming {
     /// Brings every attached program's maps in line with `update`; returns the UDP
     /// endpoints and Service addresses that went away and the first error, if any.
@@ -1592,17 +1382,7 @@ impl Programming {
         view: &crate::fib::FibView,
     ) -> (GoneUdp, Option<DataplaneError>) {
         let snap = &*update.snapshot;
-        let mut local: HashSet<IpAddr> = view.local_addrs().into_iter().collect();
-        local.extend(snap.node.local_addrs.iter().copied());
-        let mut np_addrs: Vec<IpAddr> = match &snap.node.node_port_addresses {
-            NodePortAddresses::All => local
-                .iter()
-                .copied()
-                .filter(|ip| !ip.is_loopback())
-                .collect(),
-            NodePortAddresses::Addrs(a) => a.clone(),
-        };
-        np_addrs.sort();
+        let (local, np_addrs) = node_addresses(snap, view);
         let full = update.full || self.needs_full || np_addrs != self.wanted.np_addrs;
         let service_cidrs: HashSet<ipnet::IpNet> =
             snap.node.service_cidrs.iter().copied().collect();
@@ -1624,68 +1404,29 @@ impl Programming {
             note(s.sync_service_cidrs(&service_cidrs));
         }
         let gone_udp = if full {
-            let old_udp = std::mem::take(&mut self.wanted.udp);
-            let old_frontends = std::mem::take(&mut self.wanted.udp_frontends);
-            self.wanted = Wanted {
-                np_addrs,
-                ..Wanted::default()
-            };
-            for sp in snap.ports() {
-                self.wanted.count(sp, 1);
-            }
-            let frontends: HashSet<SteerKey> = self.wanted.frontends.keys().copied().collect();
-            let endpoints: HashSet<SteerKey> = self.wanted.endpoints.keys().copied().collect();
-            let cluster_ips: HashSet<IpAddr> = self.wanted.cluster_ips.keys().copied().collect();
-            for s in programs.iter_mut() {
-                note(s.sync_frontends(&frontends));
-                note(s.sync_endpoints(&endpoints));
-                note(s.sync_cluster_ips(&cluster_ips));
-            }
-            for sp in snap.ports() {
-                resolve_next_hops(view, sp);
-            }
-            self.wanted.settle();
-            GoneUdp {
-                endpoints: old_udp
-                    .into_keys()
-                    .filter(|a| !self.wanted.udp.contains_key(a))
-                    .collect(),
-                frontends: old_frontends
-                    .into_keys()
-                    .filter(|a| !self.wanted.udp_frontends.contains_key(a))
-                    .collect(),
-            }
+            self.wanted
+                .refill(snap, np_addrs, &mut programs, view, &mut note)
         } else {
-            // Additions first, so that a port that is removed and added again (changed)
-            // never drops its keys to zero on the way.
-            for sp in &update.added {
-                self.wanted.count(sp, 1);
-                resolve_next_hops(view, sp);
-            }
-            for sp in &update.removed {
-                self.wanted.count(sp, -1);
-            }
-            let (fa, fr) = self.wanted.frontends.changes();
-            let (ea, er) = self.wanted.endpoints.changes();
-            let (ca, cr) = self.wanted.cluster_ips.changes();
-            let _ = self.wanted.routed.changes();
-            let _ = self.wanted.node_ports.changes();
-            for s in programs.iter_mut() {
-                note(s.change_frontends(&fa, &fr));
-                note(s.change_endpoints(&ea, &er));
-                note(s.change_cluster_ips(&ca, &cr));
-            }
-            GoneUdp {
-                endpoints: self.wanted.udp.changes().1,
-                frontends: self.wanted.udp_frontends.changes().1,
-            }
+            self.wanted.apply(update, &mut programs, view, &mut note)
         };
+        let route_err = self.sync_node_traffic(&local, &service_cidrs);
+        self.wanted.local = local;
+        self.wanted.service_cidrs = service_cidrs;
+        (gone_udp, first_err.map(DataplaneError::from).or(route_err))
+    }
+
+    /// Brings the routes of Service addresses into the service device and the NodePort
+    /// rules in line with what is wanted (`local`: the node's addresses); returns the
+    /// first error, if any.
+    fn sync_node_traffic(
+        &mut self,
+        local: &HashSet<IpAddr>,
+        service_cidrs: &HashSet<ipnet::IpNet>,
+    ) -> Option<DataplaneError> {
         let mut route_err = None;
         if let Some(routes) = &mut self.routes {
-            let want = crate::servicedev::wanted_routes(
-                &service_cidrs,
-                self.wanted.routed.keys().copied(),
-            );
+            let want =
+                crate::servicedev::wanted_routes(service_cidrs, self.wanted.routed.keys().copied());
             if want != *routes.installed()
                 && let Err(e) = routes.sync(&want)
             {
@@ -1701,9 +1442,107 @@ impl Programming {
                 route_err.get_or_insert(DataplaneError::from(e));
             }
         }
-        self.wanted.local = local;
-        self.wanted.service_cidrs = service_cidrs;
-        (gone_udp, first_err.map(DataplaneError::from).or(route_err))
+        route_err
+    }
+}
+
+/// The node's addresses (the host's, as `view` sees them, and those `snap` gives), and
+/// the addresses its NodePorts are expanded with, sorted.
+fn node_addresses(snap: &Snapshot, view: &crate::fib::FibView) -> (HashSet<IpAddr>, Vec<IpAddr>) {
+    let mut local: HashSet<IpAddr> = view.local_addrs().into_iter().collect();
+    local.extend(snap.node.local_addrs.iter().copied());
+    let mut np_addrs: Vec<IpAddr> = match &snap.node.node_port_addresses {
+        NodePortAddresses::All => local
+            .iter()
+            .copied()
+            .filter(|ip| !ip.is_loopback())
+            .collect(),
+        NodePortAddresses::Addrs(a) => a.clone(),
+    };
+    np_addrs.sort();
+    (local, np_addrs)
+}
+
+impl Wanted {
+    /// Counts afresh what every Service port of `snap` wants (NodePorts on `np_addrs`),
+    /// writes the maps of `programs` in full (errors to `note`) and resolves the
+    /// endpoints' next hops; returns the UDP endpoints and Service addresses no longer
+    /// wanted.
+    fn refill(
+        &mut self,
+        snap: &Snapshot,
+        np_addrs: Vec<IpAddr>,
+        programs: &mut [&mut Steering],
+        view: &crate::fib::FibView,
+        note: &mut impl FnMut(Result<crate::xdp::SyncStats, crate::xdp::XdpError>),
+    ) -> GoneUdp {
+        let old_udp = std::mem::take(&mut self.udp);
+        let old_frontends = std::mem::take(&mut self.udp_frontends);
+        *self = Wanted {
+            np_addrs,
+            ..Wanted::default()
+        };
+        for sp in snap.ports() {
+            self.count(sp, 1);
+        }
+        let frontends: HashSet<SteerKey> = self.frontends.keys().copied().collect();
+        let endpoints: HashSet<SteerKey> = self.endpoints.keys().copied().collect();
+        let cluster_ips: HashSet<IpAddr> = self.cluster_ips.keys().copied().collect();
+        for s in programs.iter_mut() {
+            note(s.sync_frontends(&frontends));
+            note(s.sync_endpoints(&endpoints));
+            note(s.sync_cluster_ips(&cluster_ips));
+        }
+        for sp in snap.ports() {
+            resolve_next_hops(view, sp);
+        }
+        self.settle();
+        GoneUdp {
+            endpoints: old_udp
+                .into_keys()
+                .filter(|a| !self.udp.contains_key(a))
+                .collect(),
+            frontends: old_frontends
+                .into_keys()
+                .filter(|a| !self.udp_frontends.contains_key(a))
+                .collect(),
+        }
+    }
+
+    /// Counts in the Service ports `update` adds (resolving their endpoints' next hops)
+    /// and out those it removes, and changes in the maps of `programs` only the keys that
+    /// appeared or vanished (errors to `note`); returns the UDP endpoints and Service
+    /// addresses no longer wanted.
+    fn apply(
+        &mut self,
+        update: &Update,
+        programs: &mut [&mut Steering],
+        view: &crate::fib::FibView,
+        note: &mut impl FnMut(Result<crate::xdp::SyncStats, crate::xdp::XdpError>),
+    ) -> GoneUdp {
+        // Additions first, so that a port that is removed and added again (changed)
+        // never drops its keys to zero on the way.
+        for sp in &update.added {
+            self.count(sp, 1);
+            resolve_next_hops(view, sp);
+        }
+        for sp in &update.removed {
+            self.count(sp, -1);
+        }
+        let (fa, fr) = self.frontends.changes();
+        let (ea, er) = self.endpoints.changes();
+        let (ca, cr) = self.cluster_ips.changes();
+        let _ = self.routed.changes();
+        let _ = self.node_ports.changes();
+        for s in programs.iter_mut() {
+            note(s.change_frontends(&fa, &fr));
+            note(s.change_endpoints(&ea, &er));
+            note(s.change_cluster_ips(&ca, &cr));
+        }
+        GoneUdp {
+            endpoints: self.udp.changes().1,
+            frontends: self.udp_frontends.changes().1,
+        }
     }
 }
 

@@ -26,7 +26,7 @@ use nat::tuple::Tuple;
 use crate::fib::{FibView, Route};
 use crate::servicedev::{HANDOVER_MAC, HANDOVER_MASQ_MAC};
 use crate::xsk::{Frame, WorkerIo};
-use engine::{DropCause, Engine, Handover, MasqueradeSource, Prepared, Verdict};
+use engine::{DropCause, Engine, Handover, Ingress, MasqueradeSource, Prepared, Verdict};
 
 /// From how many tracked flows a worker warms the cache for each received batch
 /// ([`Worker::warm`]): below, the table's lines (half a MiB of entries and as much of
@@ -130,6 +130,110 @@ const RETIRED_MAX: usize = 65_536;
 /// the loop turns, and at most `EXPIRE_MAX_PER_ROUND` slots in one poll round.
 const EXPIRE_SWEEP_NS: u64 = 1_000_000_000;
 const EXPIRE_MAX_PER_ROUND: usize = 256;
+
+/// Where a packet came from, as the worker knows it.
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    /// The interface it arrived on.
+    ifindex: u32,
+    /// Its VLAN id (0: untagged; before [`Worker::receive`], the one another worker took
+    /// off a packet it handed over).
+    vlan: u16,
+    /// Handed over by the worker that received it: this one owns its flow.
+    handed: bool,
+}
+
+/// What a round of the worker's loop gives every packet it handles.
+struct Round<'r> {
+    /// The snapshot loaded for the round.
+    snap: &'r Snapshot,
+    /// The round's clock.
+    now: u64,
+    /// How many workers the node has (to find a flow's owner).
+    workers: usize,
+}
+
+/// Where a forwarded packet goes, and how its sender is answered should it not fit the
+/// next link.
+#[derive(Debug, Clone, Copy)]
+struct Out {
+    dst: IpAddr,
+    /// Its tuple as it arrived (before translation), to quote in a "too big" answer.
+    from: Option<Tuple>,
+    /// The VLAN it leaves on (0: untagged).
+    vlan: u16,
+    /// The VLAN it came from: a "too big" answer goes back on it.
+    back: u16,
+}
+
+/// The loop's buffers, made once.
+struct Buffers<'id> {
+    batch: Vec<Frame<'id>>,
+    keys: Vec<Tuple>,
+    replies: Vec<Tuple>,
+    /// The batch's packets as warming parsed them (one per frame, in order).
+    parsed: Vec<Option<Warmed>>,
+    /// Where the engine writes an answer (a REJECT, a "too big").
+    answer: Vec<u8>,
+}
+
+impl Buffers<'_> {
+    fn new() -> Self {
+        Buffers {
+            batch: Vec::with_capacity(crate::xsk::BATCH),
+            keys: Vec::with_capacity(crate::xsk::BATCH),
+            replies: Vec::with_capacity(crate::xsk::BATCH),
+            parsed: Vec::with_capacity(crate::xsk::BATCH),
+            answer: vec![0u8; 2048],
+        }
+    }
+}
+
+/// The loop's own clock and counts: when each part of the previous round ended (for the
+/// parts of a stall), the busy rounds of the current drain window, idleness.
+struct LoopClock {
+    /// The previous round's start, and the packets it took.
+    prev_start: u64,
+    prev_work: usize,
+    /// When the previous round had handled its packets, kicked the transmission and
+    /// swept.
+    handled: u64,
+    sent: u64,
+    swept: u64,
+    /// The drain window: busy time, packets and rounds since `window_start`.
+    busy_ns: u64,
+    busy_packets: u64,
+    busy_rounds: u64,
+    window_start: u64,
+    /// The previous round ended in a sleep (no traffic): the gap to this one is not a
+    /// stall.
+    slept: bool,
+    iterations: u64,
+    busy: u64,
+    idle: u32,
+    last_work: u64,
+}
+
+impl LoopClock {
+    fn new(now: u64) -> Self {
+        LoopClock {
+            prev_start: now,
+            prev_work: 0,
+            handled: now,
+            sent: now,
+            swept: now,
+            busy_ns: 0,
+            busy_packets: 0,
+            busy_rounds: 0,
+            window_start: now,
+            slept: true,
+            iterations: 0,
+            busy: 0,
+            idle: 0,
+            last_work: now,
+        }
+    }
+}
 
 /// A received packet as its batch's warming left it ([`Worker::warm`]): its parse, from
 /// its bytes unchanged since, and for a likely new connection where it goes, chosen on
@@ -580,7 +684,10 @@ impl<'id> Worker<'id> {
             .collect();
     }
 
-    /// Runs until `shared.stop` is set.
+    /// Runs until `shared.stop` is set: each round takes the current snapshot, hands
+    /// out commands, handles the packets other workers handed over and those its
+    /// sockets received, writes the journal, sends, expires flows, then spins, or sleeps
+    /// when there has been no traffic for a while.
     pub fn run(mut self) {
         if let Some(cpu) = self.cpu
             && let Err(e) = crate::sys::pin_to_cpu(cpu)
@@ -588,82 +695,22 @@ impl<'id> Worker<'id> {
             tracing::warn!("worker {}: cannot pin to CPU {cpu}: {e}", self.id);
         }
         let mut fds = self.poll_fds();
-        let mut batch: Vec<Frame<'id>> = Vec::with_capacity(crate::xsk::BATCH);
-        let mut keys: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
-        let mut replies: Vec<Tuple> = Vec::with_capacity(crate::xsk::BATCH);
-        // The batch's packets as warming parsed them (one per frame, in order).
-        let mut parsed: Vec<Option<Warmed>> = Vec::with_capacity(crate::xsk::BATCH);
-        let mut answer = vec![0u8; 2048];
-        let mut idle: u32 = 0;
-        let mut last_work = crate::sys::monotonic_ns();
-        // The rate the loop drains packets at, measured over its busy rounds (the time
-        // from one busy round's start to the next's, and the packets it took).
-        let (mut prev_start, mut prev_work) = (last_work, 0usize);
-        // When the previous round had handled its packets, kicked the transmission and
-        // swept (for the parts of a stall).
-        let (mut handled, mut sent, mut swept) = (last_work, last_work, last_work);
-        let (mut busy_ns, mut busy_packets, mut busy_rounds) = (0u64, 0u64, 0u64);
-        let mut window_start = last_work;
-        let mut iterations: u64 = 0;
-        let mut busy: u64 = 0;
+        let mut bufs = Buffers::new();
+        let mut clock = LoopClock::new(crate::sys::monotonic_ns());
         let workers = self.shared.stats.len();
         let mut generation = 0;
-        // The previous round ended in a sleep (no traffic): the gap to this one is not a
-        // stall.
-        let mut slept = true;
         while !self.shared.stop.load(Ordering::Relaxed) {
             let snap = self.shared.snapshot.load();
             if snap.generation != generation {
                 generation = snap.generation;
-                if self.engine.table.retired_len() > RETIRED_MAX {
-                    let live: std::collections::HashSet<(std::net::SocketAddr, nat::Protocol)> =
-                        snap.ports()
-                            .flat_map(|sp| sp.endpoints.iter().map(|e| (e.addr, sp.name.protocol)))
-                            .collect();
-                    self.engine
-                        .table
-                        .prune_retired(|ep, p| live.contains(&(*ep, p)));
-                }
-                // Room for the totals of every endpoint now in a Service, made here and
-                // not when a flow to a new endpoint goes: growing a map of tens of
-                // thousands of endpoints rehashes it, milliseconds on the packet path.
-                let endpoints: usize = snap.ports().map(|sp| sp.endpoints.len()).sum();
-                self.engine
-                    .table
-                    .reserve_retired(endpoints.min(RETIRED_MAX));
+                self.on_new_snapshot(&snap);
             }
             let now = crate::sys::monotonic_ns();
             self.now = now;
-            if !slept {
-                let parts = [
-                    handled.saturating_sub(prev_start),
-                    sent.saturating_sub(handled),
-                    swept.saturating_sub(sent),
-                    now.saturating_sub(swept),
-                ];
-                self.local
-                    .stalls
-                    .note(now.saturating_sub(prev_start), parts);
-            }
-            slept = false;
-            if prev_work > 0 {
-                busy_ns += now.saturating_sub(prev_start);
-                busy_packets += prev_work as u64;
-                busy_rounds += 1;
-                if busy_ns >= DRAIN_WINDOW_NS {
-                    let wall = now.saturating_sub(window_start);
-                    self.drain_measured(busy_ns, busy_packets, busy_rounds, wall);
-                    self.io.hold_for(wall, PAUSE_HOLD_NS);
-                    (busy_ns, busy_packets, busy_rounds) = (0, 0, 0);
-                    window_start = now;
-                }
-            }
-            prev_start = now;
+            self.round_starts(&mut clock, now);
             if !self.waiting.is_empty() {
                 self.retry_waiting();
             }
-            let mut work = 0usize;
-
             while let Ok(cmd) = self.commands.try_recv() {
                 self.command(cmd, now);
             }
@@ -675,112 +722,196 @@ impl<'id> Worker<'id> {
                 // A port may have joined or left a bridge.
                 self.name_ports();
             }
-            for _ in 0..256 {
-                let Some(h) = self.shared.inbox[self.id].pop() else {
-                    break;
-                };
-                work += 1;
-                self.local.handoffs_in += 1;
-                let Some(mut f) = self.io.frame_from(&h.frame) else {
-                    break;
-                };
-                if h.transmit {
-                    match self.io.port_of(h.ifindex) {
-                        Some(port) => {
-                            self.local.tx_packets += 1;
-                            self.io.send(port, f);
-                        }
-                        None => {
-                            self.local.no_route += 1;
-                            self.io.recycle(f);
-                        }
-                    }
-                    continue;
-                }
-                f.port = self.io.port_of(h.ifindex).unwrap_or(usize::MAX);
-                self.handle(
-                    f,
-                    h.ifindex,
-                    h.vlan,
-                    &snap,
-                    now,
-                    workers,
-                    &mut answer,
-                    true,
-                    None,
-                );
-            }
+            let round = Round {
+                snap: &snap,
+                now,
+                workers,
+            };
+            let mut work = self.handle_inbox(&round, &mut bufs.answer);
             if self.busy_poll {
                 self.io.busy_poll_kick();
             }
-            for port in 0..self.io.port_count() {
-                batch.clear();
-                let n = self.io.recv(port, &mut batch);
-                work += n;
-                if n > 1 {
-                    self.prefetch_frames(&mut batch);
-                }
-                let ifindex = self.io.ifindex(port);
-                parsed.clear();
-                if n > 1 && self.engine.table.len() >= WARM_FROM {
-                    self.warm(
-                        &mut batch,
-                        port,
-                        &snap,
-                        &mut keys,
-                        &mut replies,
-                        &mut parsed,
-                    );
-                }
-                for (i, f) in batch.drain(..).enumerate() {
-                    let pre = parsed.get(i).copied().flatten();
-                    self.handle(f, ifindex, 0, &snap, now, workers, &mut answer, false, pre);
-                }
-            }
-            handled = crate::sys::monotonic_ns();
+            work += self.handle_received(&round, &mut bufs);
+            clock.handled = crate::sys::monotonic_ns();
             // Every flow a packet of this batch created or changed is in the state file
             // before the packet leaves (the transmit kick below).
             self.write_journal();
             self.io.flush();
-            sent = crate::sys::monotonic_ns();
+            clock.sent = crate::sys::monotonic_ns();
             self.engine
                 .table
                 .expire_paced(now, EXPIRE_SWEEP_NS, EXPIRE_MAX_PER_ROUND);
-            if iterations.is_multiple_of(64) {
+            if clock.iterations.is_multiple_of(64) {
                 self.engine.node.affinity.sweep(now, 64);
             }
-            swept = crate::sys::monotonic_ns();
-
-            iterations += 1;
-            prev_work = work;
-            if work > 0 {
-                busy += 1;
-                idle = 0;
-                last_work = now;
-            } else {
-                idle = idle.saturating_add(1);
-                if idle > 64 && now.saturating_sub(last_work) > self.idle_spin_ns {
-                    // Back off: 1 ms, doubling to 16 ms; an arriving packet wakes us.
-                    let ms = if self.waiting.is_empty() {
-                        1i32 << ((idle - 64) / 64).min(4)
-                    } else {
-                        1 // a neighbour being resolved: look again soon
-                    };
-                    crate::sys::poll_readable(&fds, ms);
-                    if let Some(c) = self.shared.commands.get(self.id) {
-                        c.wake().clear();
-                    }
-                    slept = true;
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-            if iterations.is_multiple_of(256) || idle == 65 {
-                self.publish(iterations, busy, snap.generation);
+            clock.swept = crate::sys::monotonic_ns();
+            self.round_ends(&mut clock, now, work, &fds);
+            if clock.iterations.is_multiple_of(256) || clock.idle == 65 {
+                self.publish(clock.iterations, clock.busy, snap.generation);
             }
         }
         self.write_journal();
-        self.publish(iterations, busy, 0);
+        self.publish(clock.iterations, clock.busy, 0);
+    }
+
+    /// A new snapshot: the connection table's totals of endpoints no Service has any
+    /// more pruned (when many are kept), and room made for those of every endpoint now
+    /// in a Service.
+    fn on_new_snapshot(&mut self, snap: &Snapshot) {
+        if self.engine.table.retired_len() > RETIRED_MAX {
+            let live: std::collections::HashSet<(std::net::SocketAddr, nat::Protocol)> = snap
+                .ports()
+                .flat_map(|sp| sp.endpoints.iter().map(|e| (e.addr, sp.name.protocol)))
+                .collect();
+            self.engine
+                .table
+                .prune_retired(|ep, p| live.contains(&(*ep, p)));
+        }
+        // Room for the totals of every endpoint now in a Service, made here and
+        // not when a flow to a new endpoint goes: growing a map of tens of
+        // thousands of endpoints rehashes it, milliseconds on the packet path.
+        let endpoints: usize = snap.ports().map(|sp| sp.endpoints.len()).sum();
+        self.engine
+            .table
+            .reserve_retired(endpoints.min(RETIRED_MAX));
+    }
+
+    /// The start of a round at `now`: the gap since the previous one noted as a stall
+    /// (unless the loop slept), and the drain rate measured over a window of busy rounds.
+    fn round_starts(&mut self, clock: &mut LoopClock, now: u64) {
+        if !clock.slept {
+            let parts = [
+                clock.handled.saturating_sub(clock.prev_start),
+                clock.sent.saturating_sub(clock.handled),
+                clock.swept.saturating_sub(clock.sent),
+                now.saturating_sub(clock.swept),
+            ];
+            self.local
+                .stalls
+                .note(now.saturating_sub(clock.prev_start), parts);
+        }
+        clock.slept = false;
+        if clock.prev_work > 0 {
+            clock.busy_ns += now.saturating_sub(clock.prev_start);
+            clock.busy_packets += clock.prev_work as u64;
+            clock.busy_rounds += 1;
+            if clock.busy_ns >= DRAIN_WINDOW_NS {
+                let wall = now.saturating_sub(clock.window_start);
+                self.drain_measured(clock.busy_ns, clock.busy_packets, clock.busy_rounds, wall);
+                self.io.hold_for(wall, PAUSE_HOLD_NS);
+                (clock.busy_ns, clock.busy_packets, clock.busy_rounds) = (0, 0, 0);
+                clock.window_start = now;
+            }
+        }
+        clock.prev_start = now;
+    }
+
+    /// The end of a round that handled `work` packets: after a while without traffic,
+    /// back off into a sleep an arriving packet (or command) wakes.
+    fn round_ends(
+        &mut self,
+        clock: &mut LoopClock,
+        now: u64,
+        work: usize,
+        fds: &[std::os::fd::RawFd],
+    ) {
+        clock.iterations += 1;
+        clock.prev_work = work;
+        if work > 0 {
+            clock.busy += 1;
+            clock.idle = 0;
+            clock.last_work = now;
+            return;
+        }
+        clock.idle = clock.idle.saturating_add(1);
+        if clock.idle > 64 && now.saturating_sub(clock.last_work) > self.idle_spin_ns {
+            // Back off: 1 ms, doubling to 16 ms; an arriving packet wakes us.
+            let ms = if self.waiting.is_empty() {
+                1i32 << ((clock.idle - 64) / 64).min(4)
+            } else {
+                1 // a neighbour being resolved: look again soon
+            };
+            crate::sys::poll_readable(fds, ms);
+            if let Some(c) = self.shared.commands.get(self.id) {
+                c.wake().clear();
+            }
+            clock.slept = true;
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The packets other workers handed over (up to 256): those to send out of an
+    /// interface of this worker, and those of flows it owns. How many there were.
+    fn handle_inbox(&mut self, round: &Round<'_>, answer: &mut [u8]) -> usize {
+        let mut work = 0;
+        for _ in 0..256 {
+            let Some(h) = self.shared.inbox[self.id].pop() else {
+                break;
+            };
+            work += 1;
+            self.local.handoffs_in += 1;
+            let Some(mut f) = self.io.frame_from(&h.frame) else {
+                break;
+            };
+            if h.transmit {
+                match self.io.port_of(h.ifindex) {
+                    Some(port) => {
+                        self.local.tx_packets += 1;
+                        self.io.send(port, f);
+                    }
+                    None => {
+                        self.local.no_route += 1;
+                        self.io.recycle(f);
+                    }
+                }
+                continue;
+            }
+            f.port = self.io.port_of(h.ifindex).unwrap_or(usize::MAX);
+            let at = Arrival {
+                ifindex: h.ifindex,
+                vlan: h.vlan,
+                handed: true,
+            };
+            self.handle(f, at, round, answer, None);
+        }
+        work
+    }
+
+    /// A batch from each port's socket, prefetched, warmed and handled. How many
+    /// packets there were.
+    fn handle_received(&mut self, round: &Round<'_>, bufs: &mut Buffers<'id>) -> usize {
+        let mut work = 0;
+        for port in 0..self.io.port_count() {
+            bufs.batch.clear();
+            let n = self.io.recv(port, &mut bufs.batch);
+            work += n;
+            if n > 1 {
+                self.prefetch_frames(&mut bufs.batch);
+            }
+            let ifindex = self.io.ifindex(port);
+            bufs.parsed.clear();
+            if n > 1 && self.engine.table.len() >= WARM_FROM {
+                self.warm(
+                    &mut bufs.batch,
+                    port,
+                    round.snap,
+                    &mut bufs.keys,
+                    &mut bufs.replies,
+                    &mut bufs.parsed,
+                );
+            }
+            let at = Arrival {
+                ifindex,
+                vlan: 0,
+                handed: false,
+            };
+            for (i, f) in bufs.batch.drain(..).enumerate() {
+                let pre = bufs.parsed.get(i).copied().flatten();
+                self.handle(f, at, round, &mut bufs.answer, pre);
+            }
+        }
+        work
     }
 
     /// A window of `rounds` busy rounds took `ns` for `packets`, in `wall_ns`. While
@@ -1077,116 +1208,46 @@ impl<'id> Worker<'id> {
         self.engine.table.warm_tuples(replies, crate::sys::prefetch);
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// One packet, received on this worker's socket or handed over by another: taken
+    /// off its VLAN tag, parsed once, sent on to the worker owning its flow or
+    /// translated here, then forwarded, answered or dropped as the engine says.
     fn handle(
         &mut self,
-        mut f: Frame<'id>,
-        in_ifindex: u32,
-        mut vlan: u16,
-        snap: &Snapshot,
-        now: u64,
-        workers: usize,
+        f: Frame<'id>,
+        at: Arrival,
+        round: &Round<'_>,
         answer: &mut [u8],
-        handed: bool,
         pre: Option<Warmed>,
     ) {
-        let in_port = f.port;
-        let len = self.io.bytes(&mut f).len();
-        self.local.rx_packets += 1;
-        self.local.rx_bytes += len as u64;
-        let frame = self.io.bytes(&mut f);
-        if frame.len() <= ETH_HLEN {
-            self.io.recycle(f);
+        let Some((mut f, vlan)) = self.receive(f, at.vlan) else {
             return;
-        }
-        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
-        let frame = if ethertype == ETH_P_IP || ethertype == ETH_P_IPV6 {
-            frame
-        } else {
-            match self.untag(&mut f) {
-                Some(v) => {
-                    vlan = v;
-                    self.io.bytes(&mut f)
-                }
-                None => {
-                    self.io.recycle(f);
-                    return;
-                }
-            }
         };
-        self.engine.ingress_vlan = vlan;
+        let at = Arrival { vlan, ..at };
+        // The one parse of the packet (its batch's warming's, from these bytes, unchanged
+        // since), used below by the fragment check, the flow's owner and the engine.
+        let parsed = match pre {
+            Some(w) => Ok(Parsed::Flow(w.flow)),
+            None => rewrite::parse(&self.io.bytes(&mut f)[ETH_HLEN..]),
+        };
         // Fragments: a later one follows its first fragment's translation; a first one
         // goes through the engine like any packet and teaches the others.
-        let mut first_fragment = None;
-        if rewrite::may_be_fragment(&frame[ETH_HLEN..]) {
-            match pre.map_or_else(
-                || rewrite::parse(&frame[ETH_HLEN..]),
-                |w| Ok(Parsed::Flow(w.flow)),
-            ) {
-                Ok(Parsed::Fragment(fp)) => {
-                    self.later_fragment(f, &fp, now);
-                    return;
-                }
-                Ok(Parsed::Flow(fl)) => first_fragment = fl.fragment(),
-                _ => {}
+        let first_fragment = match parsed {
+            Ok(Parsed::Fragment(fp)) => {
+                self.later_fragment(f, &fp, round.now);
+                return;
             }
-        }
-        if workers > 1 && !handed {
-            let owner = owner(snap, &frame[ETH_HLEN..], workers);
+            Ok(Parsed::Flow(fl)) => fl.fragment(),
+            _ => None,
+        };
+        if round.workers > 1 && !at.handed {
+            let owner = owner_of_parsed(round.snap, &parsed, round.workers);
             if owner != self.id {
-                let h = Handoff {
-                    frame: frame.to_vec(),
-                    ifindex: in_ifindex,
-                    transmit: false,
-                    vlan,
-                };
-                if self.shared.inbox[owner].push(h).is_ok() {
-                    self.local.handoffs_out += 1;
-                } else {
-                    self.local.handoff_full += 1;
-                }
-                self.io.recycle(f);
+                self.hand_off(f, owner, at);
                 return;
             }
         }
-        // The interface's name at layer 3 (for interface-based local detection): this
-        // worker's port's, or, for a packet handed over from a port it has not, its
-        // bridge's or the attached list's.
-        let attached;
-        let master;
-        let in_name = match self.port_names.get(in_port) {
-            Some(n) => Some(n.as_str()),
-            None => {
-                master = self.fib.master_name(in_ifindex);
-                attached = self.shared.attached.load();
-                master.as_deref().or_else(|| {
-                    attached
-                        .iter()
-                        .find(|(i, _)| *i == in_ifindex)
-                        .map(|(_, n)| n.as_str())
-                })
-            }
-        };
-        let frame = self.io.bytes(&mut f);
-        let verdict = {
-            let (_, l3) = frame.split_at_mut(ETH_HLEN);
-            let fib = FibSource(&self.fib);
-            match pre {
-                // Parsed by the batch's warming, from these bytes, unchanged since.
-                Some(w) => self.engine.process_parsed(
-                    snap,
-                    l3,
-                    Ok(Parsed::Flow(w.flow)),
-                    w.prepared,
-                    now,
-                    in_name,
-                    &fib,
-                    answer,
-                ),
-                None => self.engine.process(snap, l3, now, in_name, &fib, answer),
-            }
-        };
-        match verdict {
+        let prepared = pre.and_then(|w| w.prepared);
+        match self.translate(&mut f, at, round, parsed, prepared, answer) {
             Verdict::Forward {
                 dst,
                 from,
@@ -1201,83 +1262,190 @@ impl<'id> Worker<'id> {
                             Handover::Plain => FRAG_HANDOVER,
                             Handover::Masquerade => FRAG_HANDOVER | FRAG_HANDOVER_MASQ,
                         };
-                    self.learn_fragments(&mut f, key, tag, now);
+                    self.learn_fragments(&mut f, key, tag, round.now);
                 }
                 if handover == Handover::No {
-                    self.route_out_checked(f, dst, from, vlan, answer)
+                    let out = Out {
+                        dst,
+                        from,
+                        vlan,
+                        back: at.vlan,
+                    };
+                    self.route_out_checked(f, out, answer)
                 } else {
                     self.hand_over(f, handover == Handover::Masquerade);
                 }
             }
-            Verdict::Pass => {
-                // Redirected by the XDP program but not part of a translated flow (an
-                // endpoint answering a connection that the kernel does not track either,
-                // e.g. with conntrack off in this namespace; the steering program leaves
-                // the flows the kernel tracks to it): forward it as the kernel would, its
-                // partial checksum completed, its TTL decremented, fragmented or refused
-                // when too big for the next link.
-                let frame = self.io.bytes(&mut f);
-                let l3 = &mut frame[ETH_HLEN..];
-                let (dst, from) = match rewrite::parse(l3) {
-                    Ok(Parsed::Flow(p)) => {
-                        if rewrite::complete_checksum(l3, &p) == Ok(true) {
-                            self.local.pass_checksums_completed += 1;
-                        }
-                        (p.tuple().dst, Some(p.tuple()))
-                    }
-                    Ok(p) => (p.dst(), None),
-                    Err(_) => {
-                        self.io.recycle(f);
-                        return;
-                    }
-                };
-                // The datagram's later fragments (steered here too, as from an endpoint)
-                // follow it unchanged.
-                if let Some(key) = first_fragment {
-                    self.learn_fragments(&mut f, key, 0, now);
-                }
-                let l3 = &mut self.io.bytes(&mut f)[ETH_HLEN..];
-                match rewrite::decrement_ttl(l3) {
-                    Ok(true) => self.route_out_checked(f, dst, from, 0, answer),
-                    _ => self.io.recycle(f),
-                }
-            }
-            Verdict::Respond { len, .. } => {
-                let frame = self.io.bytes(&mut f);
-                let mut macs = [0u8; 12];
-                macs.copy_from_slice(&frame[..12]);
-                let total = ETH_HLEN + len;
-                if total > self.io.frame_capacity() {
-                    self.io.recycle(f);
-                    return;
-                }
-                self.io.set_len(&mut f, total);
-                let frame = self.io.bytes(&mut f);
-                // Back to the sender: its MAC becomes the destination.
-                frame[..6].copy_from_slice(&macs[6..12]);
-                frame[6..12].copy_from_slice(&macs[..6]);
-                frame[ETH_HLEN..total].copy_from_slice(&answer[..len]);
-                frame[12..14].copy_from_slice(
-                    &(if answer[0] >> 4 == 6 {
-                        ETH_P_IPV6
-                    } else {
-                        ETH_P_IP
-                    })
-                    .to_be_bytes(),
-                );
-                // On the VLAN it came from.
-                let f = if vlan != 0 {
-                    match self.push_vlan(f, vlan) {
-                        Some(f) => f,
-                        None => return,
-                    }
-                } else {
-                    f
-                };
-                self.transmit(f, in_ifindex);
-            }
+            // The engine leaves a packet it passes as it came: `parsed` is still its.
+            Verdict::Pass => self.pass(f, parsed, first_fragment, at, round.now, answer),
+            Verdict::Respond { len, .. } => self.respond(f, len, at, answer),
             Verdict::Drop(_) => self.io.recycle(f),
         }
+    }
+
+    /// A packet received: counted, and its VLAN tag taken off (`vlan` is the one another
+    /// worker took off before handing it over). `None` (the frame recycled) for what is
+    /// neither IP nor IP in one tag.
+    fn receive(&mut self, mut f: Frame<'id>, vlan: u16) -> Option<(Frame<'id>, u16)> {
+        let frame = self.io.bytes(&mut f);
+        self.local.rx_packets += 1;
+        self.local.rx_bytes += frame.len() as u64;
+        if frame.len() <= ETH_HLEN {
+            self.io.recycle(f);
+            return None;
+        }
+        let ethertype = u16::from_be_bytes([frame[12], frame[13]]);
+        if ethertype == ETH_P_IP || ethertype == ETH_P_IPV6 {
+            return Some((f, vlan));
+        }
+        match self.untag(&mut f) {
+            Some(v) => Some((f, v)),
+            None => {
+                self.io.recycle(f);
+                None
+            }
+        }
+    }
+
+    /// Hands `f` to worker `owner`, which owns its flow (counted when its inbox is full).
+    fn hand_off(&mut self, mut f: Frame<'id>, owner: usize, at: Arrival) {
+        let h = Handoff {
+            frame: self.io.bytes(&mut f).to_vec(),
+            ifindex: at.ifindex,
+            transmit: false,
+            vlan: at.vlan,
+        };
+        if self.shared.inbox[owner].push(h).is_ok() {
+            self.local.handoffs_out += 1;
+        } else {
+            self.local.handoff_full += 1;
+        }
+        self.io.recycle(f);
+    }
+
+    /// The engine's verdict on `f` (parsed as `parsed`), which it translates in place.
+    fn translate(
+        &mut self,
+        f: &mut Frame<'id>,
+        at: Arrival,
+        round: &Round<'_>,
+        parsed: Result<Parsed, rewrite::ParseError>,
+        prepared: Option<Prepared>,
+        answer: &mut [u8],
+    ) -> Verdict {
+        // The interface's name at layer 3 (for interface-based local detection): this
+        // worker's port's, or, for a packet handed over from a port it has not, its
+        // bridge's or the attached list's.
+        let attached;
+        let master;
+        let interface = match self.port_names.get(f.port) {
+            Some(n) => Some(n.as_str()),
+            None => {
+                master = self.fib.master_name(at.ifindex);
+                attached = self.shared.attached.load();
+                master.as_deref().or_else(|| {
+                    attached
+                        .iter()
+                        .find(|(i, _)| *i == at.ifindex)
+                        .map(|(_, n)| n.as_str())
+                })
+            }
+        };
+        let ingress = Ingress {
+            interface,
+            vlan: at.vlan,
+        };
+        let l3 = &mut self.io.bytes(f)[ETH_HLEN..];
+        let fib = FibSource(&self.fib);
+        self.engine.process_parsed(
+            round.snap, l3, parsed, prepared, round.now, ingress, &fib, answer,
+        )
+    }
+
+    /// A packet the steering program redirected that is not part of a translated flow
+    /// (an endpoint answering a connection that the kernel does not track either, e.g.
+    /// with conntrack off in this namespace; the steering program leaves the flows the
+    /// kernel tracks to it): forwarded as the kernel would, its partial checksum
+    /// completed, its TTL decremented, fragmented or refused when too big for the next
+    /// link.
+    fn pass(
+        &mut self,
+        mut f: Frame<'id>,
+        parsed: Result<Parsed, rewrite::ParseError>,
+        first_fragment: Option<rewrite::FragKey>,
+        at: Arrival,
+        now: u64,
+        answer: &mut [u8],
+    ) {
+        let l3 = &mut self.io.bytes(&mut f)[ETH_HLEN..];
+        let (dst, from) = match parsed {
+            Ok(Parsed::Flow(p)) => {
+                if rewrite::complete_checksum(l3, &p) == Ok(true) {
+                    self.local.pass_checksums_completed += 1;
+                }
+                (p.tuple().dst, Some(p.tuple()))
+            }
+            Ok(p) => (p.dst(), None),
+            Err(_) => {
+                self.io.recycle(f);
+                return;
+            }
+        };
+        // The datagram's later fragments (steered here too, as from an endpoint)
+        // follow it unchanged.
+        if let Some(key) = first_fragment {
+            self.learn_fragments(&mut f, key, 0, now);
+        }
+        let l3 = &mut self.io.bytes(&mut f)[ETH_HLEN..];
+        match rewrite::decrement_ttl(l3) {
+            Ok(true) => {
+                let out = Out {
+                    dst,
+                    from,
+                    vlan: 0,
+                    back: at.vlan,
+                };
+                self.route_out_checked(f, out, answer)
+            }
+            _ => self.io.recycle(f),
+        }
+    }
+
+    /// The engine's answer (`len` bytes of `answer`: a REJECT's RST or ICMP error) sent
+    /// back to the sender of `f`, in its frame, on the interface and VLAN it came from.
+    fn respond(&mut self, mut f: Frame<'id>, len: usize, at: Arrival, answer: &[u8]) {
+        let frame = self.io.bytes(&mut f);
+        let mut macs = [0u8; 12];
+        macs.copy_from_slice(&frame[..12]);
+        let total = ETH_HLEN + len;
+        if total > self.io.frame_capacity() {
+            self.io.recycle(f);
+            return;
+        }
+        self.io.set_len(&mut f, total);
+        let frame = self.io.bytes(&mut f);
+        // Back to the sender: its MAC becomes the destination.
+        frame[..6].copy_from_slice(&macs[6..12]);
+        frame[6..12].copy_from_slice(&macs[..6]);
+        frame[ETH_HLEN..total].copy_from_slice(&answer[..len]);
+        frame[12..14].copy_from_slice(
+            &(if answer[0] >> 4 == 6 {
+                ETH_P_IPV6
+            } else {
+                ETH_P_IP
+            })
+            .to_be_bytes(),
+        );
+        // On the VLAN it came from.
+        let f = if at.vlan != 0 {
+            match self.push_vlan(f, at.vlan) {
+                Some(f) => f,
+                None => return,
+            }
+        } else {
+            f
+        };
+        self.transmit(f, at.ifindex);
     }
 
     /// A fragment after the first: given its datagram's translation, or parked until the
@@ -1366,36 +1534,25 @@ impl<'id> Worker<'id> {
     /// needed" / "packet too big" with that MTU to its sender, quoting the packet as it
     /// arrived (`from`: its tuple before translation), so path-MTU discovery works
     /// through a Service address.
-    fn route_out_checked(
-        &mut self,
-        mut f: Frame<'id>,
-        dst: IpAddr,
-        from: Option<Tuple>,
-        vlan: u16,
-        scratch: &mut [u8],
-    ) {
+    fn route_out_checked(&mut self, mut f: Frame<'id>, out: Out, scratch: &mut [u8]) {
         let len = self.io.bytes(&mut f).len() - ETH_HLEN;
-        let route = self.fib.route(dst);
+        let route = self.fib.route(out.dst);
         // Below IPv4's minimum MTU no link is too small.
         if len > 576
             && let Route::Forward(nh) = route
             && let Some(mtu) = self.fib.mtu(nh.ifindex)
             && len > mtu as usize
         {
-            self.too_big(f, mtu, from, vlan, scratch);
+            self.too_big(f, mtu, out, scratch);
             return;
         }
-        self.send_routed(f, dst, route, vlan);
+        self.send_routed(f, out.dst, route, out.vlan);
     }
 
-    fn too_big(
-        &mut self,
-        mut f: Frame<'id>,
-        mtu: u32,
-        from: Option<Tuple>,
-        vlan: u16,
-        scratch: &mut [u8],
-    ) {
+    fn too_big(&mut self, mut f: Frame<'id>, mtu: u32, out: Out, scratch: &mut [u8]) {
+        let Out {
+            from, vlan, back, ..
+        } = out;
         let frame = self.io.bytes(&mut f);
         let l3 = &frame[ETH_HLEN..];
         if let Ok(n) = rewrite::ipv4_fragment_count(l3, mtu as usize) {
@@ -1459,7 +1616,6 @@ impl<'id> Worker<'id> {
         frame[ETH_HLEN..ETH_HLEN + n].copy_from_slice(&scratch[..n]);
         self.local.too_big_icmp += 1;
         // To the sender, on the VLAN the packet came from.
-        let back = self.engine.ingress_vlan;
         self.route_out(f, from.src, back);
     }
 
@@ -1640,7 +1796,16 @@ const WAITING_NS: u64 = 1_000_000_000;
 ///
 /// Exact for every flow, whatever ports the client uses.
 pub fn owner(snap: &Snapshot, l3: &[u8], workers: usize) -> usize {
-    let t = match rewrite::parse(l3) {
+    owner_of_parsed(snap, &rewrite::parse(l3), workers)
+}
+
+/// [`owner`] of a packet parsed as `parsed`.
+fn owner_of_parsed(
+    snap: &Snapshot,
+    parsed: &Result<Parsed, rewrite::ParseError>,
+    workers: usize,
+) -> usize {
+    let t = match parsed {
         Ok(Parsed::Flow(f)) => f.tuple(),
         Ok(Parsed::IcmpError(e)) => e.inner().reversed(),
         _ => return 0,

@@ -17,7 +17,7 @@ use std::net::IpAddr;
 use std::sync::OnceLock;
 
 use conntrack::{ConnTable, SnatPorts, Timeouts};
-use engine::{Engine, FixedSource, NodeState, Verdict};
+use engine::{Engine, FixedSource, Ingress, NodeState, Verdict};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use nat::rewrite::testutil::{build_tcp, build_tuple, icmp_echo, icmp_error, verify_checksums};
@@ -201,9 +201,14 @@ impl Run {
             v4: Some(ip(NODE_V4)),
             v6: Some(ip(NODE_V6)),
         };
-        let v = self
-            .engine
-            .process(snapshot(), &mut buf, self.now, None, &masq, &mut self.out);
+        let v = self.engine.process(
+            snapshot(),
+            &mut buf,
+            self.now,
+            Ingress::default(),
+            &masq,
+            &mut self.out,
+        );
         match v {
             Verdict::Respond { len, .. } => {
                 assert!(len <= self.out.len());

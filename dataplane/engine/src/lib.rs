@@ -272,6 +272,26 @@ impl Prepared {
     }
 }
 
+/// Where a packet came in, besides its bytes: what the engine needs of its arrival.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ingress<'a> {
+    /// The interface's name at layer 3 (a port's bridge or bond, else its own), for
+    /// interface-based local-traffic detection and the node's own connections (the
+    /// service device); `None`: unknown.
+    pub interface: Option<&'a str>,
+    /// The VLAN id it came with (0: untagged): a flow opened by a tagged packet keeps
+    /// it, and the packets that go back to its client leave with it
+    /// ([`Verdict::Forward`]'s `vlan`).
+    pub vlan: u16,
+}
+
+impl<'a> Ingress<'a> {
+    /// Arrived untagged on `interface`.
+    pub fn on(interface: Option<&'a str>) -> Ingress<'a> {
+        Ingress { interface, vlan: 0 }
+    }
+}
+
 /// One worker's packet pipeline and everything it owns.
 #[derive(Debug)]
 pub struct Engine {
@@ -283,10 +303,6 @@ pub struct Engine {
     /// source is already a node address, and they are always given a SNAT port so that
     /// the endpoints' answers, addressed to the node, come back to kxp.
     pub host_interface: Option<String>,
-    /// The VLAN id of the packet being processed (0: it came untagged), set by the
-    /// worker before each packet: a flow opened by a tagged packet keeps it, and the
-    /// packets that go back to its client leave with it ([`Verdict::Forward`]'s `vlan`).
-    pub ingress_vlan: u16,
     /// `kxp.networkPolicy: kernel`: connections to this node's pods (but the node's own)
     /// are translated here (DNAT) and carried by the kernel (their masquerade too), so
     /// that the CNI's policy applies to them ([`Handover`]).
@@ -354,7 +370,6 @@ impl Engine {
             node,
             rng: seed | 1,
             host_interface: None,
-            ingress_vlan: 0,
             kernel_policy: false,
         }
     }
@@ -376,12 +391,12 @@ impl Engine {
         snap: &Snapshot,
         pkt: &mut [u8],
         now: u64,
-        in_interface: Option<&str>,
+        ingress: Ingress<'_>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
         let parsed = rewrite::parse(pkt);
-        self.process_parsed(snap, pkt, parsed, None, now, in_interface, masq, out)
+        self.process_parsed(snap, pkt, parsed, None, now, ingress, masq, out)
     }
 
     /// [`Engine::process`] of a packet whose parse (`rewrite::parse` of these very bytes)
@@ -397,11 +412,11 @@ impl Engine {
         parsed: Result<Parsed, ParseError>,
         prepared: Option<Prepared>,
         now: u64,
-        in_interface: Option<&str>,
+        ingress: Ingress<'_>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
-        let v = self.process_inner(snap, pkt, parsed, prepared, now, in_interface, masq, out);
+        let v = self.process_inner(snap, pkt, parsed, prepared, now, ingress, masq, out);
         match v {
             Verdict::Forward { new_flow, .. } => {
                 self.counters.forwarded += 1;
@@ -423,7 +438,7 @@ impl Engine {
         parsed: Result<Parsed, ParseError>,
         prepared: Option<Prepared>,
         now: u64,
-        in_interface: Option<&str>,
+        ingress: Ingress<'_>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
@@ -451,7 +466,7 @@ impl Engine {
                     };
                     return forward(pkt, &f, &to, false, vlan, handover);
                 }
-                self.new_flow(snap, pkt, &f, prepared, now, in_interface, masq, out)
+                self.new_flow(snap, pkt, &f, prepared, now, ingress, masq, out)
             }
         }
     }
@@ -467,7 +482,7 @@ impl Engine {
         f: &rewrite::FlowPacket,
         prepared: Option<Prepared>,
         now: u64,
-        in_interface: Option<&str>,
+        ingress: Ingress<'_>,
         masq: &dyn MasqueradeSource,
         out: &mut [u8],
     ) -> Verdict {
@@ -476,13 +491,13 @@ impl Engine {
             Some(c) => c,
             None => {
                 let random = prepared.map(|p| p.random);
-                match self.choose(snap, pkt, &t, random, now, in_interface, out) {
+                match self.choose(snap, pkt, &t, random, now, ingress.interface, out) {
                     Ok(c) => c,
                     Err(v) => return v,
                 }
             }
         };
-        self.open(snap, pkt, f, &t, choice, now, in_interface, masq)
+        self.open(snap, pkt, f, &t, choice, now, ingress, masq)
     }
 
     /// kube-proxy's decision for a new connection `t` and, if it is forwarded, the
@@ -594,14 +609,14 @@ impl Engine {
         t: &Tuple,
         choice: Choice,
         now: u64,
-        in_interface: Option<&str>,
+        ingress: Ingress<'_>,
         masq: &dyn MasqueradeSource,
     ) -> Verdict {
         let sp = snap.port(choice.port_index);
         let Some(ep) = sp.endpoints.get(choice.endpoint as usize) else {
             return Verdict::Drop(DropCause::RejectUnanswerable);
         };
-        let from_host = self.is_host_interface(in_interface);
+        let from_host = self.is_host_interface(ingress.interface);
         // NetworkPolicy, as the CNI would check the packet after DNAT (the endpoint's
         // address and port) and before SNAT (the client's own address). The node's own
         // connections are admitted by its pods.
@@ -648,7 +663,7 @@ impl Engine {
         let inserted = self.table.insert_first(
             *t,
             reply,
-            flow_tag(choice.port_index, handover, self.ingress_vlan),
+            flow_tag(choice.port_index, handover, ingress.vlan),
             f.tcp_flags(),
             now,
             len,

@@ -86,6 +86,8 @@ struct Run {
     e: Engine,
     snap: Snapshot,
     now: u64,
+    /// The VLAN the next packets come in on (0: untagged).
+    vlan: u16,
 }
 
 impl Run {
@@ -94,14 +96,23 @@ impl Run {
             e: engine(),
             snap,
             now: 1_000 * SEC,
+            vlan: 0,
         }
     }
 
     fn send(&mut self, pkt: &mut Vec<u8>) -> Verdict {
         let mut out = vec![0u8; 1500];
-        let v = self
-            .e
-            .process(&self.snap, pkt, self.now, None, &MASQ, &mut out);
+        let v = self.e.process(
+            &self.snap,
+            pkt,
+            self.now,
+            Ingress {
+                interface: None,
+                vlan: self.vlan,
+            },
+            &MASQ,
+            &mut out,
+        );
         if let Verdict::Respond { len, .. } = v {
             *pkt = out[..len].to_vec();
         }
@@ -440,7 +451,7 @@ fn syn_from(e: &mut Engine, snap: &Snapshot, client: &str, port: u16, now: u64) 
     );
     let mut syn = build_tcp(&orig, 1, None, SYN, b"");
     let mut out = vec![0u8; 1500];
-    let v = e.process(snap, &mut syn, now, None, &MASQ, &mut out);
+    let v = e.process(snap, &mut syn, now, Ingress::default(), &MASQ, &mut out);
     assert!(
         matches!(v, Verdict::Forward { new_flow: true, .. }),
         "{v:?}"
@@ -550,7 +561,7 @@ fn every_reply_names_its_owner() {
             );
             let mut syn = build_tcp(&orig, 1, None, SYN, b"");
             let mut out = vec![0u8; 1500];
-            e.process(&snap, &mut syn, SEC, None, &MASQ, &mut out);
+            e.process(&snap, &mut syn, SEC, Ingress::default(), &MASQ, &mut out);
             let fwd = tuple_of(&syn);
             assert_eq!(fwd.src != ip, masq);
             // The endpoint answers to the packet's source.
@@ -581,9 +592,18 @@ fn a_pre_parsed_packet_is_translated_as_a_parsed_one() {
         let orig = to_web(&format!("198.18.128.50:{port}"));
         let mut p1 = build_tcp(&orig, 1000, None, flags, b"x");
         let mut p2 = p1.clone();
-        let v1 = a.process(&snap, &mut p1, SEC, None, &MASQ, &mut out);
+        let v1 = a.process(&snap, &mut p1, SEC, Ingress::default(), &MASQ, &mut out);
         let parsed = parse(&p2);
-        let v2 = b.process_parsed(&snap, &mut p2, parsed, None, SEC, None, &MASQ, &mut out);
+        let v2 = b.process_parsed(
+            &snap,
+            &mut p2,
+            parsed,
+            None,
+            SEC,
+            Ingress::default(),
+            &MASQ,
+            &mut out,
+        );
         assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
         assert_eq!(p1, p2);
     }
@@ -613,7 +633,7 @@ fn prepared(
         Ok(Parsed::Flow(fl)),
         Some(prep),
         SEC,
-        None,
+        Ingress::default(),
         &MASQ,
         out,
     );
@@ -636,7 +656,7 @@ fn a_prepared_connection_goes_where_the_preparation_said() {
         let orig = to_web(&format!("198.18.128.50:{port}"));
         let mut p1 = build_tcp(&orig, 1000, None, SYN, b"x");
         let mut p2 = p1.clone();
-        let v1 = a.process(&snap, &mut p1, SEC, None, &MASQ, &mut out);
+        let v1 = a.process(&snap, &mut p1, SEC, Ingress::default(), &MASQ, &mut out);
         let (v2, reply) = prepared(&mut b, &snap, &mut p2, &mut out);
         let reply = reply.expect("not masqueraded");
         assert_eq!(format!("{v1:?}"), format!("{v2:?}"));
@@ -701,7 +721,7 @@ fn a_choice_prepared_on_another_snapshot_is_made_again() {
             Ok(Parsed::Flow(fl)),
             Some(prep),
             SEC,
-            None,
+            Ingress::default(),
             &MASQ,
             &mut out,
         );
@@ -727,7 +747,7 @@ fn a_tagged_clients_flow_sends_its_answers_back_on_its_vlan() {
         Verdict::Forward { vlan, .. } => *vlan,
         other => panic!("{other:?}"),
     };
-    r.e.ingress_vlan = 61;
+    r.vlan = 61;
     let mut q = build_tuple(&orig, b"query");
     assert_eq!(vlan_of(&r.send(&mut q)), 0, "to the endpoint: untagged");
     let fwd = tuple_of(&q);
@@ -745,7 +765,7 @@ fn a_tagged_clients_flow_sends_its_answers_back_on_its_vlan() {
         "journaled with the flow"
     );
     // The endpoint's answer arrives untagged, from a pod.
-    r.e.ingress_vlan = 0;
+    r.vlan = 0;
     let mut a = build_tuple(&fwd.reversed(), b"answer");
     assert_eq!(vlan_of(&r.send(&mut a)), 61, "back to the client: its VLAN");
     assert_eq!(tuple_of(&a), orig.reversed());
@@ -753,11 +773,11 @@ fn a_tagged_clients_flow_sends_its_answers_back_on_its_vlan() {
     let mut err = icmp_error(fwd.dst, fwd.src, &q);
     assert_eq!(vlan_of(&r.send(&mut err)), 61);
     // The client's next datagram (tagged) goes to the endpoint untagged.
-    r.e.ingress_vlan = 61;
+    r.vlan = 61;
     let mut q2 = build_tuple(&orig, b"again");
     assert_eq!(vlan_of(&r.send(&mut q2)), 0);
     // Another client, untagged: nothing tags its answers.
-    r.e.ingress_vlan = 0;
+    r.vlan = 0;
     let other = Tuple::new(sa("198.18.1.2:5000"), sa("198.19.0.10:53"), Protocol::Udp);
     let mut q = build_tuple(&other, b"query");
     r.send(&mut q);
@@ -805,8 +825,14 @@ fn with_kernel_policy_connections_to_local_pods_are_handed_to_the_kernel() {
     let own = Tuple::new(sa("198.18.0.254:7000"), sa("198.19.0.10:53"), Protocol::Udp);
     let mut q = build_tuple(&own, b"query");
     let mut out = vec![0u8; 1500];
-    let v =
-        r.e.process(&r.snap, &mut q, r.now, Some("kxp0-dp"), &MASQ, &mut out);
+    let v = r.e.process(
+        &r.snap,
+        &mut q,
+        r.now,
+        Ingress::on(Some("kxp0-dp")),
+        &MASQ,
+        &mut out,
+    );
     assert_eq!(verdict(&v), Handover::No);
     // Without the mode, nothing is.
     r.e.kernel_policy = false;
