@@ -130,6 +130,8 @@ pub struct Metrics {
     generation: Gauge,
     snapshot_age: F64Gauge,
     busy: Family<Labels, F64Gauge>,
+    steering_set_entries: Family<Labels, Gauge>,
+    steering_set_size: Family<Labels, Gauge>,
     stalls: Family<Labels, Counter>,
     stall_seconds: Family<Labels, Counter<f64, AtomicU64>>,
     longest_stall: Family<Labels, F64Gauge>,
@@ -229,6 +231,8 @@ impl Metrics {
             generation: Gauge::default(),
             snapshot_age: F64Gauge::default(),
             busy: Family::default(),
+            steering_set_entries: Family::default(),
+            steering_set_size: Family::default(),
             stalls: Family::default(),
             stall_seconds: Family::default(),
             longest_stall: Family::default(),
@@ -484,6 +488,19 @@ impl Metrics {
     /// The steering program, the AF_XDP sockets and the workers' loops.
     fn register_sockets_and_workers(&self, kxp: &mut Registry) {
         let m = self;
+        kxp.register(
+            "steering_set_entries",
+            "Keys in each of the steering program's sets (frontends, endpoints, cluster_ips \
+             grow with the cluster; local_addrs and service_cidrs have a fixed size)",
+            m.steering_set_entries.clone(),
+        );
+        kxp.register(
+            "steering_set_size",
+            "How many keys each steering set holds before it grows (frontends, endpoints, \
+             cluster_ips: a map twice the size needed is filled and swapped in), or at all \
+             (local_addrs: 1024, service_cidrs: 256)",
+            m.steering_set_size.clone(),
+        );
         kxp.register(
             "xdp_packets",
             "Packets the XDP steering program saw, per interface and outcome: redirected to kxp; passed to the kernel (not kxp's traffic); unparsed (IP headers it cannot read, passed: the kernel drops what is malformed); vlan (tagged frames not looked inside, passed: looking inside is off, or the tag is cut short); dropped (held while kxp restarts, or on the service device and not for the node)",
@@ -741,6 +758,15 @@ impl Metrics {
             self.longest_stall
                 .get_or_create(&w)
                 .set(s.longest_ns as f64 / 1e9);
+        }
+    }
+
+    /// Takes how full the steering program's sets are: (map, keys, size).
+    pub fn update_steering_sets(&self, sets: &[(&'static str, usize, usize)]) {
+        for &(map, keys, size) in sets {
+            let l = vec![("map".to_string(), map.to_string())];
+            self.steering_set_entries.get_or_create(&l).set(keys as i64);
+            self.steering_set_size.get_or_create(&l).set(size as i64);
         }
     }
 

@@ -162,20 +162,40 @@ struct {
 	__type(value, __u32);
 } xsks SEC(".maps");
 
-struct {
+/* The key sets that grow with the cluster (frontends, endpoints, ClusterIPs): each is
+ * the one inner map of a one-slot array. kxp makes the inner map at the size the
+ * cluster needs and, as it grows, fills a larger one and swaps it in (one update of the
+ * slot: no packet sees a half-filled set), so no size is compiled in. The two
+ * templates below give the inner maps' types only (their max_entries is not used: a
+ * hash map's size is not part of its type). */
+struct steer_set {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 262144);
+	__uint(max_entries, 1);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct steer_key);
-	__type(value, __u8);
+	__uint(key_size, sizeof(struct steer_key));
+	__uint(value_size, 1);
+};
+
+struct addr_set {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(key_size, sizeof(struct addr_key));
+	__uint(value_size, 1);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__array(values, struct steer_set);
 } frontends SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 262144);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct steer_key);
-	__type(value, __u8);
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__array(values, struct steer_set);
 } endpoints SEC(".maps");
 
 struct {
@@ -186,12 +206,20 @@ struct {
 } local_addrs SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct addr_key);
-	__type(value, __u8);
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__array(values, struct addr_set);
 } cluster_ips SEC(".maps");
+
+/* Whether `key` is in the set `outer` holds (none yet: empty). */
+static __always_inline int in_set(void *outer, const void *key)
+{
+	__u32 zero = 0;
+	void *set = bpf_map_lookup_elem(outer, &zero);
+
+	return set && bpf_map_lookup_elem(set, key);
+}
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
@@ -499,14 +527,14 @@ static __always_inline __u32 match_flow(struct xdp_md *ctx, struct tuple *t,
 		if (bpf_map_lookup_elem(&service_cidrs, &cidr))
 			return ST_CLUSTER_IP;
 	}
-	if (bpf_map_lookup_elem(&frontends, &t->dst))
+	if (in_set(&frontends, &t->dst))
 		return ST_FRONTEND;
 	dst_local = bpf_map_lookup_elem(&local_addrs, t->dst.addr) != NULL;
 	if (dst_local && in_snat_range(cfg, t->dst.port))
 		return leave_to_kernel(ctx, t, v6, iflags) ? ST_KERNEL_FLOW : ST_MASQ_REPLY;
-	if (!dst_local && bpf_map_lookup_elem(&endpoints, &t->src))
+	if (!dst_local && in_set(&endpoints, &t->src))
 		return leave_to_kernel(ctx, t, v6, iflags) ? ST_KERNEL_FLOW : ST_DNAT_REPLY;
-	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
+	if (in_set(&cluster_ips, t->dst.addr))
 		return ST_CLUSTER_IP;
 	return 0;
 }
@@ -523,14 +551,14 @@ static __always_inline __u32 match_fragment(struct tuple *t)
 	frag_key_of(&k, t);
 	if (bpf_map_lookup_elem(&kxp_frags, &k))
 		return ST_FRAGMENT;
-	if (bpf_map_lookup_elem(&frontends, &t->dst))
+	if (in_set(&frontends, &t->dst))
 		return ST_FRONTEND;
-	if (bpf_map_lookup_elem(&endpoints, &t->src)) {
+	if (in_set(&endpoints, &t->src)) {
 		if (bpf_map_lookup_elem(&kernel_frags, &k))
 			return ST_KERNEL_FLOW;
 		return ST_DNAT_REPLY;
 	}
-	if (bpf_map_lookup_elem(&cluster_ips, t->dst.addr))
+	if (in_set(&cluster_ips, t->dst.addr))
 		return ST_CLUSTER_IP;
 	return 0;
 }
@@ -562,9 +590,9 @@ static __always_inline __u32 match_icmp(struct xdp_md *ctx, void *l4, void *end,
 		return 0;
 	in.frag = 0;
 	if ((bpf_map_lookup_elem(&local_addrs, in.src.addr) && in_snat_range(cfg, in.src.port)) ||
-	    bpf_map_lookup_elem(&endpoints, &in.dst))
+	    in_set(&endpoints, &in.dst))
 		return leave_to_kernel(ctx, &in, v6, iflags) ? ST_KERNEL_FLOW : ST_ICMP_ERROR;
-	if (bpf_map_lookup_elem(&frontends, &in.src))
+	if (in_set(&frontends, &in.src))
 		return ST_ICMP_ERROR;
 	return 0;
 }

@@ -817,6 +817,18 @@ impl Dataplane {
             .collect()
     }
 
+    /// How full the steering program's key sets are: (map, keys, size). The program
+    /// and its maps are shared by every interface.
+    pub fn steering_sets(&self) -> Vec<(&'static str, usize, usize)> {
+        let prog = self.links.lock();
+        prog.service
+            .iter()
+            .chain(prog.steering.iter())
+            .next()
+            .map(|s| s.set_fill())
+            .unwrap_or_default()
+    }
+
     /// The service device's host-side name.
     pub fn service_device(&self) -> Option<&str> {
         self.service.as_ref().map(|s| s.host.as_str())

@@ -86,16 +86,15 @@ pub const MAX_QUEUES: u32 = 256;
 /// Interface slots of one loaded program (slot 0 is for packets of no interface of
 /// kxp's): at most `MAX_SLOTS - 1` interfaces attached at once.
 pub const MAX_SLOTS: u32 = 1024;
-/// Capacity of `frontends`.
-pub const MAX_FRONTENDS: usize = 262_144;
-/// Capacity of `endpoints`.
-pub const MAX_ENDPOINTS: usize = 262_144;
-/// Capacity of `local_addrs`.
+/// Capacity of `local_addrs` (the node's own addresses).
 pub const MAX_LOCAL_ADDRS: usize = 1024;
-/// Capacity of `cluster_ips`.
-pub const MAX_CLUSTER_IPS: usize = 65_536;
-/// Capacity of `service_cidrs`.
+/// Capacity of `service_cidrs` (the cluster's ServiceCIDRs).
 pub const MAX_SERVICE_CIDRS: usize = 256;
+/// Size of `struct steer_key` (`frontends`, `endpoints`) and of `struct addr_key`
+/// (`cluster_ips`). Those three sets have no fixed capacity: they grow with the cluster
+/// (see [`sync::INITIAL_SET`]).
+const STEER_KEY_LEN: u32 = 20;
+const ADDR_KEY_LEN: u32 = 16;
 
 /// XDP action values (`enum xdp_action`).
 pub const XDP_DROP: u32 = 1;
@@ -312,10 +311,10 @@ impl Steering {
             stats,
             ifaces,
             sets: Mutex::new(Sets {
-                frontends: SyncedMap::new(frontends, "frontends"),
-                endpoints: SyncedMap::new(endpoints, "endpoints"),
+                frontends: SyncedMap::growing(frontends, "frontends", STEER_KEY_LEN)?,
+                endpoints: SyncedMap::growing(endpoints, "endpoints", STEER_KEY_LEN)?,
                 local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
-                cluster_ips: SyncedMap::new(cluster_ips, "cluster_ips"),
+                cluster_ips: SyncedMap::growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN)?,
                 service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
             }),
             slots: Mutex::new(slots),
@@ -717,6 +716,21 @@ impl Steering {
             .config
             .update(&key, &value, MapFlags::ANY)
             .map_err(|e| map_err("update", e))
+    }
+
+    /// How full each of the program's key sets is: (map, keys held, keys it holds before
+    /// it grows, or at all for the two of fixed size: `local_addrs`, `service_cidrs`).
+    pub fn set_fill(&self) -> Vec<(&'static str, usize, usize)> {
+        let sets = self.sets();
+        [
+            ("frontends", sets.frontends.fill()),
+            ("endpoints", sets.endpoints.fill()),
+            ("cluster_ips", sets.cluster_ips.fill()),
+            ("local_addrs", sets.local_addrs.fill()),
+            ("service_cidrs", sets.service_cidrs.fill()),
+        ]
+        .map(|(name, (keys, size))| (name, keys, size))
+        .to_vec()
     }
 
     /// Makes `frontends` hold exactly `want` (rule (a)); only the difference from the last

@@ -427,3 +427,71 @@ fn the_readmes_picture_of_the_crates_is_the_manifests() {
         "README.md's list of crates (left) against the manifests (right)"
     );
 }
+
+/// Functions of `text` (code, as [`code`] leaves it) longer than `max` lines, from their
+/// `fn` line to the closing brace at its indentation, as (name, lines).
+fn long_functions(text: &str, max: usize) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        let mut rest = trimmed;
+        for prefix in [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "async ",
+            "unsafe ",
+        ] {
+            rest = rest.strip_prefix(prefix).unwrap_or(rest);
+        }
+        let Some(sig) = rest.strip_prefix("fn ") else {
+            continue;
+        };
+        let name: String = sig
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let close = format!("{indent}}}");
+        if let Some(end) = lines[i + 1..].iter().position(|l| *l == close) {
+            let len = end + 2;
+            if len > max {
+                out.push((name, len));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_production_function_is_over_a_hundred_lines() {
+    // The crates the product is built from (the harnesses around them are left out).
+    let mut long = Vec::new();
+    for krate in crates() {
+        if ["bench", "tests", "fuzz"].contains(&krate.as_str()) {
+            continue;
+        }
+        for (module, path) in modules(&krate) {
+            let text = code(&std::fs::read_to_string(&path).unwrap());
+            for (name, len) in long_functions(&text, 100) {
+                long.push(format!(
+                    "{krate}:{}::{name} ({len} lines)",
+                    module.join("::")
+                ));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over 100 lines: split them into named steps: {long:#?}"
+    );
+}
+
+#[test]
+fn a_long_function_is_found() {
+    let body = "    let x = 1;\n".repeat(120);
+    let text = format!("fn short() {{\n}}\n\nimpl A {{\n    pub fn long() {{\n{body}    }}\n}}\n");
+    assert_eq!(long_functions(&text, 100), vec![("long".to_string(), 122)]);
+}

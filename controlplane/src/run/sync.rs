@@ -210,6 +210,7 @@ impl SyncLoop<'_> {
         update_metrics(metrics, dp, self.schedule.last_sync);
         metrics.update_process();
         metrics.update_xdp(&dp.steer_stats());
+        metrics.update_steering_sets(&dp.steering_sets());
         metrics.update_xsk(&dp.shared.socket_stats_per_queue(Duration::from_millis(200)));
         if let Input::Kube { source, .. } = &*self.input {
             let api: Vec<crate::metrics::ApiCounters> = source

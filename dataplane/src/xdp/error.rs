@@ -107,7 +107,7 @@ pub enum XdpError {
     },
 
     #[error(
-        "BPF map {map} holds at most {capacity} entries, {wanted} were asked for; lower the number of Services/endpoints or raise the map size in steer.bpf.c"
+        "BPF map {map} holds at most {capacity} entries, {wanted} were asked for (local_addrs: the node's own addresses; service_cidrs: the cluster's ServiceCIDRs; the sets of Services and endpoints grow instead)"
     )]
     MapFull {
         map: &'static str,

@@ -6,7 +6,9 @@ use std::collections::HashSet;
 use std::fmt;
 use std::hash::Hash;
 
-use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle};
+use std::os::fd::{AsFd, AsRawFd};
+
+use libbpf_rs::{ErrorKind, MapCore, MapFlags, MapHandle, MapType};
 
 use super::XdpError;
 
@@ -34,7 +36,18 @@ pub(super) struct SyncedMap<K> {
     map: MapHandle,
     name: &'static str,
     installed: HashSet<K>,
+    /// A set that grows with the cluster: the one-slot array of maps the program reads
+    /// it through (`map` is the inner map in its slot), and the inner map's key size.
+    outer: Option<(MapHandle, u32)>,
 }
+
+/// The first size of a growing set's inner map; it doubles past what is needed when it
+/// must grow (a hash map without preallocation costs memory per entry, plus a bucket per
+/// slot of its size).
+pub const INITIAL_SET: u32 = 4096;
+
+/// Keys per batched update when a set is filled.
+const BATCH: usize = 4096;
 
 impl<K: MapKey> SyncedMap<K> {
     pub(super) fn new(map: MapHandle, name: &'static str) -> Self {
@@ -42,7 +55,35 @@ impl<K: MapKey> SyncedMap<K> {
             map,
             name,
             installed: HashSet::new(),
+            outer: None,
         }
+    }
+
+    /// A set that grows with the cluster, read by the program through `outer` (a
+    /// one-slot array of maps): an empty inner map of [`INITIAL_SET`] entries is made
+    /// and put in its slot.
+    ///
+    /// # Errors
+    /// The map cannot be made or put in the slot.
+    pub(super) fn growing(
+        outer: MapHandle,
+        name: &'static str,
+        key_size: u32,
+    ) -> Result<Self, XdpError> {
+        let map = new_set(name, key_size, INITIAL_SET)?;
+        swap_in(&outer, &map, name)?;
+        Ok(SyncedMap {
+            map,
+            name,
+            installed: HashSet::new(),
+            outer: Some((outer, key_size)),
+        })
+    }
+
+    /// How many keys the map holds now, and how many it can hold before it must grow
+    /// (or, for a set of fixed size, at all).
+    pub(super) fn fill(&self) -> (usize, usize) {
+        (self.installed.len(), self.map.max_entries() as usize)
     }
 
     /// The keys this process installed (and did not remove).
@@ -64,6 +105,9 @@ impl<K: MapKey> SyncedMap<K> {
     /// recorded, so the next call retries only what is still missing.
     pub(super) fn sync(&mut self, want: &HashSet<K>) -> Result<SyncStats, XdpError> {
         let capacity = self.map.max_entries() as usize;
+        if want.len() > capacity && self.outer.is_some() {
+            return self.grow(want.clone());
+        }
         if want.len() > capacity {
             return Err(XdpError::MapFull {
                 map: self.name,
@@ -111,6 +155,14 @@ impl<K: MapKey> SyncedMap<K> {
             .filter(|k| self.installed.contains(*k))
             .count();
         let fresh = add.iter().filter(|k| !self.installed.contains(*k)).count();
+        if self.installed.len() - gone + fresh > capacity && self.outer.is_some() {
+            let mut next = self.installed.clone();
+            for k in remove {
+                next.remove(k);
+            }
+            next.extend(add.iter().cloned());
+            return self.grow(next);
+        }
         if self.installed.len() - gone + fresh > capacity {
             return Err(XdpError::MapFull {
                 map: self.name,
@@ -148,6 +200,58 @@ impl<K: MapKey> SyncedMap<K> {
         Ok(stats)
     }
 
+    /// Makes the set `next` in a new inner map twice the size it needs, and swaps it in
+    /// for the current one: the program reads the old set until the swap, the new one
+    /// after, never a half-filled one.
+    fn grow(&mut self, next: HashSet<K>) -> Result<SyncStats, XdpError> {
+        let Some((outer, key_size)) = &self.outer else {
+            unreachable!("grow is called for growing sets only");
+        };
+        let size = u32::try_from((next.len() * 2).next_power_of_two())
+            .unwrap_or(u32::MAX / 2)
+            .max(INITIAL_SET);
+        let map = new_set(self.name, *key_size, size)?;
+        let keys: Vec<&K> = next.iter().collect();
+        for chunk in keys.chunks(BATCH) {
+            let mut bytes = Vec::with_capacity(chunk.len() * *key_size as usize);
+            for k in chunk {
+                bytes.extend_from_slice(k.to_bytes().as_ref());
+            }
+            let values = vec![1u8; chunk.len()];
+            map.update_batch(
+                &bytes,
+                &values,
+                chunk.len() as u32,
+                MapFlags::ANY,
+                MapFlags::ANY,
+            )
+            .map_err(|source| XdpError::Map {
+                map: self.name,
+                op: "fill",
+                key: None,
+                source,
+            })?;
+        }
+        swap_in(outer, &map, self.name)?;
+        let kept = next.intersection(&self.installed).count();
+        let stats = SyncStats {
+            added: next.len() - kept,
+            removed: self.installed.len() - kept,
+            unchanged: kept,
+        };
+        tracing::info!(
+            map = self.name,
+            entries = next.len(),
+            size,
+            "steering set grown: {} keys in a map of {size} (was {})",
+            next.len(),
+            self.map.max_entries()
+        );
+        self.map = map;
+        self.installed = next;
+        Ok(stats)
+    }
+
     fn map_error(&self, op: &'static str, key: &K, source: libbpf_rs::Error) -> XdpError {
         XdpError::Map {
             map: self.name,
@@ -156,4 +260,35 @@ impl<K: MapKey> SyncedMap<K> {
             source,
         }
     }
+}
+
+/// An empty inner map for a growing set: a hash map of `size` entries (no
+/// preallocation) of `key_size`-byte keys and one-byte values, as the program's template.
+fn new_set(name: &'static str, key_size: u32, size: u32) -> Result<MapHandle, XdpError> {
+    let opts = libbpf_sys::bpf_map_create_opts {
+        sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as libbpf_sys::size_t,
+        map_flags: libbpf_sys::BPF_F_NO_PREALLOC,
+        ..Default::default()
+    };
+    MapHandle::create(MapType::Hash, Some(name), key_size, 1, size, &opts).map_err(|source| {
+        XdpError::Map {
+            map: name,
+            op: "create",
+            key: None,
+            source,
+        }
+    })
+}
+
+/// Puts `map` in `outer`'s one slot, where the program reads it from the next packet on.
+fn swap_in(outer: &MapHandle, map: &MapHandle, name: &'static str) -> Result<(), XdpError> {
+    let fd = map.as_fd().as_raw_fd() as u32;
+    outer
+        .update(&0u32.to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+        .map_err(|source| XdpError::Map {
+            map: name,
+            op: "swap",
+            key: None,
+            source,
+        })
 }

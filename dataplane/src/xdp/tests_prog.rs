@@ -887,8 +887,8 @@ fn cluster_ip_and_service_cidr_sync_is_incremental_and_canonical() {
     assert_eq!(classify(&s, &to("198.19.0.2:8080")), Some(Rule::ClusterIp));
     assert_eq!(classify(&s, &to("198.19.0.3:8080")), None);
     assert_eq!(
-        s.sets().cluster_ips.map().max_entries() as usize,
-        MAX_CLUSTER_IPS
+        s.sets().cluster_ips.map().max_entries(),
+        super::sync::INITIAL_SET
     );
     assert_eq!(
         s.sets().service_cidrs.map().max_entries() as usize,
@@ -1011,14 +1011,6 @@ fn local_addrs_are_canonical_and_capacity_is_checked_first() {
     );
 
     assert_eq!(
-        s.sets().endpoints.map().max_entries() as usize,
-        MAX_ENDPOINTS
-    );
-    assert_eq!(
-        s.sets().frontends.map().max_entries() as usize,
-        MAX_FRONTENDS
-    );
-    assert_eq!(
         s.sets().local_addrs.map().max_entries() as usize,
         MAX_LOCAL_ADDRS
     );
@@ -1099,4 +1091,65 @@ fn held_packets_are_dropped_on_served_queues_and_other_traffic_still_passes() {
     // Held on no queue (a queue kxp does not serve): the kernel's path stays.
     s.set_hold(0).unwrap();
     assert_eq!(s.test_run(&to_vip).unwrap(), XDP_PASS);
+}
+
+#[test]
+fn the_growing_sets_grow_past_any_size_keeping_every_key() {
+    // frontends, endpoints and cluster_ips start at INITIAL_SET entries and have no
+    // ceiling: past it, a map twice the size needed is filled and swapped in.
+    let mut s = steering();
+    let initial = super::sync::INITIAL_SET as usize;
+    let key = |i: u32| {
+        SteerKey::new(
+            IpAddr::from((0xC613_0000 + i).to_be_bytes()),
+            80,
+            Protocol::Tcp,
+        )
+    };
+    let first: HashSet<SteerKey> = (0..initial as u32).map(key).collect();
+    assert_eq!(s.sync_frontends(&first).unwrap().added, initial);
+    assert_eq!(s.sets().frontends.fill(), (initial, initial));
+
+    // One more than it holds: grown (to twice what is needed), every key in, the
+    // difference counted as usual.
+    let more: HashSet<SteerKey> = (0..=initial as u32).map(key).collect();
+    let st = s.sync_frontends(&more).unwrap();
+    assert_eq!((st.added, st.removed, st.unchanged), (1, 0, initial));
+    let (keys, size) = s.sets().frontends.fill();
+    assert_eq!(
+        (keys, size),
+        (initial + 1, (2 * (initial + 1)).next_power_of_two())
+    );
+    assert_eq!(s.sets().frontends.map().keys().count(), initial + 1);
+    let client: SocketAddr = "198.18.0.1:40000".parse().unwrap();
+    let to = |k: SteerKey| {
+        frame(&tuple(
+            client,
+            SocketAddr::new(k.addr(), k.port()),
+            k.proto(),
+        ))
+    };
+    assert_eq!(classify(&s, &to(key(initial as u32))), Some(Rule::Frontend));
+    assert_eq!(classify(&s, &to(key(0))), Some(Rule::Frontend));
+    assert_eq!(classify(&s, &to(key(initial as u32 + 1))), None);
+
+    // A change past the size grows it too; 100,000 keys (the old ceiling was 262,144
+    // for all of them together) in one call.
+    let add: Vec<SteerKey> = (0..100_000u32).map(|i| key(100_000 + i)).collect();
+    let st = s.change_frontends(&add, &[key(1)]).unwrap();
+    assert_eq!((st.added, st.removed), (100_000, 1));
+    assert_eq!(s.sets().frontends.fill().0, initial + 100_000);
+    assert!(s.sets().frontends.fill().1 >= 2 * (initial + 100_000));
+    assert_eq!(classify(&s, &to(key(199_999))), Some(Rule::Frontend));
+    assert_eq!(classify(&s, &to(key(1))), None);
+
+    // ClusterIPs and endpoints grow the same way.
+    let ips: HashSet<IpAddr> = (0..70_000u32)
+        .map(|i| IpAddr::from((0xC613_0000 + i).to_be_bytes()))
+        .collect();
+    assert_eq!(s.sync_cluster_ips(&ips).unwrap().added, 70_000);
+    assert_eq!(classify(&s, &to(key(69_999))), Some(Rule::ClusterIp));
+    let eps: HashSet<SteerKey> = (0..10_000u32).map(|i| key(500_000 + i)).collect();
+    assert_eq!(s.sync_endpoints(&eps).unwrap().added, 10_000);
+    assert_eq!(s.sets().endpoints.fill().0, 10_000);
 }

@@ -86,102 +86,11 @@ impl Backend {
     pub fn start(ns: &str, name: &'static str, stop: Arc<AtomicBool>) -> anyhow::Result<Backend> {
         let udp_received = Arc::new(AtomicU64::new(0));
         let (tx, rx) = std::sync::mpsc::channel::<std::io::Result<()>>();
-        let stop_h = stop.clone();
-        let tx2 = tx.clone();
-        let http = spawn_in(ns, move || {
-            let l = match TcpListener::bind("0.0.0.0:8080")
-                .and_then(|l| l.set_nonblocking(true).map(|_| l))
-            {
-                Ok(l) => {
-                    let _ = tx2.send(Ok(()));
-                    l
-                }
-                Err(e) => {
-                    let _ = tx2.send(Err(e));
-                    return;
-                }
-            };
-            while !stop_h.load(Ordering::Relaxed) {
-                match l.accept() {
-                    Ok((mut s, peer)) => {
-                        let _ = s.set_nonblocking(false);
-                        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                        let mut buf = [0u8; 1024];
-                        let _ = s.read(&mut buf);
-                        let body = format!("{name} {}\n", peer.ip());
-                        let _ = write!(
-                            s,
-                            "HTTP/1.0 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                            body.len()
-                        );
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
-                }
-            }
-        });
-        let count = udp_received.clone();
-        let stop_u = stop.clone();
-        let tx3 = tx.clone();
-        let udp = spawn_in(ns, move || {
-            let s = match UdpSocket::bind("0.0.0.0:9000") {
-                Ok(s) => {
-                    let _ = tx.send(Ok(()));
-                    s
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                    return;
-                }
-            };
-            let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
-            let mut buf = vec![0u8; 65_536];
-            while !stop_u.load(Ordering::Relaxed) {
-                if let Ok((n, peer)) = s.recv_from(&mut buf) {
-                    count.fetch_add(1, Ordering::Relaxed);
-                    if n > 0 && buf[0] == b'?' {
-                        let _ = s.send_to(name.as_bytes(), peer);
-                    } else if n > 0 && buf[0] == b'!' {
-                        // Echo, behind the backend's name: large datagrams come back large.
-                        let mut reply = format!("{name}:").into_bytes();
-                        reply.extend_from_slice(&buf[..n]);
-                        let _ = s.send_to(&reply, peer);
-                    }
-                }
-            }
-        });
-        let stop_e = stop.clone();
-        let echo = spawn_in(ns, move || {
-            let l = match TcpListener::bind("0.0.0.0:7000")
-                .and_then(|l| l.set_nonblocking(true).map(|_| l))
-            {
-                Ok(l) => {
-                    let _ = tx3.send(Ok(()));
-                    l
-                }
-                Err(e) => {
-                    let _ = tx3.send(Err(e));
-                    return;
-                }
-            };
-            let mut conns: Vec<TcpStream> = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !stop_e.load(Ordering::Relaxed) {
-                if let Ok((s, _)) = l.accept() {
-                    let _ = s.set_nonblocking(true);
-                    conns.push(s);
-                }
-                conns.retain_mut(|c| match c.read(&mut buf) {
-                    Ok(0) => false,
-                    Ok(n) => {
-                        let mut reply = format!("{name}:").into_bytes();
-                        reply.extend_from_slice(&buf[..n]);
-                        c.write_all(&reply).is_ok()
-                    }
-                    Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
-                });
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        });
+        let (stop_h, tx2) = (stop.clone(), tx.clone());
+        let http = spawn_in(ns, move || serve_http(name, &stop_h, &tx2));
+        let (count, stop_u, tx_u) = (udp_received.clone(), stop.clone(), tx.clone());
+        let udp = spawn_in(ns, move || serve_udp(name, &stop_u, &tx_u, &count));
+        let echo = spawn_in(ns, move || serve_echo(name, &stop, &tx));
         for _ in 0..3 {
             rx.recv_timeout(Duration::from_secs(5))
                 .context("backend did not start")?
@@ -217,4 +126,101 @@ pub fn http_get_on(mut s: TcpStream, timeout: Duration) -> std::io::Result<Strin
         .unwrap_or("")
         .trim()
         .to_string())
+}
+
+/// Whether the server started (its socket bound) or why not.
+type Started = std::sync::mpsc::Sender<std::io::Result<()>>;
+
+/// A listening TCP socket on `addr`, non-blocking, said on `started`.
+fn listen(addr: &str, started: &Started) -> Option<TcpListener> {
+    match TcpListener::bind(addr).and_then(|l| l.set_nonblocking(true).map(|_| l)) {
+        Ok(l) => {
+            let _ = started.send(Ok(()));
+            Some(l)
+        }
+        Err(e) => {
+            let _ = started.send(Err(e));
+            None
+        }
+    }
+}
+
+/// HTTP on 8080: every request answered with `NAME PEER-ADDRESS`, until `stop`.
+fn serve_http(name: &str, stop: &AtomicBool, started: &Started) {
+    let Some(l) = listen("0.0.0.0:8080", started) else {
+        return;
+    };
+    while !stop.load(Ordering::Relaxed) {
+        match l.accept() {
+            Ok((mut s, peer)) => {
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf);
+                let body = format!("{name} {}\n", peer.ip());
+                let _ = write!(
+                    s,
+                    "HTTP/1.0 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+/// UDP on 9000: datagrams counted in `count`; `?` answered with `NAME`, `!` echoed
+/// behind `NAME:`, until `stop`.
+fn serve_udp(name: &str, stop: &AtomicBool, started: &Started, count: &AtomicU64) {
+    let s = match UdpSocket::bind("0.0.0.0:9000") {
+        Ok(s) => {
+            let _ = started.send(Ok(()));
+            s
+        }
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
+    let mut buf = vec![0u8; 65_536];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((n, peer)) = s.recv_from(&mut buf) {
+            count.fetch_add(1, Ordering::Relaxed);
+            if n > 0 && buf[0] == b'?' {
+                let _ = s.send_to(name.as_bytes(), peer);
+            } else if n > 0 && buf[0] == b'!' {
+                // Echo, behind the backend's name: large datagrams come back large.
+                let mut reply = format!("{name}:").into_bytes();
+                reply.extend_from_slice(&buf[..n]);
+                let _ = s.send_to(&reply, peer);
+            }
+        }
+    }
+}
+
+/// A TCP echo on 7000 for long-lived connections (each message back behind `NAME:`),
+/// until `stop`.
+fn serve_echo(name: &str, stop: &AtomicBool, started: &Started) {
+    let Some(l) = listen("0.0.0.0:7000", started) else {
+        return;
+    };
+    let mut conns: Vec<TcpStream> = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((s, _)) = l.accept() {
+            let _ = s.set_nonblocking(true);
+            conns.push(s);
+        }
+        conns.retain_mut(|c| match c.read(&mut buf) {
+            Ok(0) => false,
+            Ok(n) => {
+                let mut reply = format!("{name}:").into_bytes();
+                reply.extend_from_slice(&buf[..n]);
+                c.write_all(&reply).is_ok()
+            }
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        });
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
