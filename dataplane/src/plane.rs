@@ -331,6 +331,9 @@ struct Programming {
     wanted: Wanted,
     /// The last programming failed: redo the maps in full next time.
     needs_full: bool,
+    /// The NodePort rules were last synced with the SNAT range (some Service had a
+    /// frontend then).
+    snat_in_rules: bool,
     /// sysfs knobs changed for busy polling, with their old values (restored on stop).
     restore: Vec<(String, String)>,
     /// Interfaces whose attach failed, with when (retried after [`ATTACH_RETRY`]).
@@ -484,6 +487,11 @@ struct Wanted {
     /// The node's addresses and the Service CIDRs, as last programmed.
     local: HashSet<IpAddr>,
     service_cidrs: HashSet<ipnet::IpNet>,
+    /// `routed` or `node_ports` gained or lost a key since the service device's routes
+    /// and the NodePort rules were last brought in line (a change of one Service's
+    /// endpoints touches neither: no walk over every Service address then).
+    routes_changed: bool,
+    node_ports_changed: bool,
 }
 
 impl Wanted {
@@ -1436,25 +1444,43 @@ impl Programming {
         service_cidrs: &HashSet<ipnet::IpNet>,
     ) -> Option<DataplaneError> {
         let mut route_err = None;
-        if let Some(routes) = &mut self.routes {
+        let cidrs_changed = *service_cidrs != self.wanted.service_cidrs;
+        if let Some(routes) = &mut self.routes
+            && (self.wanted.routes_changed || cidrs_changed)
+        {
             let want =
                 crate::servicedev::wanted_routes(service_cidrs, self.wanted.routed.keys().copied());
-            if want != *routes.installed()
-                && let Err(e) = routes.sync(&want)
-            {
-                route_err = Some(DataplaneError::from(e));
+            match routes.sync(&want) {
+                Ok(()) => self.wanted.routes_changed = false,
+                Err(e) => route_err = Some(DataplaneError::from(e)),
             }
         }
-        if let Some(rules) = &mut self.nodeport_rules {
+        let nodeports_due =
+            self.wanted.node_ports_changed || *local != self.wanted.local || self.snat_rule_changed();
+        if let Some(rules) = &mut self.nodeport_rules
+            && nodeports_due
+        {
             let ports: Vec<(u8, u16)> = self.wanted.node_ports.keys().copied().collect();
             let mut addrs: Vec<IpAddr> = local.iter().copied().collect();
             addrs.extend(self.wanted.np_addrs.iter().copied());
             let snat = (!self.wanted.frontends.counts.is_empty()).then_some(self.snat);
-            if let Err(e) = rules.sync(&addrs, &ports, snat) {
-                route_err.get_or_insert(DataplaneError::from(e));
+            match rules.sync(&addrs, &ports, snat) {
+                Ok(()) => {
+                    self.wanted.node_ports_changed = false;
+                    self.snat_in_rules = snat.is_some();
+                }
+                Err(e) => {
+                    route_err.get_or_insert(DataplaneError::from(e));
+                }
             }
         }
         route_err
+    }
+
+    /// Whether the NodePort rules' SNAT range is to appear or go (it is there while some
+    /// Service has a frontend).
+    fn snat_rule_changed(&self) -> bool {
+        self.snat_in_rules == self.wanted.frontends.counts.is_empty()
     }
 }
 
@@ -1492,6 +1518,8 @@ impl Wanted {
         let old_frontends = std::mem::take(&mut self.udp_frontends);
         *self = Wanted {
             np_addrs,
+            routes_changed: true,
+            node_ports_changed: true,
             ..Wanted::default()
         };
         for sp in snap.ports() {
@@ -1544,8 +1572,10 @@ impl Wanted {
         let (fa, fr) = self.frontends.changes();
         let (ea, er) = self.endpoints.changes();
         let (ca, cr) = self.cluster_ips.changes();
-        let _ = self.routed.changes();
-        let _ = self.node_ports.changes();
+        let (ra, rr) = self.routed.changes();
+        self.routes_changed |= !ra.is_empty() || !rr.is_empty();
+        let (na, nr) = self.node_ports.changes();
+        self.node_ports_changed |= !na.is_empty() || !nr.is_empty();
         for s in programs.iter_mut() {
             note(s.change_frontends(&fa, &fr));
             note(s.change_endpoints(&ea, &er));
