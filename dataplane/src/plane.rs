@@ -1455,8 +1455,9 @@ impl Programming {
                 Err(e) => route_err = Some(DataplaneError::from(e)),
             }
         }
-        let nodeports_due =
-            self.wanted.node_ports_changed || *local != self.wanted.local || self.snat_rule_changed();
+        let nodeports_due = self.wanted.node_ports_changed
+            || *local != self.wanted.local
+            || self.snat_rule_changed();
         if let Some(rules) = &mut self.nodeport_rules
             && nodeports_due
         {

@@ -42,6 +42,16 @@ fn sock(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
+/// A frame from a client to frontend `k`.
+fn to_key(k: SteerKey) -> Vec<u8> {
+    let client: SocketAddr = "198.18.0.1:40000".parse().unwrap();
+    frame(&tuple(
+        client,
+        SocketAddr::new(k.addr(), k.port()),
+        k.proto(),
+    ))
+}
+
 fn frame(t: &Tuple) -> Vec<u8> {
     eth_ip(&pkt::build_tuple(t, b"payload"))
 }
@@ -958,14 +968,7 @@ fn sync_touches_only_the_difference() {
         want.iter().map(|k| k.to_bytes().to_vec()).collect()
     );
 
-    let client: SocketAddr = "198.18.0.1:40000".parse().unwrap();
-    let to = |k: SteerKey| {
-        frame(&tuple(
-            client,
-            SocketAddr::new(k.addr(), k.port()),
-            k.proto(),
-        ))
-    };
+    let to = to_key;
     assert_eq!(classify(&s, &to(gone)), None);
     assert_eq!(classify(&s, &to(new)), Some(Rule::Frontend));
 
@@ -1121,14 +1124,7 @@ fn the_growing_sets_grow_past_any_size_keeping_every_key() {
         (initial + 1, (2 * (initial + 1)).next_power_of_two())
     );
     assert_eq!(s.sets().frontends.map().keys().count(), initial + 1);
-    let client: SocketAddr = "198.18.0.1:40000".parse().unwrap();
-    let to = |k: SteerKey| {
-        frame(&tuple(
-            client,
-            SocketAddr::new(k.addr(), k.port()),
-            k.proto(),
-        ))
-    };
+    let to = to_key;
     assert_eq!(classify(&s, &to(key(initial as u32))), Some(Rule::Frontend));
     assert_eq!(classify(&s, &to(key(0))), Some(Rule::Frontend));
     assert_eq!(classify(&s, &to(key(initial as u32 + 1))), None);
