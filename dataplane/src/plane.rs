@@ -264,7 +264,6 @@ fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
     );
 }
 
-/// A running dataplane.
 /// How long each part of [`Dataplane::start`] took (the log's start-up line).
 #[derive(Debug, Clone, Default)]
 pub struct StartTimes {
@@ -291,6 +290,7 @@ impl StartTimes {
     }
 }
 
+/// A running dataplane.
 #[derive(Debug)]
 pub struct Dataplane {
     pub shared: Arc<Shared>,
@@ -925,7 +925,6 @@ impl Dataplane {
         t
     }
 
-    /// Stops the workers and detaches the XDP programs.
     /// Takes over the programs a previous kxp left attached: each interface's new
     /// program, filled with what was published so far, replaces the old one atomically.
     /// Call it after the first full publication (until then the old programs steer,
