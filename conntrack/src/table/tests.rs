@@ -1015,3 +1015,21 @@ fn reserved_endpoint_totals_do_not_grow_as_flows_go() {
     assert_eq!(t.endpoint_counts(0), before);
     check(&t);
 }
+
+#[test]
+fn evicted_flows_totals_are_kept_whether_or_not_their_batch_was_added_yet() {
+    // A full table evicts a flow per insert; each one's bytes go to its endpoint's
+    // totals, in batches of RETIRED_BATCH: the totals are exact before, at and after a
+    // batch is added.
+    let mut t = table(64);
+    let ep: SocketAddr = EP.parse().unwrap();
+    let flows = 64 + crate::table::RETIRED_BATCH + 10;
+    for i in 0..flows {
+        let (o, r) = flow(Protocol::Udp, 10_000 + i as u16);
+        t.insert_first(o, r, 0, 0, 0, 100, false).unwrap();
+        let (_, c) = t.endpoint_counts(S)[&(ep, Protocol::Udp)];
+        assert_eq!(c.bytes, 100 * (i as u64 + 1), "after {} flows", i + 1);
+    }
+    assert_eq!(t.retired_len(), 1);
+    assert_eq!(t.endpoint_counts(S)[&(ep, Protocol::Udp)].1.packets, flows as u64);
+}
