@@ -1190,6 +1190,7 @@ impl<'id> Worker<'id> {
         if fresh == 0 {
             return;
         }
+        engine::warm_choices(snap, keys, fresh, crate::sys::prefetch);
         replies.clear();
         let in_name = self.port_names.get(port).map(String::as_str);
         // Bit k of `fresh` is the k-th flow packet's (keys were pushed in batch order).

@@ -1031,5 +1031,8 @@ fn evicted_flows_totals_are_kept_whether_or_not_their_batch_was_added_yet() {
         assert_eq!(c.bytes, 100 * (i as u64 + 1), "after {} flows", i + 1);
     }
     assert_eq!(t.retired_len(), 1);
-    assert_eq!(t.endpoint_counts(S)[&(ep, Protocol::Udp)].1.packets, flows as u64);
+    assert_eq!(
+        t.endpoint_counts(S)[&(ep, Protocol::Udp)].1.packets,
+        flows as u64
+    );
 }

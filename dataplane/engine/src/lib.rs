@@ -820,6 +820,47 @@ fn pick_stateless(
     )
 }
 
+/// Warms what deciding and picking an endpoint for a batch's likely new connections
+/// will read ([`Engine::prepare_new`]): `keys` are the batch's flow packets' tuples and
+/// bit k of `fresh` says the k-th found no flow. With thousands of Services, a new
+/// connection's Service port, its endpoint lists and its endpoints are cache misses, one
+/// after another for each packet; asked for in stages over the whole batch (the frontend
+/// lookups, then the ports, then their lists), the misses of different packets overlap.
+/// `prefetch` is the dataplane's hint instruction (this crate does no I/O and has no
+/// unsafe; a function item, so that it is inlined).
+pub fn warm_choices(snap: &Snapshot, keys: &[Tuple], fresh: u64, prefetch: impl Fn(*const u8)) {
+    let mut ports = [0u32; 64];
+    let mut n = 0;
+    let mut bits = fresh;
+    for t in keys {
+        if bits == 0 || n == ports.len() {
+            break;
+        }
+        if bits & 1 == 1
+            && let Some(i) = snap.port_for(t.dst, t.proto, t.dport)
+        {
+            ports[n] = i;
+            n += 1;
+        }
+        bits >>= 1;
+    }
+    let ports = &ports[..n];
+    for &i in ports {
+        let sp: *const u8 = std::ptr::from_ref(snap.port(i)).cast();
+        prefetch(sp);
+        prefetch(sp.wrapping_add(64));
+        prefetch(sp.wrapping_add(128));
+        prefetch(sp.wrapping_add(192));
+    }
+    for &i in ports {
+        let sp = snap.port(i);
+        prefetch(sp.cat.cluster.as_ptr().cast());
+        prefetch(sp.cat.local.as_ptr().cast());
+        prefetch(sp.endpoints.as_ptr().cast());
+        prefetch(sp.endpoints.as_ptr().cast::<u8>().wrapping_add(64));
+    }
+}
+
 /// kube-proxy's decision for a new connection with tuple `t` arriving on `in_interface`.
 fn decide_tuple<'s>(snap: &'s Snapshot, t: &Tuple, in_interface: Option<&str>) -> Decision<'s> {
     decide(

@@ -841,3 +841,48 @@ fn with_kernel_policy_connections_to_local_pods_are_handed_to_the_kernel() {
     assert_eq!(verdict(&r.send(&mut q)), Handover::No);
     assert_eq!(tuple_of(&q).src, "198.18.0.254".parse::<IpAddr>().unwrap());
 }
+
+thread_local! {
+    static PREFETCHED: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn record(p: *const u8) {
+    PREFETCHED.with(|v| v.borrow_mut().push(p as usize));
+}
+
+/// A batch's likely new connections have their Service port and its endpoint lists
+/// prefetched; packets that found a flow, or are for no frontend, have nothing.
+#[test]
+fn warm_choices_asks_for_the_ports_and_lists_of_fresh_packets_to_frontends() {
+    let snap = snapshot(&["198.18.128.11", "198.18.128.12"], "");
+    let to_vip = Tuple::new(sa("198.18.1.1:5000"), sa("198.19.0.10:80"), Protocol::Tcp);
+    let elsewhere = Tuple::new(sa("198.18.1.1:5001"), sa("192.0.2.1:80"), Protocol::Tcp);
+    let index = snap
+        .port_for(to_vip.dst, to_vip.proto, to_vip.dport)
+        .unwrap();
+    let sp = snap.port(index);
+    let taken = || PREFETCHED.with(|v| std::mem::take(&mut *v.borrow_mut()));
+
+    // Bit 0: the packet to the VIP is fresh; bit 1: the other one is too, for no frontend.
+    warm_choices(&snap, &[to_vip, elsewhere], 0b11, record);
+    let got = taken();
+    let port = std::ptr::from_ref(sp) as usize;
+    assert!(got.contains(&port), "the port's struct");
+    assert!(
+        got.contains(&(sp.endpoints.as_ptr() as usize)),
+        "its endpoints"
+    );
+    assert!(
+        got.contains(&(sp.cat.cluster.as_ptr() as usize)),
+        "its cluster list"
+    );
+    assert_eq!(
+        got.len(),
+        8,
+        "one port's lines, nothing for the other packet: {got:?}"
+    );
+
+    // The packet to the VIP found its flow (bit 0 clear): nothing.
+    warm_choices(&snap, &[to_vip, elsewhere], 0b10, record);
+    assert!(taken().is_empty());
+}
