@@ -2612,6 +2612,13 @@ fn a_worker_kept_from_its_cpu_counts_a_stall() {
     assert!((0.29..30.0).contains(&longest), "{longest}");
     assert!(sample("kxp_worker_stalls_total{worker=\"0\"}") >= 1.0);
     assert!(sample("kxp_worker_stall_seconds_total{worker=\"0\"}") >= longest);
+    // How full the steering sets are: the web Service's frontends in a set made at
+    // 4,096 (it grows past that), the node's addresses in a set of 1,024.
+    let frontends = sample("kxp_steering_set_entries{map=\"frontends\"}");
+    assert!((3.0..4096.0).contains(&frontends), "{frontends}");
+    assert_eq!(sample("kxp_steering_set_size{map=\"frontends\"}"), 4096.0);
+    assert!(sample("kxp_steering_set_entries{map=\"endpoints\"}") >= 3.0);
+    assert_eq!(sample("kxp_steering_set_size{map=\"local_addrs\"}"), 1024.0);
     let (_, _, failed) = lab.http_spread(vip(80), 3);
     assert_eq!(failed, 0, "{}", lab.log());
     assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
