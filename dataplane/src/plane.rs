@@ -331,9 +331,6 @@ struct Programming {
     wanted: Wanted,
     /// The last programming failed: redo the maps in full next time.
     needs_full: bool,
-    /// The NodePort rules were last synced with the SNAT range (some Service had a
-    /// frontend then).
-    snat_in_rules: bool,
     /// sysfs knobs changed for busy polling, with their old values (restored on stop).
     restore: Vec<(String, String)>,
     /// Interfaces whose attach failed, with when (retried after [`ATTACH_RETRY`]).
@@ -1454,33 +1451,25 @@ impl Programming {
                 Err(e) => route_err = Some(DataplaneError::from(e)),
             }
         }
-        let nodeports_due = self.wanted.node_ports_changed
-            || *local != self.wanted.local
-            || self.snat_rule_changed();
+        let nodeports_due = self.wanted.node_ports_changed || *local != self.wanted.local;
+        // Or the SNAT range is to appear or go in the rules (it is there while some
+        // Service has a frontend).
+        let with_snat = !self.wanted.frontends.counts.is_empty();
         if let Some(rules) = &mut self.nodeport_rules
-            && nodeports_due
+            && (nodeports_due || rules.catches_snat() != with_snat)
         {
             let ports: Vec<(u8, u16)> = self.wanted.node_ports.keys().copied().collect();
             let mut addrs: Vec<IpAddr> = local.iter().copied().collect();
             addrs.extend(self.wanted.np_addrs.iter().copied());
-            let snat = (!self.wanted.frontends.counts.is_empty()).then_some(self.snat);
+            let snat = with_snat.then_some(self.snat);
             match rules.sync(&addrs, &ports, snat) {
-                Ok(()) => {
-                    self.wanted.node_ports_changed = false;
-                    self.snat_in_rules = snat.is_some();
-                }
+                Ok(()) => self.wanted.node_ports_changed = false,
                 Err(e) => {
                     route_err.get_or_insert(DataplaneError::from(e));
                 }
             }
         }
         route_err
-    }
-
-    /// Whether the NodePort rules' SNAT range is to appear or go (it is there while some
-    /// Service has a frontend).
-    fn snat_rule_changed(&self) -> bool {
-        self.snat_in_rules == self.wanted.frontends.counts.is_empty()
     }
 }
 

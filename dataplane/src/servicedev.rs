@@ -597,6 +597,11 @@ impl NodePortRules {
             .build()
     }
 
+    /// Whether the installed rules catch answers to the SNAT port range.
+    pub fn catches_snat(&self) -> bool {
+        self.spans.iter().any(|s| !s.4)
+    }
+
     /// Routes `addrs` (the node's addresses) through the service device in table 201,
     /// and looks that table up for the node's own connections to the NodePorts `ports`
     /// (protocol number, port) and for any packet to the SNAT port range `snat` (answers

@@ -43,24 +43,9 @@ pub(super) fn sync_loop(
     (min_sync, resync): (Duration, Duration),
     stop: &AtomicBool,
 ) {
-    let Parts {
-        input,
-        tracker,
-        dp,
-        hc,
-        localnp,
-        health,
-        metrics,
-    } = parts;
     let now = Instant::now();
     let mut l = SyncLoop {
-        input,
-        tracker,
-        dp,
-        hc,
-        localnp,
-        health,
-        metrics,
+        p: parts,
         settings,
         generation,
         schedule: Schedule::new(min_sync, resync, now),
@@ -73,19 +58,19 @@ pub(super) fn sync_loop(
         last_metrics: now,
         last_host_check: now,
     };
-    l.no_local.apply(&Update::full(l.dp.current()));
+    l.no_local.apply(&Update::full(l.p.dp.current()));
     while !stop.load(Ordering::Relaxed) {
         // Wake up for a change (then wait out minSyncPeriod), or every 100 ms.
-        l.input.wait(l.schedule.wait(Instant::now()));
+        l.p.input.wait(l.schedule.wait(Instant::now()));
         l.log_stats();
         l.refresh_metrics();
-        if l.input.changed() {
+        if l.p.input.changed() {
             l.schedule.pending = true;
-            l.health.queued();
-            l.metrics.set_queued_now();
+            l.p.health.queued();
+            l.p.metrics.set_queued_now();
         }
         l.follow_host_addresses();
-        if let Some(due) = l.schedule.due(l.input.resyncs(), Instant::now()) {
+        if let Some(due) = l.schedule.due(l.p.input.resyncs(), Instant::now()) {
             l.sync(due);
         }
     }
@@ -170,13 +155,7 @@ impl Schedule {
 
 /// The sync loop's parts and its own state.
 struct SyncLoop<'a> {
-    input: &'a mut Input,
-    tracker: &'a mut Tracker,
-    dp: &'a mut Dataplane,
-    hc: &'a mut ServiceHealthServers,
-    localnp: &'a mut Option<LocalhostNodePorts>,
-    health: &'a Health,
-    metrics: &'a Metrics,
+    p: Parts<'a>,
     settings: NodeSettings,
     generation: u64,
     schedule: Schedule,
@@ -195,7 +174,7 @@ impl SyncLoop<'_> {
             && self.last_stats.elapsed() >= every
         {
             self.last_stats = Instant::now();
-            tracing::info!("{}", totals_line(self.dp));
+            tracing::info!("{}", totals_line(self.p.dp));
         }
     }
 
@@ -206,13 +185,13 @@ impl SyncLoop<'_> {
             return;
         }
         self.last_metrics = Instant::now();
-        let (metrics, dp) = (self.metrics, &*self.dp);
+        let (metrics, dp) = (self.p.metrics, &*self.p.dp);
         update_metrics(metrics, dp, self.schedule.last_sync);
         metrics.update_process();
         metrics.update_xdp(&dp.steer_stats());
         metrics.update_steering_sets(&dp.steering_sets());
         metrics.update_xsk(&dp.shared.socket_stats_per_queue(Duration::from_millis(200)));
-        if let Input::Kube { source, .. } = &*self.input {
+        if let Input::Kube { source, .. } = &*self.p.input {
             let api: Vec<crate::metrics::ApiCounters> = source
                 .status()
                 .resources
@@ -239,7 +218,7 @@ impl SyncLoop<'_> {
             return;
         }
         self.last_host_check = Instant::now();
-        let now = host_addresses(self.dp);
+        let now = host_addresses(self.p.dp);
         if now != self.settings.host_addrs {
             tracing::info!(
                 from = ?self.settings.host_addrs,
@@ -247,7 +226,7 @@ impl SyncLoop<'_> {
                 "the host's addresses changed"
             );
             self.settings.host_addrs = now;
-            self.tracker.set_settings(self.settings.clone());
+            self.p.tracker.set_settings(self.settings.clone());
             self.schedule.pending = true;
         }
     }
@@ -258,27 +237,29 @@ impl SyncLoop<'_> {
     /// programming is retried after syncPeriod.
     fn sync(&mut self, Due { periodic, retry }: Due) {
         let started = Instant::now();
-        let fed = self.input.feed(self.tracker, periodic);
+        let fed = self.p.input.feed(self.p.tracker, periodic);
         let t_feed = started.elapsed();
         if let Err(e) = fed {
             tracing::warn!(
                 "{}: {e:#}; keeping the last good state",
-                self.input.describe()
+                self.p.input.describe()
             );
-            self.health.programmed();
+            self.p.health.programmed();
             return;
         }
         self.generation += 1;
         let generation = self.generation;
-        let synced = self.tracker.sync(generation);
+        let synced = self.p.tracker.sync(generation);
         let t_track = started.elapsed();
-        report(&synced, self.input);
-        self.health
-            .set_node_eligible(node_eligible(self.tracker.node_object().map(|n| &**n)));
-        self.metrics.add_service_changes(synced.service_changes);
-        self.metrics.add_endpoint_changes(synced.endpoint_changes);
+        report(&synced, self.p.input);
+        self.p
+            .health
+            .set_node_eligible(node_eligible(self.p.tracker.node_object().map(|n| &**n)));
+        self.p.metrics.add_service_changes(synced.service_changes);
+        self.p.metrics.add_endpoint_changes(synced.endpoint_changes);
         self.no_local.apply(&synced.update);
-        self.metrics
+        self.p
+            .metrics
             .set_no_local_endpoints(self.no_local.internal, self.no_local.external);
         let mut update = synced.update;
         // The periodic re-sync also redoes the XDP maps in full (repairs any drift).
@@ -296,16 +277,17 @@ impl SyncLoop<'_> {
             return;
         }
         self.schedule.succeeded();
-        self.health.programmed();
-        self.metrics
+        self.p.health.programmed();
+        self.p
+            .metrics
             .observe_sync(started.elapsed(), periodic || retry);
-        self.metrics.set_last_sync_now();
-        observe_programming_latency(self.metrics, &synced.trigger_times);
+        self.p.metrics.set_last_sync_now();
+        observe_programming_latency(self.p.metrics, &synced.trigger_times);
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
             "{} applied (generation {generation}, {rebuilt} Service(s) rebuilt; \
              changes {:.3} + tracker {:.3} + dataplane {:.3} = {:.3} ms)",
-            self.input.describe(),
+            self.p.input.describe(),
             ms(t_feed),
             ms(t_track - t_feed),
             ms(done - t_track),
@@ -319,16 +301,16 @@ impl SyncLoop<'_> {
     /// # Errors
     /// The dataplane's, programming the XDP maps.
     fn publish(&mut self, update: Update) -> Result<(), DataplaneError> {
-        for e in self.hc.sync(&update) {
+        for e in self.p.hc.sync(&update) {
             let text = e.to_string();
             dataplane::warn_limited!(text, "{text}");
         }
-        if let Some(l) = &mut *self.localnp {
+        if let Some(l) = &mut *self.p.localnp {
             for text in l.sync(&update) {
                 dataplane::warn_limited!(text, "{text}");
             }
         }
-        self.dp.publish(update)
+        self.p.dp.publish(update)
     }
 }
 

@@ -426,7 +426,6 @@ impl Programming {
         Programming {
             taken_over,
             needs_full: true,
-            snat_in_rules: false,
             service: Some(service_prog),
             routes: Some(routes),
             nodeport_rules: Some(nodeport_rules),
