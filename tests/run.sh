@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# No incremental caches (CI builds once, from clean): they doubled the target directory.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
+echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free where the build goes"
+
 bash tests/install-deps.sh
 
 echo "== cargo fmt --check"
@@ -32,5 +36,6 @@ failed=$((failed + $(grep -Eo '[0-9]+ failed;' "$log" | awk '{s += $1} END {prin
 set -e
 echo "tests: ${passed} passed, ${failed} failed"
 [ "$status" -eq 0 ] || exit "$status"
+echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free before the fuzz build"
 echo "== fuzzing: every target for ${FUZZ_SECONDS:-60}s (fuzz/run)"
 bash fuzz/run "${FUZZ_SECONDS:-60}"
