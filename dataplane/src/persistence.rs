@@ -70,7 +70,29 @@ impl Persistence {
         affinity_capacity: usize,
         now: u64,
     ) -> io::Result<(Persistence, AffinityTable)> {
-        let sd = StateDir::lock(dir, LOCK_WAIT)?;
+        let sd = Persistence::lock(dir)?;
+        Persistence::start_locked(sd, tables, affinity_capacity, now)
+    }
+
+    /// Locks the state directory `dir` (created if missing), waiting for a previous kxp
+    /// that still holds it (up to 15 s).
+    ///
+    /// # Errors
+    /// The directory cannot be created, or another kxp holds it past the wait.
+    pub fn lock(dir: &Path) -> io::Result<StateDir> {
+        StateDir::lock(dir, LOCK_WAIT)
+    }
+
+    /// [`Persistence::start`] in a directory already locked ([`Persistence::lock`]).
+    ///
+    /// # Errors
+    /// As [`Persistence::start`].
+    pub fn start_locked(
+        sd: StateDir,
+        tables: &mut [ConnTable],
+        affinity_capacity: usize,
+        now: u64,
+    ) -> io::Result<(Persistence, AffinityTable)> {
         let id = FileId {
             boot: boot_id()?,
             netns: crate::sys::netns_cookie().unwrap_or(0),

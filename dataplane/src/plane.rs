@@ -736,6 +736,7 @@ impl Dataplane {
         let initial: Arc<Snapshot> = initial.into();
         let ranges = start::check(cfg)?;
         let settings = start::Settings::of(cfg);
+        let locked = start::lock_state(cfg)?;
         let mut times = StartTimes::default();
         let mut lap = Instant::now();
         let service =
@@ -750,14 +751,14 @@ impl Dataplane {
         // The steering program is loaded (and verified) once, here: every interface
         // attached later shares it and its maps (see crate::xdp).
         lap = Instant::now();
-        let mut service_prog = start::load_steering(lap)?;
+        let mut service_prog = start::load_steering(lap, settings.keep)?;
         times.lap("steering program", &mut lap);
         start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
         let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, &service)?;
 
         let mut tables = start::connection_tables(cfg, ranges)?;
         times.lap("connection tables", &mut lap);
-        let (mut persistence, node) = start::restore_state(cfg, &mut tables)?;
+        let (mut persistence, node) = start::restore_state(cfg, locked, &mut tables)?;
         times.lap("state restore", &mut lap);
         let kit = start::WorkerKit {
             cfg,
@@ -970,8 +971,18 @@ impl Dataplane {
                 tracing::info!(interface = %l.name, "detached the program a previous kxp left (no longer matching)");
             }
         }
-        // Pins of interfaces gone while no kxp ran.
+        // Pins of interfaces gone while no kxp ran, and of other builds' programs.
         crate::xdp::pins::prune(&ours);
+        if let Some(s) = prog.service.as_ref() {
+            let forgotten = s.forget_previous();
+            if forgotten > 0 {
+                tracing::info!(
+                    interfaces = forgotten,
+                    "forgot the interfaces the previous kxp steered that are gone or no longer match"
+                );
+            }
+        }
+        Steering::prune_pinned_programs();
         match first {
             Some(e) => Err(e.into()),
             None => Ok(()),

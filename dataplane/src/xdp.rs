@@ -65,7 +65,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::io;
 use std::net::IpAddr;
-use std::os::fd::{AsFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 
 use ipnet::IpNet;
@@ -170,6 +170,54 @@ struct SharedProgram {
     sets: Mutex<Sets>,
     /// Slots in use (slot 0 never handed out).
     slots: Mutex<Vec<bool>>,
+    /// A program taken up from a previous kxp: the interfaces it steered (index, slot)
+    /// that this process has not taken over yet. Their entries stay until then.
+    previous: Mutex<std::collections::HashMap<u32, u32>>,
+}
+
+impl SharedProgram {
+    /// Whether `ifindex` still has the entry a previous kxp left (a program taken up).
+    fn is_previous(&self, ifindex: u32) -> bool {
+        self.previous
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&ifindex)
+    }
+
+    /// Gives `slot` back: no socket, counters at zero, free for another handle.
+    fn free_slot(&self, slot: u32) {
+        for queue in 0..MAX_QUEUES {
+            let _ = self.xsks.delete(&(slot * MAX_QUEUES + queue).to_ne_bytes());
+        }
+        let _ = stats::clear(&self.stats, slot);
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(used) = slots.get_mut(slot as usize) {
+            *used = false;
+        }
+    }
+}
+
+/// The entries (interface index, slot) a previous kxp left in `ifaces`, key 0 (the
+/// first handle's, for test runs) aside.
+fn previous_entries(ifaces: &MapHandle) -> Vec<(u32, u32)> {
+    ifaces
+        .keys()
+        .filter_map(|k| {
+            let ifindex = u32::from_ne_bytes(k.get(..4)?.try_into().ok()?);
+            let v = ifaces.lookup(&k, MapFlags::ANY).ok()??;
+            let slot = u32::from_ne_bytes(v.get(..4)?.try_into().ok()?);
+            (ifindex != 0 && slot != 0 && slot < MAX_SLOTS).then_some((ifindex, slot))
+        })
+        .collect()
+}
+
+/// How [`Steering::load_or_adopt`] came by its program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Loaded (and verified) now.
+    Loaded,
+    /// Taken up from a previous kxp of the same build: no load.
+    Adopted,
 }
 
 /// The key sets the control plane mirrors into the shared maps.
@@ -288,6 +336,80 @@ impl Steering {
             }
             Err(f) => return Err(XdpError::Load { source: f.error }),
         };
+        Steering::from_parts(loaded, false)
+    }
+
+    /// With `keep` (a state directory), takes up the program and maps a previous kxp of
+    /// this build left pinned (see [`pins`]), or else loads the program and pins it with
+    /// its maps for the next kxp; without, loads it as [`Steering::load`].
+    ///
+    /// A program taken up goes on steering, with what the previous kxp left in its maps,
+    /// until each interface is taken over ([`Steering::attach`] with `replace`): until
+    /// then an interface keeps its previous entry (its slot and hold), so this process's
+    /// sockets take its packets only from then on. The sets are written afresh by the
+    /// first full sync (each growing set into a new map swapped in whole).
+    ///
+    /// # Errors
+    /// As [`Steering::load`].
+    pub fn load_or_adopt(keep: bool) -> Result<(Steering, Origin), XdpError> {
+        let name = pins::program_dir_name(&OBJ.0);
+        if keep && let Some((prog, at)) = pins::open_program(&name) {
+            let open = |m: &&str| {
+                MapHandle::from_pinned_path(at.join(m)).map_err(|source| XdpError::Map {
+                    map: "pinned",
+                    op: "open",
+                    key: Some((*m).to_string()),
+                    source,
+                })
+            };
+            let maps = MAP_NAMES.iter().map(open).collect::<Result<Vec<_>, _>>();
+            let taken = maps.and_then(|maps| {
+                let maps: [MapHandle; 9] =
+                    maps.try_into().map_err(|_| XdpError::MissingInObject {
+                        what: "map",
+                        name: "pinned",
+                    })?;
+                Steering::from_parts(Loaded { prog, maps }, true)
+            });
+            match taken {
+                Ok(s) => return Ok((s, Origin::Adopted)),
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "the steering program a previous kxp of this build pinned cannot be taken up: loading a new one"
+                ),
+            }
+        }
+        let s = Steering::load()?;
+        if keep {
+            let p = &s.program;
+            let sets = s.sets();
+            let mut maps: Vec<(&str, BorrowedFd<'_>)> = vec![
+                ("ifaces", p.ifaces.as_fd()),
+                ("xsks", p.xsks.as_fd()),
+                ("config", p.config.as_fd()),
+                ("stats", p.stats.as_fd()),
+            ];
+            maps.push(sets.frontends.pinnable());
+            maps.push(sets.endpoints.pinnable());
+            maps.push(sets.local_addrs.pinnable());
+            maps.push(sets.cluster_ips.pinnable());
+            maps.push(sets.service_cidrs.pinnable());
+            if let Err(e) = pins::pin_program(&name, p.fd.as_fd(), &maps) {
+                crate::warn_limited!(
+                    "xdp-pin-program",
+                    error = %e,
+                    "cannot pin the steering program and its maps: a restarted kxp will load it again"
+                );
+            }
+            drop(sets);
+        }
+        Ok((s, Origin::Loaded))
+    }
+
+    /// The first handle on a program and its maps, loaded now or (`adopted`) taken up
+    /// from a previous kxp: then the interfaces it steers keep their entries and slots
+    /// until taken over, and the sets are marked to be written afresh.
+    fn from_parts(loaded: Loaded, adopted: bool) -> Result<Steering, XdpError> {
         let prog_id = Program::id_from_fd(loaded.prog.as_fd())
             .map_err(|source| XdpError::ProgInfo { source })?;
         let [
@@ -303,6 +425,33 @@ impl Steering {
         ] = loaded.maps;
         let mut slots = vec![false; MAX_SLOTS as usize];
         slots[0] = true;
+        let previous = if adopted {
+            previous_entries(&ifaces)
+        } else {
+            Vec::new()
+        };
+        for &(_, slot) in &previous {
+            if let Some(used) = slots.get_mut(slot as usize) {
+                *used = true;
+            }
+        }
+        let sets = if adopted {
+            Sets {
+                frontends: SyncedMap::adopt_growing(frontends, "frontends", STEER_KEY_LEN)?,
+                endpoints: SyncedMap::adopt_growing(endpoints, "endpoints", STEER_KEY_LEN)?,
+                local_addrs: SyncedMap::adopt(local_addrs, "local_addrs"),
+                cluster_ips: SyncedMap::adopt_growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN)?,
+                service_cidrs: SyncedMap::adopt(service_cidrs, "service_cidrs"),
+            }
+        } else {
+            Sets {
+                frontends: SyncedMap::growing(frontends, "frontends", STEER_KEY_LEN)?,
+                endpoints: SyncedMap::growing(endpoints, "endpoints", STEER_KEY_LEN)?,
+                local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
+                cluster_ips: SyncedMap::growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN)?,
+                service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
+            }
+        };
         let program = Arc::new(SharedProgram {
             fd: loaded.prog,
             id: prog_id,
@@ -310,18 +459,47 @@ impl Steering {
             config,
             stats,
             ifaces,
-            sets: Mutex::new(Sets {
-                frontends: SyncedMap::growing(frontends, "frontends", STEER_KEY_LEN)?,
-                endpoints: SyncedMap::growing(endpoints, "endpoints", STEER_KEY_LEN)?,
-                local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
-                cluster_ips: SyncedMap::growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN)?,
-                service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
-            }),
+            sets: Mutex::new(sets),
             slots: Mutex::new(slots),
+            previous: Mutex::new(previous.into_iter().collect()),
         });
         let mut s = Steering::with_slot(program)?;
         s.register(0)?;
         Ok(s)
+    }
+
+    /// Removes the program and maps other builds of kxp pinned (once this one has taken
+    /// over every interface). Returns how many went.
+    pub fn prune_pinned_programs() -> usize {
+        pins::prune_programs(&pins::program_dir_name(&OBJ.0))
+    }
+
+    /// Forgets the interfaces a previous kxp steered that this one did not take over
+    /// (gone, or no longer matching, once [`Steering::attach`] with `replace` has run for
+    /// every interface kept): their entries go (unless rewritten since), their counters
+    /// and slots are freed. Returns how many there were.
+    pub fn forget_previous(&self) -> usize {
+        let previous: Vec<(u32, u32)> = std::mem::take(
+            &mut *self
+                .program
+                .previous
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        )
+        .into_iter()
+        .collect();
+        for &(ifindex, slot) in &previous {
+            let k = ifindex.to_ne_bytes();
+            let still = matches!(
+                self.program.ifaces.lookup(&k, MapFlags::ANY),
+                Ok(Some(v)) if v.get(..4) == Some(&slot.to_ne_bytes()[..])
+            );
+            if still {
+                let _ = self.program.ifaces.delete(&k);
+            }
+            self.program.free_slot(slot);
+        }
+        previous.len()
     }
 
     /// One more handle on this handle's program, for another interface: the same maps
@@ -376,6 +554,16 @@ impl Steering {
             && old != ifindex
         {
             self.unregister(old);
+        }
+        // The previous kxp's entry for it (a program taken up) is replaced: its slot free.
+        let previous = self
+            .program
+            .previous
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ifindex);
+        if let Some(slot) = previous {
+            self.program.free_slot(slot);
         }
         Ok(())
     }
@@ -545,6 +733,11 @@ impl Steering {
     /// [`XdpError::Map`].
     pub fn prepare_for(&mut self, ifname: &str, ifindex: u32) -> Result<(), XdpError> {
         self.intended = Some((ifname.to_owned(), ifindex));
+        // A program taken up: the previous kxp's entry steers (and holds) this
+        // interface until it is taken over ([`Steering::attach`]).
+        if self.program.is_previous(ifindex) {
+            return Ok(());
+        }
         self.register(ifindex)
     }
 
@@ -970,14 +1163,7 @@ impl Drop for Steering {
         if let Some(k) = self.key.take() {
             self.unregister(k);
         }
-        for queue in 0..MAX_QUEUES {
-            let _ = self.program.xsks.delete(&self.xsk_key(queue));
-        }
-        let _ = stats::clear(&self.program.stats, self.slot);
-        let mut slots = self.program.slots.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(used) = slots.get_mut(self.slot as usize) {
-            *used = false;
-        }
+        self.program.free_slot(self.slot);
     }
 }
 

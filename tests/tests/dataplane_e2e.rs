@@ -2741,6 +2741,17 @@ fn connections_survive_kill_restart_and_binary_replacement() {
         assert!(!l.contains("restored 0 flow"), "{l}");
         assert!(!l.contains(" 0 affinity"), "{l}");
     }
+    // The first start loaded the steering program; each restart (the copy of the binary
+    // too: the same build) took up the one its predecessor pinned, without a load.
+    assert_eq!(
+        (
+            text.matches("steering program loaded").count(),
+            text.matches("steering program taken up from the previous kxp")
+                .count()
+        ),
+        (1, 3),
+        "{text}"
+    );
 }
 
 /// The capabilities kxp's DaemonSet grants (deploy/kxp.yaml's `add:`), e.g. `NET_ADMIN`.

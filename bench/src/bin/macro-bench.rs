@@ -2941,7 +2941,9 @@ fn real_main() -> anyhow::Result<()> {
         lab.genns, lab.router, lab.back
     );
     if args.restart {
-        let r = restart_gaps(&lab, &plan);
+        // Beside its two links, and with 110 idle pod veths attached (a kubelet's pods).
+        let r = restart_gaps(&lab, &plan, Case::Kxp)
+            .and_then(|()| restart_gaps(&lab, &plan, Case::KxpPods));
         stop.check()?;
         drop(lab);
         return r;
@@ -3123,10 +3125,11 @@ struct Gap {
     rate_before: f64,
 }
 
-/// `--restart`: kxp under the generator's 1,024 established flows, restarted three ways;
-/// the backend's counter is read every few milliseconds throughout.
-fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
-    let mut router = Router::setup(lab, Case::Kxp, &plan.kxp, &plan.busy_poll, "restart")?;
+/// `--restart`: kxp (`case`: alone, or with 110 idle pod veths) under the generator's
+/// 1,024 established flows, restarted three ways; the backend's counter is read every few
+/// milliseconds throughout.
+fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
+    let mut router = Router::setup(lab, case, &plan.kxp, &plan.busy_poll, "restart")?;
     let cfg = lab.trafgen_cfg(Mode::Est)?;
     let upgrade = lab.dir.join("kxp-new");
     std::fs::copy(&plan.kxp, &upgrade).context("copying kxp for the upgrade")?;
@@ -3220,11 +3223,16 @@ fn restart_gaps(lab: &Lab, plan: &Plan) -> anyhow::Result<()> {
         d.get(d.len() / 2).copied().unwrap_or(0.0)
     };
     println!(
-        "\n### kxp restarted under load (`macro-bench --restart --generator {}`)\n",
+        "\n### kxp restarted under load (`macro-bench --restart --generator {}`), {}\n",
         if plan.xsk_gen.is_some() {
             "xsk"
         } else {
             "trafgen"
+        },
+        if case == Case::KxpPods {
+            "110 idle pod veths attached"
+        } else {
+            "no pod veth"
         }
     );
     println!(

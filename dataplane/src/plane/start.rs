@@ -20,8 +20,9 @@ use super::{
 use crate::fib::FibMirror;
 use crate::persistence::Persistence;
 use crate::servicedev::{KernelPolicy, NodePortRules, Routes, ServiceDevice};
+use crate::statefile::StateDir;
 use crate::worker::{Command, Shared, WorkerStats};
-use crate::xdp::{AttachMode, Steering};
+use crate::xdp::{AttachMode, Origin, Steering};
 use crate::xsk::{Sockets, XskConfig};
 use engine::{Engine, NodeState};
 
@@ -167,14 +168,30 @@ pub(super) fn shared_state(
     Ok((rxs, shared))
 }
 
-/// Loads the steering program (the kernel verifies it) and logs how long that took since
-/// `since`.
-pub(super) fn load_steering(since: Instant) -> Result<Steering, DataplaneError> {
-    let service_prog = Steering::load()?;
+/// With a state directory, locks it (waiting for a previous kxp still stopping): before
+/// anything of the node is touched, since what the previous kxp left (the steering
+/// program, its maps, the service device) is taken up next.
+pub(super) fn lock_state(cfg: &DataplaneConfig) -> Result<Option<StateDir>, DataplaneError> {
+    cfg.state_dir
+        .as_deref()
+        .map(Persistence::lock)
+        .transpose()
+        .map_err(|e| DataplaneError::State(e.to_string()))
+}
+
+/// Takes up the steering program a previous kxp of this build left pinned, or else loads
+/// it (the kernel verifies it), and logs which and how long that took since `since`.
+pub(super) fn load_steering(since: Instant, keep: bool) -> Result<Steering, DataplaneError> {
+    let (service_prog, origin) = Steering::load_or_adopt(keep)?;
     tracing::info!(
         took_ms = since.elapsed().as_millis() as u64,
         prog_id = service_prog.prog_id(),
-        "steering program loaded"
+        "{}",
+        match origin {
+            Origin::Loaded => "steering program loaded",
+            Origin::Adopted =>
+                "steering program taken up from the previous kxp (the same build, pinned): no load",
+        }
     );
     Ok(service_prog)
 }
@@ -288,17 +305,18 @@ pub(super) fn connection_tables(
     Ok(tables)
 }
 
-/// With a state directory, locks it and restores into `tables` and the node's state the
+/// With a state directory (locked: `locked`), restores into `tables` and the node's state the
 /// flows and affinity a previous kxp kept there (the files it holds are the workers'
 /// journals from now); without one, the node's state starts empty.
 pub(super) fn restore_state(
     cfg: &DataplaneConfig,
+    locked: Option<StateDir>,
     tables: &mut [ConnTable],
 ) -> Result<(Option<Persistence>, Arc<NodeState>), DataplaneError> {
-    match &cfg.state_dir {
-        Some(dir) => {
-            let (p, affinity) = Persistence::start(
-                dir,
+    match (&cfg.state_dir, locked) {
+        (Some(dir), Some(sd)) => {
+            let (p, affinity) = Persistence::start_locked(
+                sd,
                 tables,
                 cfg.affinity_capacity,
                 crate::sys::monotonic_ns(),
@@ -318,7 +336,7 @@ pub(super) fn restore_state(
             }
             Ok((Some(p), NodeState::with_affinity(affinity)))
         }
-        None => Ok((None, NodeState::new(cfg.affinity_capacity))),
+        _ => Ok((None, NodeState::new(cfg.affinity_capacity))),
     }
 }
 

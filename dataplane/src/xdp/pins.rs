@@ -8,6 +8,12 @@
 //! to the file. The pin is checked against what netlink reports as attached (the same
 //! program id), so a stale or foreign pin is never taken for the attached program.
 //!
+//! The program itself and its maps are pinned too, in `steer-BUILD/` beside those (BUILD:
+//! a hash of the embedded object): a restarted kxp of the same build takes them up
+//! instead of loading and verifying a new program, so steering carries on with what the
+//! previous kxp left in the maps and the restart's gap loses the program load (see
+//! [`super::Steering::load_or_adopt`]).
+//!
 //! Pins live as long as the state directory of the same namespace: removed with it
 //! (`kxp cleanup`, [`crate::statefile::remove_state`], the sweep of stale directories), and
 //! pruned to the interfaces kxp steers once it has taken over.
@@ -92,6 +98,83 @@ pub(super) fn unpin(ifindex: u32, id: u32) {
     }
 }
 
+/// The name of the directory the program and maps of this build are pinned in:
+/// `steer-` and a 64-bit FNV-1a hash of the embedded object and [`PIN_LAYOUT`].
+pub(super) fn program_dir_name(object: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in PIN_LAYOUT.to_le_bytes().iter().chain(object) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("steer-{h:016x}")
+}
+
+/// The version of what userspace reads in a pinned program's maps beyond the object
+/// itself (which pins, under which names): a change makes the next kxp load afresh.
+const PIN_LAYOUT: u32 = 1;
+
+/// Pins `prog` and `maps` (name, fd) in `dir/name`, emptied first: a directory with a pin
+/// missing is never taken up (see [`open_program`]).
+pub(super) fn pin_program(
+    name: &str,
+    prog: BorrowedFd<'_>,
+    maps: &[(&str, BorrowedFd<'_>)],
+) -> io::Result<()> {
+    let Some(dir) = dir() else {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("no bpffs at {BPFFS}"),
+        ));
+    };
+    let at = dir.join(name);
+    remove_program_dir(&at);
+    std::fs::create_dir_all(&at)?;
+    for (map, fd) in maps {
+        sys::obj_pin(*fd, &at.join(map))?;
+    }
+    // The program last: its pin says the directory is whole.
+    sys::obj_pin(prog, &at.join("prog"))
+}
+
+/// The program pinned in `dir/name`, and that directory (its maps are pinned in it
+/// under their names), if the directory is whole (the program's pin is written last).
+pub(super) fn open_program(name: &str) -> Option<(OwnedFd, PathBuf)> {
+    let at = dir()?.join(name);
+    let prog = sys::obj_get(&at.join("prog")).ok()?;
+    Some((prog, at))
+}
+
+/// Removes the program directories of other builds than `keep` (once kxp has taken over:
+/// their programs are detached everywhere). Returns how many went.
+pub(super) fn prune_programs(keep: &str) -> usize {
+    let Some(dir) = dir() else {
+        return 0;
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("steer-") && name != keep {
+            remove_program_dir(&e.path());
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Removes a program directory and its pins (the program and maps live on while
+/// anything else holds them).
+fn remove_program_dir(at: &Path) {
+    if let Ok(entries) = std::fs::read_dir(at) {
+        for e in entries.filter_map(Result::ok) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    let _ = std::fs::remove_dir(at);
+}
+
 /// Removes the pins of every interface but `keep` (once kxp has taken over: the others
 /// are interfaces gone while no kxp ran). Returns how many went.
 pub fn prune(keep: &[u32]) -> usize {
@@ -123,6 +206,8 @@ pub fn remove_dir(dir: &Path) {
             let name = e.file_name().to_string_lossy().into_owned();
             if name.starts_with("xdp-") {
                 let _ = std::fs::remove_file(e.path());
+            } else if name.starts_with("steer-") {
+                remove_program_dir(&e.path());
             }
         }
     }

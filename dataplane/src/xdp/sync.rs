@@ -39,6 +39,9 @@ pub(super) struct SyncedMap<K> {
     /// A set that grows with the cluster: the one-slot array of maps the program reads
     /// it through (`map` is the inner map in its slot), and the inner map's key size.
     outer: Option<(MapHandle, u32)>,
+    /// Taken up from a previous kxp (see [`Self::adopt`]): the keys it left (as bytes),
+    /// which the first [`Self::sync`] removes where no longer wanted.
+    previous: Option<Vec<Vec<u8>>>,
 }
 
 /// The first size of a growing set's inner map; it doubles past what is needed when it
@@ -56,6 +59,46 @@ impl<K: MapKey> SyncedMap<K> {
             name,
             installed: HashSet::new(),
             outer: None,
+            previous: None,
+        }
+    }
+
+    /// A set of fixed size a previous kxp filled (a program taken up): its keys are read
+    /// now, and the first [`Self::sync`] deletes those no longer wanted.
+    pub(super) fn adopt(map: MapHandle, name: &'static str) -> Self {
+        let previous = map.keys().collect();
+        SyncedMap {
+            previous: Some(previous),
+            ..SyncedMap::new(map, name)
+        }
+    }
+
+    /// A growing set a previous kxp filled: the program reads the map the previous kxp
+    /// left in `outer`'s slot until the first [`Self::sync`], which fills a new one and
+    /// swaps it in.
+    ///
+    /// # Errors
+    /// The new map cannot be made.
+    pub(super) fn adopt_growing(
+        outer: MapHandle,
+        name: &'static str,
+        key_size: u32,
+    ) -> Result<Self, XdpError> {
+        let map = new_set(name, key_size, INITIAL_SET)?;
+        Ok(SyncedMap {
+            map,
+            name,
+            installed: HashSet::new(),
+            outer: Some((outer, key_size)),
+            previous: Some(Vec::new()),
+        })
+    }
+
+    /// The map to pin for the next kxp: a growing set's one-slot array, else the map.
+    pub(super) fn pinnable(&self) -> (&'static str, std::os::fd::BorrowedFd<'_>) {
+        match &self.outer {
+            Some((outer, _)) => (self.name, outer.as_fd()),
+            None => (self.name, self.map.as_fd()),
         }
     }
 
@@ -77,6 +120,7 @@ impl<K: MapKey> SyncedMap<K> {
             name,
             installed: HashSet::new(),
             outer: Some((outer, key_size)),
+            previous: None,
         })
     }
 
@@ -105,6 +149,27 @@ impl<K: MapKey> SyncedMap<K> {
     /// recorded, so the next call retries only what is still missing.
     pub(super) fn sync(&mut self, want: &HashSet<K>) -> Result<SyncStats, XdpError> {
         let capacity = self.map.max_entries() as usize;
+        if let Some(previous) = self.previous.take() {
+            if self.outer.is_some() {
+                // A new map, filled and swapped in whole.
+                return self.grow(want.clone()).inspect_err(|_| {
+                    self.previous = Some(previous);
+                });
+            }
+            if want.len() <= capacity {
+                // Room first: the previous kxp's keys no longer wanted go (every wanted
+                // key is written below, as nothing is recorded as installed yet).
+                let wanted: HashSet<Vec<u8>> = want
+                    .iter()
+                    .map(|k| k.to_bytes().as_ref().to_vec())
+                    .collect();
+                for raw in previous.iter().filter(|r| !wanted.contains(*r)) {
+                    let _ = self.map.delete(raw);
+                }
+            } else {
+                self.previous = Some(previous);
+            }
+        }
         if want.len() > capacity && self.outer.is_some() {
             return self.grow(want.clone());
         }
@@ -149,6 +214,18 @@ impl<K: MapKey> SyncedMap<K> {
     /// # Errors
     /// As [`Self::sync`].
     pub(super) fn change(&mut self, add: &[K], remove: &[K]) -> Result<SyncStats, XdpError> {
+        if self.previous.is_some() {
+            // What the map holds is not known yet: a full sync comes first.
+            return Err(XdpError::Map {
+                map: self.name,
+                op: "change",
+                key: None,
+                source: std::io::Error::other(
+                    "taken up from a previous kxp, not yet synced in full",
+                )
+                .into(),
+            });
+        }
         let capacity = self.map.max_entries() as usize;
         let gone = remove
             .iter()

@@ -410,3 +410,124 @@ fn one_program_serves_several_interfaces_each_with_its_sockets_counters_and_flag
     })
     .unwrap();
 }
+
+/// A kxp with a state directory pins its program and maps; the next kxp of the same build
+/// takes them up without a load: the previous kxp's entries go on holding each interface
+/// (its sockets are gone) until the new one takes the interface over, and only then do
+/// its sockets get the packets. The first full sync rewrites the sets (a growing one in a
+/// new map swapped in); an interface not taken over is forgotten. Needs root and bpffs.
+#[test]
+fn a_restarted_kxp_of_the_same_build_takes_up_the_pinned_program_and_its_steering() {
+    require_root();
+    let mut lab = Topology::new(LAB);
+    let (a, b) = (
+        lab.add_ns_unique("pa").unwrap(),
+        lab.add_ns_unique("pb").unwrap(),
+    );
+    lab.link((&a, "kxa", "198.18.0.1/24"), (&b, "kxb", "198.18.0.2/24"))
+        .unwrap();
+    lab.link((&a, "kxc", "198.18.1.1/24"), (&b, "kxd", "198.18.1.2/24"))
+        .unwrap();
+    for to in ["198.18.0.2", "198.18.1.2"] {
+        ip_stdout(&["netns", "exec", &a, "ping", "-c1", "-W2", to]);
+    }
+    let send = |port: u16, n: usize| {
+        lab.run_in(&a, move || {
+            let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
+            for _ in 0..n {
+                sock.send_to(b"kxp", ("198.18.0.2", port)).unwrap();
+            }
+        })
+        .unwrap()
+    };
+    let vip = |port: u16| SteerKey::new("198.18.0.2".parse().unwrap(), port, Protocol::Udp);
+    lab.run_in(&b, || {
+        let kernel = UdpSocket::bind("0.0.0.0:9000").unwrap();
+        kernel
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let from_kernel = || {
+            let mut buf = [0u8; 64];
+            let mut n = 0;
+            while kernel.recv_from(&mut buf).is_ok() {
+                n += 1;
+            }
+            n
+        };
+        let (kxb, kxd) = (
+            resolve_ifindex("kxb").unwrap(),
+            resolve_ifindex("kxd").unwrap(),
+        );
+
+        // The first kxp: loads, pins, steers kxb and kxd with a socket on kxb.
+        let (mut first, origin) = Steering::load_or_adopt(true).unwrap();
+        assert_eq!(origin, Origin::Loaded);
+        let prog_id = first.prog_id();
+        first.sync_frontends(&HashSet::from([vip(9000)])).unwrap();
+        let addrs: [IpAddr; 2] = ["198.18.0.2", "198.18.9.9"].map(|a| a.parse().unwrap());
+        first.sync_local_addrs(&HashSet::from(addrs)).unwrap();
+        let mut handles = Vec::new();
+        for (ifname, ifindex) in [("kxb", kxb), ("kxd", kxd)] {
+            let mut s = first.share().unwrap();
+            s.prepare_for(ifname, ifindex).unwrap();
+            s.set_hold(1).unwrap();
+            s.attach(ifname, AttachMode::Native, true).unwrap();
+            handles.push(s);
+        }
+        let mut xsk = TestXsk::open("kxb");
+        handles[0].set_socket(0, xsk.fd()).unwrap();
+        send(9000, 2);
+        assert_eq!(xsk.recv(2, Duration::from_secs(3)).len(), 2);
+        // It stops as with a state directory: everything left attached and holding.
+        for mut s in handles.into_iter().chain([first]) {
+            s.keep_attached();
+        }
+        drop(xsk);
+        send(9000, 2);
+        assert_eq!(from_kernel(), 0, "held while no kxp runs");
+
+        // The next kxp: the same program and maps, no load.
+        let (mut first, origin) = Steering::load_or_adopt(true).unwrap();
+        assert_eq!(origin, Origin::Adopted);
+        assert_eq!(first.prog_id(), prog_id);
+        // Its full sync: port 9002 instead of 9000, one address fewer.
+        first.sync_frontends(&HashSet::from([vip(9002)])).unwrap();
+        first.sync_local_addrs(&HashSet::from([addrs[0]])).unwrap();
+        assert_eq!(first.sets().local_addrs.map().keys().count(), 1);
+        let mut s = first.share().unwrap();
+        s.prepare_for("kxb", kxb).unwrap();
+        s.set_hold(1).unwrap();
+        let mut xsk = TestXsk::open("kxb");
+        s.set_socket(0, xsk.fd()).unwrap();
+        send(9000, 1);
+        send(9002, 2);
+        assert!(
+            xsk.recv(1, Duration::from_millis(300)).is_empty(),
+            "the previous entry holds kxb until the take-over"
+        );
+        assert_eq!(from_kernel(), 1, "9000 is no frontend any more");
+        // The take-over: the same program on kxb, so no replace; the entry is this one's.
+        s.attach("kxb", AttachMode::Native, true).unwrap();
+        assert_eq!(query("kxb").drv_prog_id, prog_id);
+        let before = s.stats().unwrap();
+        send(9002, 3);
+        assert_eq!(xsk.recv(3, Duration::from_secs(3)).len(), 3);
+        assert_eq!(s.stats().unwrap().since(&before).redirected, 3);
+        // kxd was not taken over (no longer matching): forgotten, its entry gone.
+        assert_eq!(first.forget_previous(), 1);
+        assert!(
+            first
+                .program
+                .ifaces
+                .lookup(&kxd.to_ne_bytes(), MapFlags::ANY)
+                .unwrap()
+                .is_none()
+        );
+        // Cleaned up as `kxp cleanup` does.
+        s.detach().unwrap();
+        cleanup_interface("kxd").unwrap();
+        drop(first);
+        pins::remove_dir(&pins::dir().unwrap());
+    })
+    .unwrap();
+}
