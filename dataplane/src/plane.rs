@@ -682,13 +682,17 @@ fn matching_links(patterns: &[String]) -> Vec<(String, usize)> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| crate::ifmatch::wanted(patterns, n))
         .map(|n| {
-            let mtu = std::fs::read_to_string(format!("/sys/class/net/{n}/mtu"))
-                .ok()
-                .and_then(|m| m.trim().parse().ok())
-                .unwrap_or(1500);
+            let mtu = link_mtu(&n).unwrap_or(1500);
             (n, mtu)
         })
         .collect()
+}
+
+/// The MTU of interface `ifname`, if it exists.
+fn link_mtu(ifname: &str) -> Option<usize> {
+    std::fs::read_to_string(format!("/sys/class/net/{ifname}/mtu"))
+        .ok()
+        .and_then(|m| m.trim().parse().ok())
 }
 
 /// The most receive queues of one interface kxp serves (its XSKMAP's size).
@@ -793,7 +797,12 @@ impl Dataplane {
         };
         dp.spawn_workers(workers)?;
         times.lap("workers", &mut lap);
-        dp.program(&Update::full(initial))?;
+        // A previous kxp's steering, kept until the take-over, goes on holding with what
+        // its maps and routes have until the first state with Services is published: an
+        // empty start (`kxp run` starts before its first sync) would empty them.
+        if taken_over || initial.port_count() > 0 {
+            dp.program(&Update::full(initial))?;
+        }
         // The interfaces there now; one named without a wildcard must attach.
         links.reconcile(&dp.fib.view().links(), true)?;
         times.lap("interfaces", &mut lap);
@@ -1246,8 +1255,8 @@ impl LinkCtl {
     /// larger than a frame holds and kxp started without multi-buffer.
     fn warn_frame_mtu(&self, link: &LinkInfo) {
         if !self.multi_buffer
-            && let Some((_, mtu)) = matching_links(std::slice::from_ref(&link.name)).first()
-            && *mtu > self.frame_mtu
+            && let Some(mtu) = link_mtu(&link.name)
+            && mtu > self.frame_mtu
         {
             tracing::warn!(
                 interface = %link.name,

@@ -752,6 +752,10 @@ impl<'id> Worker<'id> {
         }
         self.write_journal();
         self.publish(clock.iterations, clock.busy, 0);
+        // The sockets' releases overlapped (see crate::xsk::close_in_parallel).
+        let copies = self.io.socket_copies();
+        drop(self);
+        crate::xsk::close_in_parallel(copies);
     }
 
     /// A new snapshot: the connection table's totals of endpoints no Service has any

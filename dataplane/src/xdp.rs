@@ -66,6 +66,7 @@ use std::fmt;
 use std::io;
 use std::net::IpAddr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ipnet::IpNet;
@@ -184,9 +185,10 @@ impl SharedProgram {
             .contains_key(&ifindex)
     }
 
-    /// Gives `slot` back: no socket, counters at zero, free for another handle.
-    fn free_slot(&self, slot: u32) {
-        for queue in 0..MAX_QUEUES {
+    /// Gives `slot` back: no socket on its first `queues` queues (the others have none),
+    /// counters at zero, free for another handle.
+    fn free_slot(&self, slot: u32, queues: u32) {
+        for queue in 0..queues.min(MAX_QUEUES) {
             let _ = self.xsks.delete(&(slot * MAX_QUEUES + queue).to_ne_bytes());
         }
         let _ = stats::clear(&self.stats, slot);
@@ -251,6 +253,9 @@ pub struct Steering {
     intended: Option<(String, u32)>,
     /// Not detached on drop (see [`Steering::keep_attached`]).
     keep: bool,
+    /// One past the highest queue a socket was entered for (the entries to clear when
+    /// the slot is given back).
+    queues_set: AtomicU32,
 }
 
 impl fmt::Debug for Steering {
@@ -497,7 +502,7 @@ impl Steering {
             if still {
                 let _ = self.program.ifaces.delete(&k);
             }
-            self.program.free_slot(slot);
+            self.program.free_slot(slot, 0);
         }
         previous.len()
     }
@@ -532,6 +537,7 @@ impl Steering {
             attachment: None,
             intended: None,
             keep: false,
+            queues_set: AtomicU32::new(0),
         })
     }
 
@@ -563,7 +569,8 @@ impl Steering {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&ifindex);
         if let Some(slot) = previous {
-            self.program.free_slot(slot);
+            // Its sockets closed with the previous kxp: the kernel took them out.
+            self.program.free_slot(slot, 0);
         }
         Ok(())
     }
@@ -630,6 +637,18 @@ impl Steering {
             hint: attach_hint(&source, ifname, mode),
             source,
         };
+        // A program taken up (see [`Steering::load_or_adopt`]) is already this very
+        // program on the interface, attached and pinned by the previous kxp: nothing to
+        // replace or pin (a netlink call and a pin saved per interface at a restart).
+        if replace && let Some(as_mode) = self.already_attached(ifindex, mode) {
+            self.attachment = Some(Attachment {
+                ifname: ifname.to_owned(),
+                ifindex,
+                mode: as_mode,
+                link: None,
+            });
+            return Ok(());
+        }
         let noexist = libbpf_sys::XDP_FLAGS_UPDATE_IF_NOEXIST;
         let netlink = |flags: u32| -> Result<(), XdpError> {
             match replace
@@ -684,6 +703,20 @@ impl Steering {
             );
         }
         Ok(())
+    }
+
+    /// The netlink mode this very program is attached to `ifindex` in, if it is, and
+    /// `mode` would have attached it so (native falls back to generic).
+    fn already_attached(&self, ifindex: u32, mode: AttachMode) -> Option<AttachMode> {
+        let q = sys::xdp_query(ifindex).ok()?;
+        match mode {
+            AttachMode::Link => None,
+            AttachMode::Native if q.drv_prog_id == self.program.id => Some(AttachMode::Native),
+            AttachMode::Native | AttachMode::Generic if q.skb_prog_id == self.program.id => {
+                Some(AttachMode::Generic)
+            }
+            _ => None,
+        }
     }
 
     /// Whether a kxp program a previous process left is attached to `ifname` in `mode`
@@ -788,6 +821,7 @@ impl Steering {
     pub fn set_socket(&self, queue: u32, xsk_fd: RawFd) -> Result<(), XdpError> {
         self.check_queue(queue)?;
         let fd = u32::try_from(xsk_fd).map_err(|_| XdpError::BadSocketFd { fd: xsk_fd })?;
+        self.queues_set.fetch_max(queue + 1, Ordering::Relaxed);
         self.program
             .xsks
             .update(&self.xsk_key(queue), &fd.to_ne_bytes(), MapFlags::ANY)
@@ -1163,7 +1197,8 @@ impl Drop for Steering {
         if let Some(k) = self.key.take() {
             self.unregister(k);
         }
-        self.program.free_slot(self.slot);
+        self.program
+            .free_slot(self.slot, self.queues_set.load(Ordering::Relaxed));
     }
 }
 

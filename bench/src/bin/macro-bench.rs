@@ -1415,20 +1415,30 @@ impl<'a> Router<'a> {
 
     /// Stops kxp (SIGKILL, or SIGTERM and a wait) and starts it again, from `bin` if
     /// given (an upgrade), with the same arguments; returns once it is healthy.
-    fn restart_kxp(&mut self, kill: bool, bin: Option<&Path>, tag: &str) -> anyhow::Result<()> {
+    /// Stops kxp (`kill`: SIGKILL, else SIGTERM) and starts `bin` (or the same binary)
+    /// with the same arguments, and waits until it is healthy. Returns how long the old
+    /// process took to be gone (reaped), which a supervisor waits for before a start.
+    fn restart_kxp(
+        &mut self,
+        kill: bool,
+        bin: Option<&Path>,
+        tag: &str,
+    ) -> anyhow::Result<Duration> {
         let (old_bin, args) = self.kxp_cmd.clone().context("no kxp to restart")?;
+        let stopping = Instant::now();
         if let Some(mut p) = self.kxp.take() {
             p.stop(
                 if kill { libc::SIGKILL } else { libc::SIGTERM },
                 Duration::from_secs(10),
             );
         }
+        let gone_in = stopping.elapsed();
         let bin = bin.map_or(old_bin, Path::to_path_buf);
         let mut p = spawn_kxp(self.lab, &bin, &args, tag)?;
         wait_healthy(self.lab, &mut p)?;
         self.kxp = Some(p);
         self.kxp_cmd = Some((bin, args));
-        Ok(())
+        Ok(gone_in)
     }
 
     /// kxp's last totals line, if it runs.
@@ -3115,6 +3125,8 @@ fn admin_at_scale(lab: &Lab, plan: &Plan, flows: u64) -> anyhow::Result<()> {
 #[derive(Debug)]
 struct Gap {
     kind: &'static str,
+    /// From the signal to the old process reaped (its sockets closed by the kernel).
+    gone_in: Duration,
     /// From the signal to kxp answering /healthz again.
     back_in: Duration,
     /// The longest time the backend's counter did not move.
@@ -3169,11 +3181,13 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
                 break;
             }
             let t0 = Instant::now();
-            if let Err(e) = router.restart_kxp(*kill, *bin, &format!("kxp-restart-{i}")) {
-                result = Err(e);
-                break;
+            match router.restart_kxp(*kill, *bin, &format!("kxp-restart-{i}")) {
+                Ok(gone_in) => marks.push((*kind, t0, Instant::now(), gone_in)),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
-            marks.push((*kind, t0, Instant::now()));
             let _ = lab.stop.sleep(Duration::from_millis(2500));
         }
         done.store(true, Ordering::Relaxed);
@@ -3192,7 +3206,7 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
             .map_or(0, |x| x.1)
     };
     let mut gaps = Vec::new();
-    for (kind, t0, ready) in marks {
+    for (kind, t0, ready, gone_in) in marks {
         let before = t0 - Duration::from_secs(1);
         let rate = (count_at(t0) - count_at(before)) as f64;
         let end = ready + Duration::from_secs(1);
@@ -3208,6 +3222,7 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
         }
         gaps.push(Gap {
             kind,
+            gone_in,
             back_in: ready - t0,
             stall,
             lost,
@@ -3236,13 +3251,14 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
         }
     );
     println!(
-        "| restart | kxp back in | longest stall at the backend | packets lost | rate before (Mpps) |"
+        "| restart | old kxp gone in | kxp back in | longest stall at the backend | packets lost | rate before (Mpps) |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     for g in &gaps {
         println!(
-            "| {} | {:.2} s | {:.2} s | {:.0} | {:.3} |",
+            "| {} | {:.2} s | {:.2} s | {:.2} s | {:.0} | {:.3} |",
             g.kind,
+            g.gone_in.as_secs_f64(),
             g.back_in.as_secs_f64(),
             g.stall.as_secs_f64(),
             g.lost,
