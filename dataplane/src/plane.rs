@@ -407,6 +407,8 @@ fn busy_poll_knobs(ifnames: &[String]) -> Vec<(String, String)> {
 struct Counted<K> {
     counts: HashMap<K, u32>,
     touched: HashMap<K, u32>,
+    /// Changes are recorded in `touched` (not while a refill counts everything afresh).
+    tracking: bool,
 }
 
 impl<K> Default for Counted<K> {
@@ -414,14 +416,27 @@ impl<K> Default for Counted<K> {
         Counted {
             counts: HashMap::new(),
             touched: HashMap::new(),
+            tracking: true,
         }
     }
 }
 
 impl<K: std::hash::Hash + Eq + Copy> Counted<K> {
+    /// Counts afresh, without recording changes, room made for `keys` keys: for a
+    /// refill, whose sets are then written in full.
+    fn fresh(keys: usize) -> Self {
+        Counted {
+            counts: HashMap::with_capacity(keys),
+            touched: HashMap::new(),
+            tracking: false,
+        }
+    }
+
     fn bump(&mut self, k: K, by: i32) {
         let n = self.counts.entry(k).or_default();
-        self.touched.entry(k).or_insert(*n);
+        if self.tracking {
+            self.touched.entry(k).or_insert(*n);
+        }
         *n = n.saturating_add_signed(by);
         if *n == 0 {
             self.counts.remove(&k);
@@ -541,6 +556,17 @@ impl Wanted {
 
 impl Wanted {
     /// Forgets which keys moved (after a full programming).
+    /// Changes are recorded from now on (after a refill).
+    fn track_changes(&mut self) {
+        self.frontends.tracking = true;
+        self.endpoints.tracking = true;
+        self.cluster_ips.tracking = true;
+        self.routed.tracking = true;
+        self.node_ports.tracking = true;
+        self.udp.tracking = true;
+        self.udp_frontends.tracking = true;
+    }
+
     fn settle(&mut self) {
         self.frontends.touched.clear();
         self.endpoints.touched.clear();
@@ -1525,15 +1551,28 @@ impl Wanted {
     ) -> GoneUdp {
         let old_udp = std::mem::take(&mut self.udp);
         let old_frontends = std::mem::take(&mut self.udp_frontends);
+        // Counted afresh (no changes recorded), with room for every key: at 100,000
+        // Services, growing the tables and recording changes took a third of a refill.
+        let (ports, eps) = snap
+            .ports()
+            .fold((0, 0), |(p, e), sp| (p + 1, e + sp.endpoints.len()));
         *self = Wanted {
             np_addrs,
             routes_changed: true,
             node_ports_changed: true,
+            frontends: Counted::fresh(ports * 2),
+            endpoints: Counted::fresh(eps * 2),
+            cluster_ips: Counted::fresh(ports),
+            routed: Counted::fresh(ports),
+            node_ports: Counted::fresh(0),
+            udp: Counted::fresh(0),
+            udp_frontends: Counted::fresh(0),
             ..Wanted::default()
         };
         for sp in snap.ports() {
             self.count(sp, 1);
         }
+        self.track_changes();
         let frontends: HashSet<SteerKey> = self.frontends.keys().copied().collect();
         let endpoints: HashSet<SteerKey> = self.endpoints.keys().copied().collect();
         let cluster_ips: HashSet<IpAddr> = self.cluster_ips.keys().copied().collect();
