@@ -1136,6 +1136,8 @@ fn the_growing_sets_grow_past_any_size_keeping_every_key() {
     assert_eq!((st.added, st.removed), (100_000, 1));
     assert_eq!(s.sets().frontends.fill().0, initial + 100_000);
     assert!(s.sets().frontends.fill().1 >= 2 * (initial + 100_000));
+    // Every key in the kernel's map (filled from a thread per CPU at this size).
+    assert_eq!(s.sets().frontends.map().keys().count(), initial + 100_000);
     assert_eq!(classify(&s, &to(key(199_999))), Some(Rule::Frontend));
     assert_eq!(classify(&s, &to(key(1))), None);
 
