@@ -8,9 +8,12 @@ pub mod results;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
-use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::{ObjectReference, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+    FieldsV1, ManagedFieldsEntry, ObjectMeta, OwnerReference,
+};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use translate::k8s::{ClusterState, NodeSettings};
 
 fn fold(mut sum: u32) -> u16 {
@@ -76,37 +79,46 @@ pub fn endpoint_ip(i: u32, j: u32) -> IpAddr {
 }
 
 /// `services` ClusterIP Services on port 80, each with `endpoints_each` ready endpoints on
-/// port 8080 in one EndpointSlice (spread over three nodes).
+/// port 8080 in one EndpointSlice (spread over three nodes and zones), each object with
+/// what an API server serves besides what kube-proxy reads: managed fields, labels,
+/// owner references, kubectl's last applied configuration (a Service `kubectl apply`
+/// made), and for each endpoint its conditions, zone and reference to its Pod.
 pub fn cluster(services: u32, endpoints_each: u32) -> ClusterState {
     assert!(endpoints_each <= 16);
     let mut state = ClusterState::default();
     for i in 0..services {
         let name = format!("svc-{i}");
-        state.services.push(Service {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: Some("bench".into()),
-                ..Default::default()
-            },
-            spec: Some(ServiceSpec {
-                cluster_ip: Some(cluster_ip(i).to_string()),
-                ports: Some(vec![ServicePort {
-                    port: 80,
-                    protocol: Some("TCP".into()),
-                    ..Default::default()
-                }]),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
+        state.services.push(service(i, &name));
         state.endpoint_slices.push(EndpointSlice {
             metadata: ObjectMeta {
                 name: Some(format!("{name}-abcde")),
+                generate_name: Some(format!("{name}-")),
                 namespace: Some("bench".into()),
-                labels: Some(BTreeMap::from([(
-                    "kubernetes.io/service-name".to_string(),
-                    name,
+                labels: Some(BTreeMap::from([
+                    ("kubernetes.io/service-name".to_string(), name.clone()),
+                    (
+                        "endpointslice.kubernetes.io/managed-by".to_string(),
+                        "endpointslice-controller.k8s.io".to_string(),
+                    ),
+                    ("app".to_string(), name.clone()),
+                ])),
+                annotations: Some(BTreeMap::from([(
+                    "endpoints.kubernetes.io/last-change-trigger-time".to_string(),
+                    "2026-12-01T10:00:00Z".to_string(),
                 )])),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "v1".into(),
+                    kind: "Service".into(),
+                    name: name.clone(),
+                    uid: uid(i, 0xffff),
+                    controller: Some(true),
+                    block_owner_deletion: Some(true),
+                }]),
+                managed_fields: Some(vec![managed(
+                    "kube-controller-manager",
+                    "discovery.k8s.io/v1",
+                    r#"{"f:addressType":{},"f:endpoints":{},"f:metadata":{"f:annotations":{".":{},"f:endpoints.kubernetes.io/last-change-trigger-time":{}},"f:generateName":{},"f:labels":{".":{},"f:app":{},"f:endpointslice.kubernetes.io/managed-by":{},"f:kubernetes.io/service-name":{}},"f:ownerReferences":{".":{},"k:{\"uid\":\"0\"}":{}}},"f:ports":{}}"#,
+                )]),
                 ..Default::default()
             },
             address_type: "IPv4".into(),
@@ -119,13 +131,89 @@ pub fn cluster(services: u32, endpoints_each: u32) -> ClusterState {
             endpoints: (0..endpoints_each)
                 .map(|j| Endpoint {
                     addresses: vec![endpoint_ip(i, j).to_string()],
+                    conditions: Some(EndpointConditions {
+                        ready: Some(true),
+                        serving: Some(true),
+                        terminating: Some(false),
+                    }),
                     node_name: Some(format!("node-{}", j % 3)),
+                    zone: Some(format!("z{}", j % 3 + 1)),
+                    target_ref: Some(ObjectReference {
+                        kind: Some("Pod".into()),
+                        namespace: Some("bench".into()),
+                        name: Some(format!("{name}-7d9f8b6c5-{j:05}")),
+                        uid: Some(uid(i, j)),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 })
                 .collect(),
         });
     }
     state
+}
+
+/// Service `i` named `name`, as `kubectl apply` makes it.
+fn service(i: u32, name: &str) -> Service {
+    let last_applied = format!(
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"annotations":{{}},"labels":{{"app":"{name}"}},"name":"{name}","namespace":"bench"}},"spec":{{"ports":[{{"port":80,"protocol":"TCP","targetPort":8080}}],"selector":{{"app":"{name}"}}}}}}"#
+    );
+    Service {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some("bench".into()),
+            labels: Some(BTreeMap::from([("app".to_string(), name.to_string())])),
+            annotations: Some(BTreeMap::from([(
+                "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                last_applied,
+            )])),
+            managed_fields: Some(vec![managed(
+                "kubectl-client-side-apply",
+                "v1",
+                r#"{"f:metadata":{"f:annotations":{".":{},"f:kubectl.kubernetes.io/last-applied-configuration":{}},"f:labels":{".":{},"f:app":{}}},"f:spec":{"f:internalTrafficPolicy":{},"f:ports":{".":{},"k:{\"port\":80,\"protocol\":\"TCP\"}":{".":{},"f:port":{},"f:protocol":{},"f:targetPort":{}}},"f:selector":{},"f:sessionAffinity":{},"f:type":{}}}"#,
+            )]),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            cluster_ip: Some(cluster_ip(i).to_string()),
+            cluster_ips: Some(vec![cluster_ip(i).to_string()]),
+            ip_families: Some(vec!["IPv4".into()]),
+            ip_family_policy: Some("SingleStack".into()),
+            internal_traffic_policy: Some("Cluster".into()),
+            session_affinity: Some("None".into()),
+            type_: Some("ClusterIP".into()),
+            selector: Some(BTreeMap::from([("app".to_string(), name.to_string())])),
+            ports: Some(vec![ServicePort {
+                port: 80,
+                protocol: Some("TCP".into()),
+                target_port: Some(IntOrString::Int(8080)),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A managed-fields entry of `manager` (an Update) with these fields.
+fn managed(manager: &str, api_version: &str, fields: &str) -> ManagedFieldsEntry {
+    ManagedFieldsEntry {
+        manager: Some(manager.into()),
+        operation: Some("Update".into()),
+        api_version: Some(api_version.into()),
+        time: None,
+        fields_type: Some("FieldsV1".into()),
+        fields_v1: serde_json::from_str(fields).ok().map(FieldsV1),
+        subresource: None,
+    }
+}
+
+/// A UID for object `j` of Service `i` (0xffff: the Service itself).
+fn uid(i: u32, j: u32) -> String {
+    format!(
+        "{i:08x}-{j:04x}-4000-8000-{:012x}",
+        u64::from(i) * 31 + u64::from(j)
+    )
 }
 
 /// Node settings for the synthetic cluster: node-0, 192.0.2.10, cluster CIDR 10.0.0.0/8.

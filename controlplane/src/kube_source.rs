@@ -535,6 +535,7 @@ impl KubeSource {
             svc_cfg,
             0,
             &shared,
+            trim_meta,
         );
         let slices = spawn(
             &mut tasks,
@@ -542,6 +543,7 @@ impl KubeSource {
             slice_cfg,
             1,
             &shared,
+            trim_slice,
         );
         let cidrs = spawn(
             &mut tasks,
@@ -549,6 +551,7 @@ impl KubeSource {
             watcher::Config::default(),
             2,
             &shared,
+            trim_meta,
         );
         let policy = if cfg.network_policy {
             Some(Box::new(PolicyStores {
@@ -561,6 +564,7 @@ impl KubeSource {
                     watcher::Config::default().fields(POD_FIELDS),
                     4,
                     &shared,
+                    trim_meta,
                 ),
                 // Their metadata only (the API server's PartialObjectMetadata
                 // projection): what NetworkPolicy needs of a Namespace is its labels.
@@ -570,6 +574,7 @@ impl KubeSource {
                     watcher::Config::default(),
                     5,
                     &shared,
+                    trim_meta,
                 ),
                 policies: spawn(
                     &mut tasks,
@@ -577,6 +582,7 @@ impl KubeSource {
                     watcher::Config::default(),
                     6,
                     &shared,
+                    trim_meta,
                 ),
                 made: Mutex::default(),
             }))
@@ -587,7 +593,14 @@ impl KubeSource {
             }
             None
         };
-        let nodes = spawn(&mut tasks, Api::<Node>::all(client), node_cfg, 3, &shared);
+        let nodes = spawn(
+            &mut tasks,
+            Api::<Node>::all(client),
+            node_cfg,
+            3,
+            &shared,
+            trim_meta,
+        );
         KubeSource {
             services,
             slices,
@@ -831,12 +844,37 @@ where
     objs
 }
 
+/// What no decision of kxp's reads, dropped from every object before it is stored: its
+/// managed fields (the API server's record of who set which field, as large as the
+/// object itself) and kubectl's copy of the last applied configuration.
+fn trim_meta<K: Resource>(obj: &mut K) {
+    let meta = obj.meta_mut();
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+}
+
+/// As [`trim_meta`], and each endpoint's reference to its Pod and its deprecated
+/// topology (kube-proxy reads neither): at a million endpoints, the references alone
+/// were some 200 MB.
+fn trim_slice(slice: &mut EndpointSlice) {
+    trim_meta(slice);
+    for ep in &mut slice.endpoints {
+        ep.target_ref = None;
+        ep.deprecated_topology = None;
+    }
+}
+
+/// Watches `api` (the objects `cfg` selects) into a store, each object `trim`med first,
+/// counting under `index` what the watch does.
 fn spawn<K>(
     tasks: &mut Vec<JoinHandle<()>>,
     api: Api<K>,
     cfg: watcher::Config,
     index: usize,
     shared: &Arc<Shared>,
+    trim: fn(&mut K),
 ) -> Store<K>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -844,7 +882,10 @@ where
 {
     let (store, writer) = reflector::store();
     let shared = Arc::clone(shared);
-    let stream = watcher(api, cfg).default_backoff().reflect(writer);
+    let stream = watcher(api, cfg)
+        .default_backoff()
+        .modify(trim)
+        .reflect(writer);
     tasks.push(tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {
@@ -939,5 +980,89 @@ fn error_text(e: &watcher::Error) -> String {
     match inner {
         kube::Error::Api(s) => format!("{what}: HTTP {} {}: {}", s.code, s.reason, s.message),
         other => format!("{what}: {}", with_causes(other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use k8s_openapi::api::discovery::v1::Endpoint;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectMeta};
+    use std::collections::BTreeMap;
+
+    /// What is trimmed is what no decision reads: managed fields, kubectl's copy of the
+    /// applied configuration and the endpoints' Pod references go; every other
+    /// annotation (kxp's own included), the labels and the endpoints' fields stay.
+    #[test]
+    fn trimming_keeps_what_decisions_read() {
+        let annotations = BTreeMap::from([
+            (
+                "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                "{}".to_string(),
+            ),
+            (
+                translate::k8s::ANNOTATION_WEIGHTS.to_string(),
+                "10.0.0.1=2".to_string(),
+            ),
+            (
+                "endpoints.kubernetes.io/last-change-trigger-time".to_string(),
+                "2026-12-01T10:00:00Z".to_string(),
+            ),
+        ]);
+        let meta = ObjectMeta {
+            name: Some("web-abcde".into()),
+            labels: Some(BTreeMap::from([(
+                "kubernetes.io/service-name".to_string(),
+                "web".to_string(),
+            )])),
+            annotations: Some(annotations),
+            managed_fields: Some(vec![ManagedFieldsEntry::default()]),
+            ..Default::default()
+        };
+        let mut slice = EndpointSlice {
+            metadata: meta,
+            address_type: "IPv4".into(),
+            endpoints: vec![Endpoint {
+                addresses: vec!["10.0.0.1".into()],
+                node_name: Some("node-a".into()),
+                zone: Some("z1".into()),
+                target_ref: Some(ObjectReference {
+                    kind: Some("Pod".into()),
+                    name: Some("web-1".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ports: None,
+        };
+        trim_slice(&mut slice);
+        assert!(slice.metadata.managed_fields.is_none());
+        let kept: Vec<&str> = slice
+            .metadata
+            .annotations
+            .as_ref()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                "endpoints.kubernetes.io/last-change-trigger-time",
+                translate::k8s::ANNOTATION_WEIGHTS
+            ]
+        );
+        assert_eq!(slice.metadata.labels.as_ref().unwrap().len(), 1);
+        let ep = &slice.endpoints[0];
+        assert!(ep.target_ref.is_none());
+        assert_eq!(
+            (
+                ep.addresses.len(),
+                ep.node_name.as_deref(),
+                ep.zone.as_deref()
+            ),
+            (1, Some("node-a"), Some("z1"))
+        );
     }
 }

@@ -92,6 +92,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let (mut hc, mut localnp) = first_sync(&mut tracker, &input, &mut dp, &health, &cfg)?;
     take_over_interfaces(&dp, listing, first_started.elapsed());
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
+    // What the first lists and programming freed goes back to the kernel (glibc keeps
+    // it otherwise; 29 MiB of 1.3 GiB at 100,000 Services).
+    dataplane::sys::release_free_heap();
     let metrics_server = serve_metrics(serving, &metrics)?;
     drop_capabilities();
     log_running(&dp_cfg, &dp, server.as_ref());

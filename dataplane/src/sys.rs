@@ -381,6 +381,16 @@ pub fn recv_with_timestamp(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Opti
     Ok((n as usize, ts))
 }
 
+/// Gives the heap's free memory back to the kernel (glibc's `malloc_trim(0)`): after a
+/// large one-off allocation (the first lists and the first programming of a big cluster)
+/// glibc keeps what was freed in its arenas, counted in the process's RSS. Returns
+/// whether anything was released.
+pub fn release_free_heap() -> bool {
+    // SAFETY: `malloc_trim` takes an integer and touches only the allocator's own state,
+    // under its locks; it is safe to call from any thread at any time.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every worker and every process since
 /// boot, so that state one worker or one process stamped (conntrack expiry, affinity)
 /// means the same to another.
