@@ -553,46 +553,15 @@ impl KubeSource {
             &shared,
             trim_meta,
         );
-        let policy = if cfg.network_policy {
-            Some(Box::new(PolicyStores {
-                pods: spawn(
-                    &mut tasks,
-                    Api::<Pod>::all(client.clone()),
-                    // Finished pods hold no address a policy could mean (theirs may be
-                    // another pod's by now): the API server leaves them out, and a pod
-                    // that finishes leaves the watch as deleted.
-                    watcher::Config::default().fields(POD_FIELDS),
-                    4,
-                    &shared,
-                    trim_meta,
-                ),
-                // Their metadata only (the API server's PartialObjectMetadata
-                // projection): what NetworkPolicy needs of a Namespace is its labels.
-                namespaces: spawn(
-                    &mut tasks,
-                    Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
-                    watcher::Config::default(),
-                    5,
-                    &shared,
-                    trim_meta,
-                ),
-                policies: spawn(
-                    &mut tasks,
-                    Api::<NetworkPolicy>::all(client.clone()),
-                    watcher::Config::default(),
-                    6,
-                    &shared,
-                    trim_meta,
-                ),
-                made: Mutex::default(),
-            }))
-        } else {
+        let policy = cfg
+            .network_policy
+            .then(|| policy_stores(&mut tasks, &client, &shared));
+        if policy.is_none() {
             // Not watched: nothing to wait for.
             for i in POLICY_RESOURCES {
                 shared.counters(i).st.synced = true;
             }
-            None
-        };
+        }
         let nodes = spawn(
             &mut tasks,
             Api::<Node>::all(client),
@@ -842,6 +811,46 @@ where
         (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name))
     });
     objs
+}
+
+/// The watchers NetworkPolicy decisions are made of (pods, namespaces, policies).
+fn policy_stores(
+    tasks: &mut Vec<JoinHandle<()>>,
+    client: &kube::Client,
+    shared: &Arc<Shared>,
+) -> Box<PolicyStores> {
+    Box::new(PolicyStores {
+        pods: spawn(
+            tasks,
+            Api::<Pod>::all(client.clone()),
+            // Finished pods hold no address a policy could mean (theirs may be
+            // another pod's by now): the API server leaves them out, and a pod
+            // that finishes leaves the watch as deleted.
+            watcher::Config::default().fields(POD_FIELDS),
+            4,
+            shared,
+            trim_meta,
+        ),
+        // Their metadata only (the API server's PartialObjectMetadata
+        // projection): what NetworkPolicy needs of a Namespace is its labels.
+        namespaces: spawn(
+            tasks,
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+            watcher::Config::default(),
+            5,
+            shared,
+            trim_meta,
+        ),
+        policies: spawn(
+            tasks,
+            Api::<NetworkPolicy>::all(client.clone()),
+            watcher::Config::default(),
+            6,
+            shared,
+            trim_meta,
+        ),
+        made: Mutex::default(),
+    })
 }
 
 /// What no decision of kxp's reads, dropped from every object before it is stored: its

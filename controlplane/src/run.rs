@@ -4,6 +4,7 @@
 //! while traffic flows; an edit that cannot be read is logged with the reason and the last
 //! good state stays in force. SIGTERM / SIGINT detach everything kxp attached and exit 0.
 
+mod handover;
 mod input;
 mod sync;
 
@@ -82,11 +83,26 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         return Ok(());
     }
     let stop = prepare_process(&cfg)?;
+    // A kxp running beside this one (a rolling update with a surge): this one announces
+    // itself as its successor; it forwards until this one has the cluster's lists.
+    let generation = handover::generation();
+    let Ok(successor) = announce(&dp_cfg, generation) else {
+        return Ok(());
+    };
     let mut input = start_source(&opts, &cfg, &settings, &stop)?;
     let (min_sync, resync) = sync_periods(Some(&cfg));
     let (mut tracker, listed, listing) = read_state(&input, &settings)?;
+    // The kxp running beside this newer one (announced above) releases the node now
+    // that the lists are in, before /healthz's port is bound.
+    if let Some(s) = successor {
+        s.ask_release();
+    }
     let (metrics, health, server) = serve_health(&serving, resync)?;
     let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp)?;
+    let release = dp_cfg
+        .state_dir
+        .as_deref()
+        .and_then(|dir| handover::ReleaseListener::start(dir, generation, stop.clone()));
     find_host_addresses(&mut settings, &mut tracker, &dp);
     let first_started = Instant::now();
     let (mut hc, mut localnp) = first_sync(&mut tracker, &input, &mut dp, &health, &cfg)?;
@@ -108,8 +124,34 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         metrics: &metrics,
     };
     sync_loop(parts, settings, FIRST_GENERATION, (min_sync, resync), &stop);
+    if let Some(r) = &release {
+        r.wait_for_successor(handover::SUCCESSOR_WAIT);
+    }
     shutdown(&dp_cfg, admin, dp, hc, server, metrics_server);
+    if release.is_some_and(handover::ReleaseListener::finish) {
+        handover::stand_by("released this node to a newer kxp");
+    }
     Ok(())
+}
+
+/// Announces this kxp to the one running with the same state directory (see
+/// [`handover`]): its successor, or nobody's. `Err` if that one outranks this one,
+/// which then stood by until stopped.
+fn announce(
+    dp_cfg: &DataplaneConfig,
+    generation: Option<u64>,
+) -> Result<Option<handover::Successor>, ()> {
+    let Some(dir) = dp_cfg.state_dir.as_deref() else {
+        return Ok(None);
+    };
+    match handover::Successor::announce(dir, generation) {
+        handover::Announced::Successor(s) => Ok(Some(s)),
+        handover::Announced::Nobody => Ok(None),
+        handover::Announced::Outranked(why) => {
+            handover::stand_by(&format!("this node is another kxp's ({why})"));
+            Err(())
+        }
+    }
 }
 
 /// The first sync's generation: the dataplane starts with an empty snapshot, and the

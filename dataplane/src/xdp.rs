@@ -440,22 +440,12 @@ impl Steering {
                 *used = true;
             }
         }
-        let sets = if adopted {
-            Sets {
-                frontends: SyncedMap::adopt_growing(frontends, "frontends", STEER_KEY_LEN)?,
-                endpoints: SyncedMap::adopt_growing(endpoints, "endpoints", STEER_KEY_LEN)?,
-                local_addrs: SyncedMap::adopt(local_addrs, "local_addrs"),
-                cluster_ips: SyncedMap::adopt_growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN)?,
-                service_cidrs: SyncedMap::adopt(service_cidrs, "service_cidrs"),
-            }
-        } else {
-            Sets {
-                frontends: SyncedMap::growing(frontends, "frontends", STEER_KEY_LEN)?,
-                endpoints: SyncedMap::growing(endpoints, "endpoints", STEER_KEY_LEN)?,
-                local_addrs: SyncedMap::new(local_addrs, "local_addrs"),
-                cluster_ips: SyncedMap::growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN)?,
-                service_cidrs: SyncedMap::new(service_cidrs, "service_cidrs"),
-            }
+        let sets = Sets {
+            frontends: SyncedMap::growing(frontends, "frontends", STEER_KEY_LEN, adopted)?,
+            endpoints: SyncedMap::growing(endpoints, "endpoints", STEER_KEY_LEN, adopted)?,
+            local_addrs: SyncedMap::fixed(local_addrs, "local_addrs", adopted),
+            cluster_ips: SyncedMap::growing(cluster_ips, "cluster_ips", ADDR_KEY_LEN, adopted)?,
+            service_cidrs: SyncedMap::fixed(service_cidrs, "service_cidrs", adopted),
         };
         let program = Arc::new(SharedProgram {
             fd: loaded.prog,

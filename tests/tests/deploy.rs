@@ -242,7 +242,7 @@ fn systemd_accepts_the_unit() {
 }
 
 #[test]
-fn daemonset_keeps_the_state_directory_across_pods_and_never_runs_two_per_node() {
+fn daemonset_keeps_the_state_directory_across_pods_and_hands_the_node_over() {
     let docs = docs();
     let ds = kind(&docs, "DaemonSet");
     let spec = &ds["spec"]["template"]["spec"];
@@ -258,13 +258,26 @@ fn daemonset_keeps_the_state_directory_across_pods_and_never_runs_two_per_node()
         .find(|v| v["name"] == run["name"])
         .unwrap();
     assert_eq!(vol["hostPath"]["path"].as_str(), Some("/run/kxp"));
-    // A rolling update stops the old pod before the new one starts (no surge): the new
-    // kxp takes over the old one's state directory and programs.
+    // A rolling update starts the new pod beside the old one (a surge, none unavailable):
+    // the new kxp, of a newer generation (the pod template's), announces itself and
+    // takes the node over once it has the cluster's state; the old one forwards until
+    // then, also when told to stop, for up to 45 s of its grace period.
     let ru = &ds["spec"]["updateStrategy"]["rollingUpdate"];
-    assert!(ru["maxSurge"].is_null() || ru["maxSurge"].as_u64() == Some(0));
+    assert_eq!(ru["maxSurge"].as_u64(), Some(1));
+    assert_eq!(ru["maxUnavailable"].as_u64(), Some(0));
     assert_eq!(
         ds["spec"]["updateStrategy"]["type"].as_str(),
         Some("RollingUpdate")
+    );
+    assert!(spec["terminationGracePeriodSeconds"].as_u64() >= Some(50));
+    let env = spec["containers"][0]["env"].as_sequence().unwrap();
+    let generation = env
+        .iter()
+        .find(|e| e["name"].as_str() == Some("KXP_GENERATION"))
+        .expect("KXP_GENERATION set");
+    assert_eq!(
+        generation["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        Some("metadata.labels['pod-template-generation']")
     );
 }
 

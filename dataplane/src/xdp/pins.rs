@@ -147,21 +147,28 @@ pub(super) fn open_program(name: &str) -> Option<(OwnedFd, PathBuf)> {
 /// Removes the program directories of other builds than `keep` (once kxp has taken over:
 /// their programs are detached everywhere). Returns how many went.
 pub(super) fn prune_programs(keep: &str) -> usize {
+    sweep(|name, path| {
+        let stale = name.starts_with("steer-") && name != keep;
+        if stale {
+            remove_program_dir(path);
+        }
+        stale
+    })
+}
+
+/// Calls `remove` with the name and path of each entry of the pin directory; returns
+/// how many it said it removed.
+fn sweep(mut remove: impl FnMut(&str, &Path) -> bool) -> usize {
     let Some(dir) = dir() else {
         return 0;
     };
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return 0;
     };
-    let mut n = 0;
-    for e in entries.filter_map(Result::ok) {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("steer-") && name != keep {
-            remove_program_dir(&e.path());
-            n += 1;
-        }
-    }
-    n
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| remove(&e.file_name().to_string_lossy(), &e.path()))
+        .count()
 }
 
 /// Removes a program directory and its pins (the program and maps live on while
@@ -178,25 +185,14 @@ fn remove_program_dir(at: &Path) {
 /// Removes the pins of every interface but `keep` (once kxp has taken over: the others
 /// are interfaces gone while no kxp ran). Returns how many went.
 pub fn prune(keep: &[u32]) -> usize {
-    let Some(dir) = dir() else {
-        return 0;
-    };
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return 0;
-    };
-    let mut n = 0;
-    for e in entries.filter_map(Result::ok) {
-        let name = e.file_name().to_string_lossy().into_owned();
+    sweep(|name, path| {
         let stale = match name.strip_prefix("xdp-").map(str::parse::<u32>) {
             Some(Ok(i)) => !keep.contains(&i),
             // A pin being renamed into place by a kxp that died there.
             _ => name.ends_with("-new"),
         };
-        if stale && std::fs::remove_file(e.path()).is_ok() {
-            n += 1;
-        }
-    }
-    n
+        stale && std::fs::remove_file(path).is_ok()
+    })
 }
 
 /// Removes the pins in `dir` (kxp's files only) and the directory if it is then empty.

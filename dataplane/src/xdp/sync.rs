@@ -39,7 +39,7 @@ pub(super) struct SyncedMap<K> {
     /// A set that grows with the cluster: the one-slot array of maps the program reads
     /// it through (`map` is the inner map in its slot), and the inner map's key size.
     outer: Option<(MapHandle, u32)>,
-    /// Taken up from a previous kxp (see [`Self::adopt`]): the keys it left (as bytes),
+    /// Taken up from a previous kxp (see [`Self::fixed`]): the keys it left (as bytes),
     /// which the first [`Self::sync`] removes where no longer wanted.
     previous: Option<Vec<Vec<u8>>>,
 }
@@ -53,44 +53,43 @@ pub const INITIAL_SET: u32 = 4096;
 const BATCH: usize = 4096;
 
 impl<K: MapKey> SyncedMap<K> {
-    pub(super) fn new(map: MapHandle, name: &'static str) -> Self {
+    /// A set of fixed size. `taken_up`: a previous kxp filled it (its program taken up):
+    /// its keys are read now, and the first [`Self::sync`] deletes those no longer
+    /// wanted.
+    pub(super) fn fixed(map: MapHandle, name: &'static str, taken_up: bool) -> Self {
+        let previous = taken_up.then(|| map.keys().collect());
         SyncedMap {
             map,
             name,
             installed: HashSet::new(),
             outer: None,
-            previous: None,
+            previous,
         }
     }
 
-    /// A set of fixed size a previous kxp filled (a program taken up): its keys are read
-    /// now, and the first [`Self::sync`] deletes those no longer wanted.
-    pub(super) fn adopt(map: MapHandle, name: &'static str) -> Self {
-        let previous = map.keys().collect();
-        SyncedMap {
-            previous: Some(previous),
-            ..SyncedMap::new(map, name)
-        }
-    }
-
-    /// A growing set a previous kxp filled: the program reads the map the previous kxp
-    /// left in `outer`'s slot until the first [`Self::sync`], which fills a new one and
-    /// swaps it in.
+    /// A set that grows with the cluster, read by the program through `outer` (a
+    /// one-slot array of maps): an empty inner map of [`INITIAL_SET`] entries is made
+    /// and put in its slot. `taken_up`: a previous kxp filled the map in that slot, which
+    /// the program reads until the first [`Self::sync`] fills a new one and swaps it in.
     ///
     /// # Errors
-    /// The new map cannot be made.
-    pub(super) fn adopt_growing(
+    /// The map cannot be made or put in the slot.
+    pub(super) fn growing(
         outer: MapHandle,
         name: &'static str,
         key_size: u32,
+        taken_up: bool,
     ) -> Result<Self, XdpError> {
         let map = new_set(name, key_size, INITIAL_SET)?;
+        if !taken_up {
+            swap_in(&outer, &map, name)?;
+        }
         Ok(SyncedMap {
             map,
             name,
             installed: HashSet::new(),
             outer: Some((outer, key_size)),
-            previous: Some(Vec::new()),
+            previous: taken_up.then(Vec::new),
         })
     }
 
@@ -100,28 +99,6 @@ impl<K: MapKey> SyncedMap<K> {
             Some((outer, _)) => (self.name, outer.as_fd()),
             None => (self.name, self.map.as_fd()),
         }
-    }
-
-    /// A set that grows with the cluster, read by the program through `outer` (a
-    /// one-slot array of maps): an empty inner map of [`INITIAL_SET`] entries is made
-    /// and put in its slot.
-    ///
-    /// # Errors
-    /// The map cannot be made or put in the slot.
-    pub(super) fn growing(
-        outer: MapHandle,
-        name: &'static str,
-        key_size: u32,
-    ) -> Result<Self, XdpError> {
-        let map = new_set(name, key_size, INITIAL_SET)?;
-        swap_in(&outer, &map, name)?;
-        Ok(SyncedMap {
-            map,
-            name,
-            installed: HashSet::new(),
-            outer: Some((outer, key_size)),
-            previous: None,
-        })
     }
 
     /// How many keys the map holds now, and how many it can hold before it must grow

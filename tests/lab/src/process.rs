@@ -30,7 +30,13 @@ pub fn join<T>(h: JoinHandle<anyhow::Result<T>>) -> anyhow::Result<T> {
 }
 
 /// `exe run ARGS` in namespace `ns`, its output to `out`.
-fn run_in(exe: &Path, ns: &str, args: &[String], out: std::fs::File) -> anyhow::Result<Child> {
+fn run_in(
+    exe: &Path,
+    ns: &str,
+    args: &[String],
+    env: &[(String, String)],
+    out: std::fs::File,
+) -> anyhow::Result<Child> {
     let err = out.try_clone()?;
     // Invoked as `kube-proxy`, kxp is `kxp run` already.
     let as_kube_proxy = exe.file_name().is_some_and(|n| n == "kube-proxy");
@@ -38,6 +44,7 @@ fn run_in(exe: &Path, ns: &str, args: &[String], out: std::fs::File) -> anyhow::
         .arg(exe)
         .args((!as_kube_proxy).then_some("run"))
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
@@ -54,6 +61,7 @@ pub struct KxpProcess {
     pub log: PathBuf,
     exe: PathBuf,
     ns: String,
+    env: Vec<(String, String)>,
     /// `kxp cleanup` ran.
     cleaned: bool,
 }
@@ -70,12 +78,25 @@ impl KxpProcess {
         args: &[String],
         log: &Path,
     ) -> anyhow::Result<KxpProcess> {
-        let child = run_in(exe, ns, args, std::fs::File::create(log)?)?;
+        Self::spawn_exe_env(exe, ns, args, &[], log)
+    }
+
+    /// As [`KxpProcess::spawn_exe`], with these environment variables besides this
+    /// process's (kept for a restart).
+    pub fn spawn_exe_env(
+        exe: &Path,
+        ns: &str,
+        args: &[String],
+        env: &[(String, String)],
+        log: &Path,
+    ) -> anyhow::Result<KxpProcess> {
+        let child = run_in(exe, ns, args, env, std::fs::File::create(log)?)?;
         Ok(KxpProcess {
             child,
             log: log.to_path_buf(),
             exe: exe.to_path_buf(),
             ns: ns.to_string(),
+            env: env.to_vec(),
             cleaned: false,
         })
     }
@@ -85,7 +106,7 @@ impl KxpProcess {
     pub fn restart(&mut self, exe: Option<&Path>, args: &[String]) -> anyhow::Result<()> {
         let exe = exe.map_or_else(|| self.exe.clone(), Path::to_path_buf);
         let out = std::fs::OpenOptions::new().append(true).open(&self.log)?;
-        self.child = run_in(&exe, &self.ns, args, out)?;
+        self.child = run_in(&exe, &self.ns, args, &self.env, out)?;
         self.exe = exe;
         self.cleaned = false;
         Ok(())

@@ -1,0 +1,484 @@
+//! A new kxp taking a node over from the running one: a rolling update of the DaemonSet
+//! with a surge, where the new pod starts beside the old one.
+//!
+//! The running kxp listens on `release.sock` in its state directory. The protocol, one
+//! line each way:
+//!
+//! 1. At its start, before it lists the cluster, the new kxp **announces** itself:
+//!    `intend 1 GENERATION`. The running kxp accepts it (`ok`) only if the generation is
+//!    newer than its own (`KXP_GENERATION`: the DaemonSet's `pod-template-generation`
+//!    label). So an old pod restarted by the kubelet never takes the node back.
+//! 2. Once the new kxp has the lists (which take the longest), it asks: `release`. The
+//!    running kxp stops as at SIGTERM: steering, service device and state files kept, its
+//!    sockets closed, the state directory unlocked. It answers `released` and stands by
+//!    until it is stopped. The new kxp then takes the state directory and the steering
+//!    program over as at a restart (see docs/operations.md).
+//!
+//! A running kxp told to stop (SIGTERM: the DaemonSet deleting the old pod, perhaps
+//! because the new one looked ready) while a successor is announced goes on forwarding
+//! until that successor asks for the node, or goes away, or [`SUCCESSOR_WAIT`] passes.
+//! So the node is never left without a kxp while the new one lists the cluster. Without
+//! a generation on either side, or with a running kxp that does not speak this
+//! protocol, the new kxp waits for the state directory's lock as at a restart.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The protocol's version: a kxp that speaks another answers `refused`.
+const VERSION: u32 = 1;
+/// The start of the answer to a kxp that is not newer than the running one.
+const OUTRANKED: &str = "refused: outranked";
+/// How long a new kxp waits for each answer of the running one.
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// How long a running kxp told to stop goes on forwarding for an announced successor
+/// (the DaemonSet's terminationGracePeriodSeconds is 60).
+pub(crate) const SUCCESSOR_WAIT: Duration = Duration::from_secs(45);
+
+/// The socket's path in state directory `dir`.
+fn socket_path(dir: &Path) -> PathBuf {
+    dir.join("release.sock")
+}
+
+/// This kxp's generation: `KXP_GENERATION` (the DaemonSet passes its pod template's
+/// generation), if set and a number.
+pub(crate) fn generation() -> Option<u64> {
+    std::env::var("KXP_GENERATION").ok()?.trim().parse().ok()
+}
+
+/// The new kxp's side: announced to the running one, the node asked for later.
+#[derive(Debug)]
+pub(crate) struct Successor {
+    stream: UnixStream,
+    generation: u64,
+}
+
+/// What asking the running kxp for the node gave.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Asked {
+    /// It released the node, in this long.
+    Released(Duration),
+    /// It did not (why).
+    Refused(String),
+}
+
+/// What announcing this kxp gave.
+#[derive(Debug)]
+pub(crate) enum Announced {
+    /// No kxp listens (none runs, or one without this protocol or a generation), or it
+    /// did not take this one for another reason: the lock decides, as at a restart.
+    Nobody,
+    /// The running kxp takes this one as its successor.
+    Successor(Successor),
+    /// The running kxp is of this kxp's generation or a newer one: this one must not
+    /// take the node (an old pod restarted during a rolling update).
+    Outranked(String),
+}
+
+impl Successor {
+    /// Announces this kxp, of `generation`, to the kxp running with state directory
+    /// `dir`, and logs what came of it.
+    pub(crate) fn announce(dir: &Path, generation: Option<u64>) -> Announced {
+        let Some(generation) = generation else {
+            return Announced::Nobody;
+        };
+        let Ok(mut stream) = UnixStream::connect(socket_path(dir)) else {
+            return Announced::Nobody;
+        };
+        let answer = stream
+            .set_read_timeout(Some(ANSWER_WAIT))
+            .and_then(|()| writeln!(stream, "intend {VERSION} {generation}"))
+            .and_then(|()| read_line(&stream));
+        match answer {
+            Ok(a) if a == "ok" => {
+                tracing::info!(
+                    "a kxp runs on this node: announced as its successor (generation \
+                     {generation}); it forwards until this one has the cluster's lists"
+                );
+                Announced::Successor(Successor { stream, generation })
+            }
+            Ok(a) if a.starts_with(OUTRANKED) => Announced::Outranked(a),
+            Ok(a) => {
+                tracing::warn!("the running kxp does not take this one as its successor: {a}");
+                Announced::Nobody
+            }
+            Err(e) => {
+                tracing::warn!("the running kxp did not answer this one's announcement: {e}");
+                Announced::Nobody
+            }
+        }
+    }
+
+    /// Asks the running kxp for the node and waits until it has released it. Logs what
+    /// came of it.
+    pub(crate) fn ask_release(mut self) -> Asked {
+        let started = Instant::now();
+        let asked = match writeln!(self.stream, "release").and_then(|()| read_line(&self.stream)) {
+            Ok(a) if a == "released" => Asked::Released(started.elapsed()),
+            Ok(a) if a.is_empty() => Asked::Refused("it closed the connection".into()),
+            Ok(a) => Asked::Refused(a),
+            Err(e) => Asked::Refused(format!("no answer within {ANSWER_WAIT:?}: {e}")),
+        };
+        match &asked {
+            Asked::Released(took) => tracing::info!(
+                took_ms = took.as_millis() as u64,
+                "the running kxp released the node to this one (generation {})",
+                self.generation
+            ),
+            Asked::Refused(why) => tracing::warn!(
+                "the running kxp did not release the node: {why}; waiting for its state \
+                 directory as at a restart"
+            ),
+        }
+        asked
+    }
+}
+
+/// One line from `s`, without its end (empty at the end of the stream). Read a byte at
+/// a time, so that nothing of the next line is taken with it (each side sends a line
+/// and waits for the answer; they are a few bytes long).
+fn read_line(mut s: &UnixStream) -> std::io::Result<String> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < 256 {
+        if s.read(&mut byte)? == 0 || byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+    }
+    Ok(String::from_utf8_lossy(&line).trim().to_string())
+}
+
+/// What the listener knows, shared with `kxp run`.
+#[derive(Debug, Default)]
+struct State {
+    /// A successor announced itself and is still connected.
+    announced: bool,
+    /// The successor that asked for the node (answered once the dataplane stopped).
+    asking: Option<UnixStream>,
+}
+
+/// The running kxp's side: takes a newer kxp's announcement and its request.
+pub(crate) struct ReleaseListener {
+    path: PathBuf,
+    state: Arc<Mutex<State>>,
+    /// SIGTERM or SIGINT came (as opposed to a successor asking).
+    signalled: Arc<AtomicBool>,
+    done: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ReleaseListener {
+    /// Listens in state directory `dir` (this kxp holds its lock) for a newer kxp; when
+    /// it asks for the node, sets `stop` so that this kxp stops as at SIGTERM. Without a
+    /// generation there is nothing to listen for (no newer kxp can be told apart).
+    pub(crate) fn start(
+        dir: &Path,
+        generation: Option<u64>,
+        stop: Arc<AtomicBool>,
+    ) -> Option<ReleaseListener> {
+        let generation = generation?;
+        let signalled = Arc::new(AtomicBool::new(false));
+        for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+            signal_hook::flag::register(sig, signalled.clone()).ok()?;
+        }
+        let path = socket_path(dir);
+        // A socket left by a kxp that died: the lock is ours, so it is nobody's.
+        let _ = std::fs::remove_file(&path);
+        let listener = match UnixListener::bind(&path) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(
+                    path = %path.display(),
+                    "cannot listen for a newer kxp: {e}; a rolling update with a surge \
+                     will restart this node's kxp instead of taking it over"
+                );
+                return None;
+            }
+        };
+        let _ = listener.set_nonblocking(true);
+        let state = Arc::new(Mutex::new(State::default()));
+        let done = Arc::new(AtomicBool::new(false));
+        let (st, d) = (state.clone(), done.clone());
+        let thread = std::thread::Builder::new()
+            .name("kxp-release".into())
+            .spawn(move || listen(&listener, generation, &st, &d, &stop))
+            .ok()?;
+        Some(ReleaseListener {
+            path,
+            state,
+            signalled,
+            done,
+            thread: Some(thread),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Told to stop by a signal while a successor is announced: goes on forwarding (the
+    /// dataplane runs on) until it asks for the node, goes away, or `wait` passes.
+    pub(crate) fn wait_for_successor(&self, wait: Duration) {
+        if !self.signalled.load(Ordering::Relaxed) || !self.state().announced {
+            return;
+        }
+        tracing::info!(
+            "told to stop while a newer kxp prepares to take this node over: forwarding \
+             until it does (at most {wait:?})"
+        );
+        let deadline = Instant::now() + wait;
+        while Instant::now() < deadline {
+            let st = self.state();
+            if st.asking.is_some() || !st.announced {
+                return;
+            }
+            drop(st);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        tracing::warn!("the newer kxp did not ask for the node within {wait:?}: stopping");
+    }
+
+    /// Once the dataplane has stopped: tells the successor that asked, if one did, that
+    /// the node is its own. Returns whether this kxp should stand by: one asked and no
+    /// signal came.
+    pub(crate) fn finish(mut self) -> bool {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+        let asking = self.state().asking.take();
+        let Some(mut s) = asking else {
+            return false;
+        };
+        if let Err(e) = writeln!(s, "released") {
+            tracing::warn!("cannot tell the newer kxp that the node is released: {e}");
+        }
+        !self.signalled.load(Ordering::Relaxed)
+    }
+}
+
+/// Serves announcements until `done`: takes the first from a newer generation than
+/// `ours` and waits on it for `release` (then sets `stop`); answers the others at once,
+/// outranked by the running kxp or by the successor it took.
+fn listen(
+    listener: &UnixListener,
+    ours: u64,
+    state: &Mutex<State>,
+    done: &AtomicBool,
+    stop: &AtomicBool,
+) {
+    // The successor's connection until it asks, and its generation from when it is
+    // taken on (every later announcement is answered against it).
+    let mut pending: Option<UnixStream> = None;
+    let mut successor: Option<u64> = None;
+    while !done.load(Ordering::Relaxed) {
+        if let Ok((s, _)) = listener.accept() {
+            let rank = successor.unwrap_or(ours);
+            if let Some((taken, theirs)) = answer(s, ours, rank, successor.is_some()) {
+                lock(state).announced = true;
+                pending = Some(taken);
+                successor = Some(theirs);
+            }
+        }
+        let (Some(s), Some(theirs)) = (&pending, successor) else {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        // Its request, or its going away.
+        match read_line(s) {
+            Ok(l) if l == "release" => {
+                tracing::info!(
+                    "the newer kxp (generation {theirs}) asks for the node: stopping as at \
+                     SIGTERM, then standing by"
+                );
+                lock(state).asking = pending.take();
+                stop.store(true, Ordering::Relaxed);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            _ => {
+                tracing::info!("the newer kxp (generation {theirs}) went away");
+                lock(state).announced = false;
+                pending = None;
+                successor = None;
+            }
+        }
+    }
+}
+
+/// Answers announcement connection `s` (this kxp of generation `ours`, outranking up to
+/// generation `rank`; `taken`: a successor is already announced). Returns it and its
+/// generation if it is taken as the successor.
+fn answer(mut s: UnixStream, ours: u64, rank: u64, taken: bool) -> Option<(UnixStream, u64)> {
+    let _ = s.set_nonblocking(false);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let line = read_line(&s).unwrap_or_default();
+    match decide(&line, rank) {
+        Ok(theirs) if !taken => {
+            writeln!(s, "ok").ok()?;
+            tracing::info!(
+                "a newer kxp (generation {theirs}, this one {ours}) announced itself: it \
+                 takes this node over once it has the cluster's lists"
+            );
+            // Polled for its request between accepts.
+            let _ = s.set_read_timeout(Some(Duration::from_millis(10)));
+            Some((s, theirs))
+        }
+        Ok(theirs) => {
+            let why = format!("generation {theirs}: another successor is announced");
+            tracing::info!("refused to hand this node over: {why}");
+            let _ = writeln!(s, "refused: {why}");
+            None
+        }
+        Err(Refusal::Outranked(theirs)) => {
+            tracing::info!(
+                "a kxp of generation {theirs} started beside this one (of {ours}{}): it \
+                 stands by",
+                if taken {
+                    ", its successor announced"
+                } else {
+                    ""
+                }
+            );
+            let _ = writeln!(
+                s,
+                "{OUTRANKED}: this node's kxp is of generation {rank}, this one of \
+                 {theirs}; only a newer one takes over"
+            );
+            None
+        }
+        Err(Refusal::Other(why)) => {
+            tracing::info!("refused to hand this node over: {why}");
+            let _ = writeln!(s, "refused: {why}");
+            None
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why an announcement is not taken.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// The announcer is of this generation (given) or an older one.
+    Outranked(u64),
+    /// Not this protocol, or malformed (why).
+    Other(String),
+}
+
+/// Whether to take announcement `line` (`intend VERSION GENERATION`), this kxp being of
+/// generation `ours`: the announcer's generation, or why not.
+fn decide(line: &str, ours: u64) -> Result<u64, Refusal> {
+    let mut words = line.split_whitespace();
+    if words.next() != Some("intend") {
+        return Err(Refusal::Other(format!(
+            "not an announcement: {:?}",
+            line.trim()
+        )));
+    }
+    let version: Option<u32> = words.next().and_then(|v| v.parse().ok());
+    if version != Some(VERSION) {
+        return Err(Refusal::Other(format!(
+            "protocol version {} asked, this kxp speaks {VERSION}",
+            version.map_or_else(|| "none".to_string(), |v| v.to_string())
+        )));
+    }
+    let theirs: u64 = words
+        .next()
+        .and_then(|g| g.parse().ok())
+        .ok_or_else(|| Refusal::Other("no generation given".to_string()))?;
+    if theirs <= ours {
+        return Err(Refusal::Outranked(theirs));
+    }
+    Ok(theirs)
+}
+
+/// Does nothing until SIGTERM or SIGINT: after releasing the node (`why`: the DaemonSet
+/// deletes the old pod once the new one is ready), or when outranked by the kxp that runs.
+pub(crate) fn stand_by(why: &str) {
+    tracing::info!("{why}: standing by until stopped");
+    let again = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if signal_hook::flag::register(sig, again.clone()).is_err() {
+            return;
+        }
+    }
+    while !again.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    tracing::info!("stopped while standing by");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_newer_generation_of_this_protocol_is_taken() {
+        assert_eq!(decide("intend 1 8\n", 7), Ok(8));
+        assert_eq!(decide("intend 1 7\n", 7), Err(Refusal::Outranked(7)));
+        assert_eq!(decide("intend 1 6\n", 7), Err(Refusal::Outranked(6)));
+        let other = |l: &str| match decide(l, 7) {
+            Err(Refusal::Other(why)) => why,
+            r => panic!("{l:?}: {r:?}"),
+        };
+        assert!(other("intend 2 8\n").contains("version 2"));
+        assert!(other("intend 1\n").contains("no generation"));
+        assert!(other("release\n").contains("not an announcement"));
+        assert!(other("").contains("not an announcement"));
+    }
+
+    /// Over a real socket: an older or equal generation is refused; a newer one is
+    /// taken, keeps a signalled kxp forwarding until it asks, and is told `released`
+    /// once the running one has finished.
+    #[test]
+    fn a_newer_kxp_announced_then_asking_is_released_to() {
+        let dir = std::env::temp_dir().join(format!("kxp-release-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(matches!(
+            Successor::announce(&dir, Some(3)),
+            Announced::Nobody
+        ));
+        let stop = Arc::new(AtomicBool::new(false));
+        let l = ReleaseListener::start(&dir, Some(2), stop.clone()).unwrap();
+        match Successor::announce(&dir, Some(2)) {
+            Announced::Outranked(why) => assert!(why.contains("only a newer"), "{why}"),
+            a => panic!("{a:?}"),
+        }
+        let Announced::Successor(s) = Successor::announce(&dir, Some(3)) else {
+            panic!("a newer one is taken");
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !l.state().announced && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // A signal now: the running kxp waits for its successor's request.
+        l.signalled.store(true, Ordering::Relaxed);
+        let asker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            s.ask_release()
+        });
+        let waited = Instant::now();
+        l.wait_for_successor(Duration::from_secs(5));
+        assert!(
+            waited.elapsed() >= Duration::from_millis(250),
+            "waited for it"
+        );
+        assert!(stop.load(Ordering::Relaxed), "asked to stop");
+        assert!(!l.finish(), "signalled: no standing by");
+        assert!(matches!(asker.join().unwrap(), Asked::Released(_)));
+        assert!(!socket_path(&dir).exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
