@@ -1274,6 +1274,8 @@ struct Router<'a> {
     kxp: Option<Proc>,
     /// kxp's binary and `kxp run` arguments (to restart it).
     kxp_cmd: Option<(PathBuf, Vec<String>)>,
+    /// The running kxp's `KXP_GENERATION`.
+    generation: u64,
 }
 
 impl<'a> Router<'a> {
@@ -1290,6 +1292,7 @@ impl<'a> Router<'a> {
         tag: &str,
     ) -> anyhow::Result<Router<'a>> {
         let mut r = Router {
+            generation: 1,
             lab,
             case,
             kxp: None,
@@ -1441,6 +1444,38 @@ impl<'a> Router<'a> {
         Ok(gone_in)
     }
 
+    /// A rolling update with a surge: starts a kxp of the next generation beside the
+    /// running one and waits until it has taken the node over (its `start-up:` line; the
+    /// running one answers /healthz until then), then stops the old one, which stood by.
+    /// Returns how long the old one took to release the node (from the new one's log).
+    fn hand_over(&mut self, tag: &str) -> anyhow::Result<Duration> {
+        let (bin, args) = self.kxp_cmd.clone().context("no kxp to hand over from")?;
+        let mut p = spawn_kxp_of(self.lab, &bin, &args, tag, self.generation + 1)?;
+        let end = Instant::now() + Duration::from_secs(30);
+        while !p.log_text().contains("start-up:") {
+            self.lab.stop.check()?;
+            if !p.running() {
+                bail!("the newer kxp exited:\n{}", p.log_text());
+            }
+            if Instant::now() > end {
+                bail!("the newer kxp did not take over in 30 s:\n{}", p.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.generation += 1;
+        if let Some(mut old) = self.kxp.replace(p) {
+            old.stop(libc::SIGTERM, Duration::from_secs(10));
+        }
+        let text = self.kxp.as_ref().map(Proc::log_text).unwrap_or_default();
+        let released = text
+            .lines()
+            .find(|l| l.contains("released the node to this one"))
+            .and_then(|l| l.split("took_ms=").nth(1))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .context("the newer kxp's log says nothing of a release")?;
+        Ok(Duration::from_millis(released))
+    }
+
     /// kxp's last totals line, if it runs.
     fn kxp_totals(&self) -> Option<String> {
         let t = self.kxp.as_ref()?.log_text();
@@ -1522,8 +1557,23 @@ impl Drop for Router<'_> {
 }
 
 fn spawn_kxp(lab: &Lab, bin: &Path, args: &[String], tag: &str) -> anyhow::Result<Proc> {
+    spawn_kxp_of(lab, bin, args, tag, 1)
+}
+
+/// As [`spawn_kxp`], of DaemonSet template generation `generation` (`KXP_GENERATION`:
+/// a newer one started beside a running kxp takes the node over).
+fn spawn_kxp_of(
+    lab: &Lab,
+    bin: &Path,
+    args: &[String],
+    tag: &str,
+    generation: u64,
+) -> anyhow::Result<Proc> {
     let mut cmd = lab::node_command(&lab.router);
-    cmd.args(["env", "KXP_LOG_STATS=1"]).arg(bin).args(args);
+    cmd.args(["env", "KXP_LOG_STATS=1"])
+        .arg(format!("KXP_GENERATION={generation}"))
+        .arg(bin)
+        .args(args);
     Proc::spawn(cmd, "kxp", &lab.dir.join(format!("{tag}.log")))
 }
 
@@ -3137,18 +3187,22 @@ struct Gap {
     rate_before: f64,
 }
 
+/// The restart kind where a newer kxp is started beside the running one.
+const HAND_OVER: &str = "hand-over (a newer kxp started beside)";
+
 /// `--restart`: kxp (`case`: alone, or with 110 idle pod veths) under the generator's
-/// 1,024 established flows, restarted three ways; the backend's counter is read every few
+/// 1,024 established flows, restarted three ways and handed over once; the backend's counter is read every few
 /// milliseconds throughout.
 fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
     let mut router = Router::setup(lab, case, &plan.kxp, &plan.busy_poll, "restart")?;
     let cfg = lab.trafgen_cfg(Mode::Est)?;
     let upgrade = lab.dir.join("kxp-new");
     std::fs::copy(&plan.kxp, &upgrade).context("copying kxp for the upgrade")?;
-    let kinds: [(&'static str, bool, Option<&Path>); 3] = [
+    let kinds: [(&'static str, bool, Option<&Path>); 4] = [
         ("kill -9, restart", true, None),
         ("SIGTERM, restart", false, None),
         ("new binary (SIGTERM, start)", false, Some(&upgrade)),
+        (HAND_OVER, false, Some(&upgrade)),
     ];
     let total = 1.0 + kinds.len() as f64 * 5.0 + 2.0;
     let mut tg = lab.start_trafgen(&cfg, Mode::Est, plan, (total * 5e6) as u64, "restart", None)?;
@@ -3181,7 +3235,13 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
                 break;
             }
             let t0 = Instant::now();
-            match router.restart_kxp(*kill, *bin, &format!("kxp-restart-{i}")) {
+            let tag = format!("kxp-restart-{i}");
+            let done = if *kind == HAND_OVER {
+                router.hand_over(&tag)
+            } else {
+                router.restart_kxp(*kill, *bin, &tag)
+            };
+            match done {
                 Ok(gone_in) => marks.push((*kind, t0, Instant::now(), gone_in)),
                 Err(e) => {
                     result = Err(e);
@@ -3266,7 +3326,7 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
         );
     }
     println!(
-        "\nBackend counter read every {:.1} ms (median); latency probes over the whole run (three restarts): {}",
+        "\nFor the hand-over, \"old kxp gone in\" is how long the running kxp took to release the node once asked, \"back in\" until the newer one had taken it over (it started beside the running one, which forwarded meanwhile).\nBackend counter read every {:.1} ms (median); latency probes over the whole run (the restarts and the hand-over): {}",
         median_gap * 1e3,
         lat.summary()
     );
