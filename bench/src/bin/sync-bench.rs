@@ -37,6 +37,10 @@ struct Args {
     /// The kxp binary (default: next to this one, built in release if missing).
     #[arg(long)]
     kxp: Option<PathBuf>,
+    /// Idle pods' veths in the node (`vpN`, kernel defaults, up), which kxp attaches to
+    /// (`--interface 'vp*'`) besides its uplink: a kubelet runs up to 110 pods.
+    #[arg(long, default_value_t = 0)]
+    pod_veths: u32,
 }
 
 struct Outcome {
@@ -66,7 +70,40 @@ fn percentile(v: &[f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-fn run_one(kxp_bin: &std::path::Path, services: u32, changes: u32) -> anyhow::Result<Outcome> {
+/// Creates `n` idle pod veths in namespace `node`: `vpN`, their peers `vqN`, both up,
+/// no address (as a CNI leaves them before the pod sends anything).
+fn idle_pod_veths(node: &str, n: u32, dir: &std::path::Path) -> anyhow::Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let batch = dir.join("pod-veths.batch");
+    let text: String = (0..n)
+        .map(|i| {
+            format!(
+                "link add vp{i} type veth peer name vq{i}\nlink set vp{i} up\nlink set vq{i} up\n"
+            )
+        })
+        .collect();
+    std::fs::write(&batch, text)?;
+    let out = std::process::Command::new("ip")
+        .args(["-n", node, "-batch"])
+        .arg(&batch)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "creating {n} pod veths: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn run_one(
+    kxp_bin: &std::path::Path,
+    services: u32,
+    changes: u32,
+    pod_veths: u32,
+) -> anyhow::Result<Outcome> {
     let mut topo = Topology::new("kxs");
     let node = topo.add_ns("node")?;
     let peer = topo.add_ns("peer")?;
@@ -103,7 +140,8 @@ fn run_one(kxp_bin: &std::path::Path, services: u32, changes: u32) -> anyhow::Re
          hostnameOverride: node-0\nclusterCIDR: 10.0.0.0/8\n\
          metricsBindAddress: 127.0.0.1:10249\nnftables:\n  minSyncPeriod: 1ms\n",
     )?;
-    let args: Vec<String> = [
+    idle_pod_veths(&node, pod_veths, &dir)?;
+    let mut args: Vec<String> = [
         "--interface",
         "s-eth0",
         "--kubeconfig",
@@ -115,6 +153,9 @@ fn run_one(kxp_bin: &std::path::Path, services: u32, changes: u32) -> anyhow::Re
     ]
     .map(String::from)
     .to_vec();
+    if pod_veths > 0 {
+        args.extend(["--interface".to_string(), "vp*".to_string()]);
+    }
     let started = Instant::now();
     let mut kxp = KxpProcess::spawn_exe(kxp_bin, &node, &args, &dir.join("kxp.log"))?;
     wait_healthy(
@@ -204,9 +245,12 @@ fn main() -> anyhow::Result<()> {
         bail!("sync-bench creates network namespaces and runs kxp: run it as root");
     }
     let kxp = locate_kxp(args.kxp.as_ref())?;
-    let base = run_one(&kxp, 0, 0)?;
-    let big = run_one(&kxp, args.services, args.changes)?;
-    println!("cluster: {} Services × 10 endpoints", args.services);
+    let base = run_one(&kxp, 0, 0, args.pod_veths)?;
+    let big = run_one(&kxp, args.services, args.changes, args.pod_veths)?;
+    println!(
+        "cluster: {} Services × 10 endpoints; {} idle pod veths attached",
+        args.services, args.pod_veths
+    );
     for o in [&base, &big] {
         println!(
             "  {:>6} Services: healthy after {:.0} ms; RSS {:.1} MiB; {}",
@@ -226,7 +270,7 @@ fn main() -> anyhow::Result<()> {
     println!(
         "  one EndpointSlice changed ({} times): sync work median {:.3} ms, p90 {:.3} ms, max {:.3} ms \
          (medians: changes {:.3} + tracker {:.3} + dataplane {:.3} ms); \
-         API write → programmed median {:.2} ms, p90 {:.2} ms",
+         API write → programmed median {:.2} ms, p90 {:.2} ms, p99 {:.2} ms",
         big.work_ms.len(),
         percentile(&col(0), 0.5),
         percentile(&col(0), 0.9),
@@ -236,6 +280,7 @@ fn main() -> anyhow::Result<()> {
         percentile(&col(3), 0.5),
         percentile(&big.latency_ms, 0.5),
         percentile(&big.latency_ms, 0.9),
+        percentile(&big.latency_ms, 0.99),
     );
     Ok(())
 }
