@@ -555,7 +555,6 @@ impl Wanted {
 }
 
 impl Wanted {
-    /// Forgets which keys moved (after a full programming).
     /// Changes are recorded from now on (after a refill).
     fn track_changes(&mut self) {
         self.frontends.tracking = true;
@@ -567,6 +566,7 @@ impl Wanted {
         self.udp_frontends.tracking = true;
     }
 
+    /// Forgets which keys moved (after a full programming).
     fn settle(&mut self) {
         self.frontends.touched.clear();
         self.endpoints.touched.clear();

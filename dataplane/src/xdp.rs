@@ -177,12 +177,26 @@ struct SharedProgram {
 }
 
 impl SharedProgram {
+    /// The interfaces a previous kxp steered, not taken over yet (see `previous`).
+    fn previous(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u32, u32>> {
+        self.previous.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Whether `ifindex` still has the entry a previous kxp left (a program taken up).
     fn is_previous(&self, ifindex: u32) -> bool {
-        self.previous
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(&ifindex)
+        self.previous().contains_key(&ifindex)
+    }
+
+    /// Removes the `ifaces` entry under `key` if it is still slot `slot`'s.
+    fn unregister(&self, key: u32, slot: u32) {
+        let k = key.to_ne_bytes();
+        let ours = matches!(
+            self.ifaces.lookup(&k, MapFlags::ANY),
+            Ok(Some(v)) if v.get(..4) == Some(&slot.to_ne_bytes()[..])
+        );
+        if ours {
+            let _ = self.ifaces.delete(&k);
+        }
     }
 
     /// Gives `slot` back: no socket on its first `queues` queues (the others have none),
@@ -474,24 +488,9 @@ impl Steering {
     /// every interface kept): their entries go (unless rewritten since), their counters
     /// and slots are freed. Returns how many there were.
     pub fn forget_previous(&self) -> usize {
-        let previous: Vec<(u32, u32)> = std::mem::take(
-            &mut *self
-                .program
-                .previous
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        )
-        .into_iter()
-        .collect();
-        for &(ifindex, slot) in &previous {
-            let k = ifindex.to_ne_bytes();
-            let still = matches!(
-                self.program.ifaces.lookup(&k, MapFlags::ANY),
-                Ok(Some(v)) if v.get(..4) == Some(&slot.to_ne_bytes()[..])
-            );
-            if still {
-                let _ = self.program.ifaces.delete(&k);
-            }
+        let previous = std::mem::take(&mut *self.program.previous());
+        for (&ifindex, &slot) in &previous {
+            self.program.unregister(ifindex, slot);
             self.program.free_slot(slot, 0);
         }
         previous.len()
@@ -552,12 +551,7 @@ impl Steering {
             self.unregister(old);
         }
         // The previous kxp's entry for it (a program taken up) is replaced: its slot free.
-        let previous = self
-            .program
-            .previous
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&ifindex);
+        let previous = self.program.previous().remove(&ifindex);
         if let Some(slot) = previous {
             // Its sockets closed with the previous kxp: the kernel took them out.
             self.program.free_slot(slot, 0);
@@ -567,14 +561,7 @@ impl Steering {
 
     /// Removes the entry under `key` if it is still this handle's.
     fn unregister(&self, key: u32) {
-        let k = key.to_ne_bytes();
-        let ours = matches!(
-            self.program.ifaces.lookup(&k, MapFlags::ANY),
-            Ok(Some(v)) if v.get(..4) == Some(&self.slot.to_ne_bytes()[..])
-        );
-        if ours {
-            let _ = self.program.ifaces.delete(&k);
-        }
+        self.program.unregister(key, self.slot);
     }
 
     /// Rewrites this handle's entry after a flag changed (nothing before it has one).

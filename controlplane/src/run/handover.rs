@@ -217,14 +217,10 @@ impl ReleaseListener {
         })
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Told to stop by a signal while a successor is announced: goes on forwarding (the
     /// dataplane runs on) until it asks for the node, goes away, or `wait` passes.
     pub(crate) fn wait_for_successor(&self, wait: Duration) {
-        if !self.signalled.load(Ordering::Relaxed) || !self.state().announced {
+        if !self.signalled.load(Ordering::Relaxed) || !lock(&self.state).announced {
             return;
         }
         tracing::info!(
@@ -233,7 +229,7 @@ impl ReleaseListener {
         );
         let deadline = Instant::now() + wait;
         while Instant::now() < deadline {
-            let st = self.state();
+            let st = lock(&self.state);
             if st.asking.is_some() || !st.announced {
                 return;
             }
@@ -252,7 +248,7 @@ impl ReleaseListener {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.path);
-        let asking = self.state().asking.take();
+        let asking = lock(&self.state).asking.take();
         let Some(mut s) = asking else {
             return false;
         };
@@ -460,7 +456,7 @@ mod tests {
             panic!("a newer one is taken");
         };
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !l.state().announced && Instant::now() < deadline {
+        while !lock(&l.state).announced && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         // A signal now: the running kxp waits for its successor's request.

@@ -305,7 +305,7 @@ pub(super) fn connection_tables(
     Ok(tables)
 }
 
-/// With a state directory (locked: `locked`), restores into `tables` and the node's state the
+/// With a state directory (`locked`), restores into `tables` and the node's state the
 /// flows and affinity a previous kxp kept there (the files it holds are the workers'
 /// journals from now); without one, the node's state starts empty.
 pub(super) fn restore_state(
@@ -313,8 +313,8 @@ pub(super) fn restore_state(
     locked: Option<StateDir>,
     tables: &mut [ConnTable],
 ) -> Result<(Option<Persistence>, Arc<NodeState>), DataplaneError> {
-    match (&cfg.state_dir, locked) {
-        (Some(dir), Some(sd)) => {
+    match locked {
+        Some(sd) => {
             let (p, affinity) = Persistence::start_locked(
                 sd,
                 tables,
@@ -324,7 +324,7 @@ pub(super) fn restore_state(
             .map_err(|e| DataplaneError::State(e.to_string()))?;
             let r = &p.restored;
             tracing::info!(
-                dir = %dir.display(),
+                dir = %p.dir.path.display(),
                 flows = r.flows,
                 affinity = r.affinity,
                 bad_records = r.bad_records,
@@ -336,7 +336,7 @@ pub(super) fn restore_state(
             }
             Ok((Some(p), NodeState::with_affinity(affinity)))
         }
-        _ => Ok((None, NodeState::new(cfg.affinity_capacity))),
+        None => Ok((None, NodeState::new(cfg.affinity_capacity))),
     }
 }
 

@@ -147,7 +147,7 @@ pub(super) fn open_program(name: &str) -> Option<(OwnedFd, PathBuf)> {
 /// Removes the program directories of other builds than `keep` (once kxp has taken over:
 /// their programs are detached everywhere). Returns how many went.
 pub(super) fn prune_programs(keep: &str) -> usize {
-    sweep(|name, path| {
+    sweep(None, |name, path| {
         let stale = name.starts_with("steer-") && name != keep;
         if stale {
             remove_program_dir(path);
@@ -156,10 +156,10 @@ pub(super) fn prune_programs(keep: &str) -> usize {
     })
 }
 
-/// Calls `remove` with the name and path of each entry of the pin directory; returns
-/// how many it said it removed.
-fn sweep(mut remove: impl FnMut(&str, &Path) -> bool) -> usize {
-    let Some(dir) = dir() else {
+/// Calls `remove` with the name and path of each entry of `dir` (the calling thread's pin
+/// directory if `None`); returns how many it said it removed.
+fn sweep(dir: Option<&Path>, mut remove: impl FnMut(&str, &Path) -> bool) -> usize {
+    let Some(dir) = dir.map(Path::to_path_buf).or_else(self::dir) else {
         return 0;
     };
     let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -185,7 +185,7 @@ fn remove_program_dir(at: &Path) {
 /// Removes the pins of every interface but `keep` (once kxp has taken over: the others
 /// are interfaces gone while no kxp ran). Returns how many went.
 pub fn prune(keep: &[u32]) -> usize {
-    sweep(|name, path| {
+    sweep(None, |name, path| {
         let stale = match name.strip_prefix("xdp-").map(str::parse::<u32>) {
             Some(Ok(i)) => !keep.contains(&i),
             // A pin being renamed into place by a kxp that died there.
@@ -197,16 +197,16 @@ pub fn prune(keep: &[u32]) -> usize {
 
 /// Removes the pins in `dir` (kxp's files only) and the directory if it is then empty.
 pub fn remove_dir(dir: &Path) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.filter_map(Result::ok) {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("xdp-") {
-                let _ = std::fs::remove_file(e.path());
-            } else if name.starts_with("steer-") {
-                remove_program_dir(&e.path());
-            }
+    sweep(Some(dir), |name, path| {
+        if name.starts_with("xdp-") {
+            std::fs::remove_file(path).is_ok()
+        } else if name.starts_with("steer-") {
+            remove_program_dir(path);
+            true
+        } else {
+            false
         }
-    }
+    });
     let _ = std::fs::remove_dir(dir);
     // A namespace's directory was the last: `kxp` itself goes too (only if empty).
     let base = Path::new(BPFFS).join("kxp");
