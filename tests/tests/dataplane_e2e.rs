@@ -603,7 +603,10 @@ impl Lab {
                             .or_insert(0) += 1;
                         peers.push(w.next().unwrap_or("").to_string());
                     }
-                    _ => failed += 1,
+                    other => {
+                        eprintln!("HTTP to {addr} failed: {other:?}");
+                        failed += 1
+                    }
                 }
             }
             (spread, peers, failed)

@@ -129,7 +129,10 @@ impl Input {
     /// Sleeps up to `d`; the Kubernetes source wakes up as soon as a change arrives.
     pub(super) fn wait(&mut self, d: Duration) {
         match self {
-            Input::File { .. } => std::thread::sleep(d),
+            // A change settling is looked at again sooner.
+            Input::File { watch, .. } => {
+                std::thread::sleep(watch.settling().map_or(d, |s| d.min(s / 5)));
+            }
             Input::Kube {
                 changes,
                 signalled,
@@ -227,18 +230,27 @@ fn wait_first_lists(
 }
 
 /// Notices changes of a file by modification time, size and inode (an editor that
-/// writes a new file and renames it over the old one changes the inode).
+/// writes a new file and renames it over the old one changes the inode), once the file
+/// has stayed the same for [`SETTLE`]: a file written in place is truncated first and
+/// written after (a shell's `>`, `kubectl get -o yaml > file`), and read in between it
+/// is empty or cut short, which would remove Services that are still there.
 #[derive(Debug)]
 pub(super) struct FileWatch {
     path: PathBuf,
     last: Option<(SystemTime, u64, u64)>,
+    /// A change seen but not yet settled: the file as probed, and since when.
+    pending: Option<(Option<(SystemTime, u64, u64)>, Instant)>,
 }
+
+/// How long a changed file must stay unchanged before it is read.
+const SETTLE: Duration = Duration::from_millis(50);
 
 impl FileWatch {
     fn new(path: &Path) -> FileWatch {
         let mut w = FileWatch {
             path: path.to_path_buf(),
             last: None,
+            pending: None,
         };
         w.last = w.probe();
         w
@@ -251,11 +263,59 @@ impl FileWatch {
     }
 
     fn changed(&mut self) -> bool {
-        let now = self.probe();
-        if now.is_some() && now != self.last {
-            self.last = now;
-            return true;
+        self.changed_at(Instant::now())
+    }
+
+    fn changed_at(&mut self, now: Instant) -> bool {
+        let probe = self.probe();
+        if probe.is_none() || probe == self.last {
+            self.pending = None;
+            return false;
         }
-        false
+        match self.pending {
+            Some((seen, since)) if seen == probe => {
+                if now.duration_since(since) < SETTLE {
+                    return false;
+                }
+                self.last = probe;
+                self.pending = None;
+                true
+            }
+            _ => {
+                self.pending = Some((probe, now));
+                false
+            }
+        }
+    }
+
+    /// When [`Self::changed`] is worth asking again: a change waits to settle.
+    pub(super) fn settling(&self) -> Option<Duration> {
+        self.pending.map(|_| SETTLE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_is_read_once_it_has_stayed_the_same_for_the_settle_time() {
+        let dir = std::env::temp_dir().join(format!("kxp-filewatch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("state.yaml");
+        std::fs::write(&path, "a: 1\n").unwrap();
+        let mut w = FileWatch::new(&path);
+        let t0 = Instant::now();
+        assert!(!w.changed_at(t0), "nothing changed yet");
+        // Truncated, as a shell's `>` does before writing.
+        std::fs::write(&path, "").unwrap();
+        assert!(!w.changed_at(t0), "a change is not read at once");
+        // Written while settling: the settle time starts again.
+        std::fs::write(&path, "a: 1\nb: 2\n").unwrap();
+        assert!(!w.changed_at(t0 + SETTLE), "the file changed again");
+        assert!(!w.changed_at(t0 + SETTLE + SETTLE / 2));
+        assert!(w.changed_at(t0 + SETTLE * 2 + Duration::from_millis(1)));
+        assert!(!w.changed_at(t0 + SETTLE * 4), "reported once");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
