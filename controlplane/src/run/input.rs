@@ -237,10 +237,13 @@ fn wait_first_lists(
 #[derive(Debug)]
 pub(super) struct FileWatch {
     path: PathBuf,
-    last: Option<(SystemTime, u64, u64)>,
+    last: Option<Probe>,
     /// A change seen but not yet settled: the file as probed, and since when.
-    pending: Option<(Option<(SystemTime, u64, u64)>, Instant)>,
+    pending: Option<(Option<Probe>, Instant)>,
 }
+
+/// A file's modification time, size and inode.
+type Probe = (SystemTime, u64, u64);
 
 /// How long a changed file must stay unchanged before it is read.
 const SETTLE: Duration = Duration::from_millis(50);
@@ -256,7 +259,7 @@ impl FileWatch {
         w
     }
 
-    fn probe(&self) -> Option<(SystemTime, u64, u64)> {
+    fn probe(&self) -> Option<Probe> {
         use std::os::unix::fs::MetadataExt as _;
         let meta = std::fs::metadata(&self.path).ok()?;
         Some((meta.modified().ok()?, meta.len(), meta.ino()))
