@@ -439,7 +439,19 @@ fn init_logging(l: Logging) {
 
 /// Runs the command line; returns the process exit status.
 pub fn main() -> i32 {
-    let args = crate::kpflags::normalize_args(std::env::args_os().collect());
+    let raw: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // `kxp hold-sockets FD`: the socket holder `kxp run` starts (dataplane::holder), not
+    // a command for users: no flags, no logging.
+    if raw.len() == 3 && raw[1] == dataplane::holder::HOLD_ARG {
+        return match raw[2].to_str().and_then(|s| s.parse().ok()) {
+            Some(fd) => dataplane::holder::serve_fd(fd),
+            None => {
+                eprintln!("kxp hold-sockets: expected a descriptor number");
+                2
+            }
+        };
+    }
+    let args = crate::kpflags::normalize_args(raw);
     let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {

@@ -692,6 +692,11 @@ fn dataplane_config(
         }
         dataplane::statefile::default_state_dir()
     });
+    // With state kept for the next kxp, a kxp that dies has its sockets released in
+    // parallel by the socket holder, so the next one can bind them sooner.
+    if dp_cfg.state_dir.is_some() {
+        dp_cfg.socket_holder = Some("/proc/self/exe".into());
+    }
     if let Some(n) = kxp.session_affinity_max_entries {
         anyhow::ensure!(
             n > 0,

@@ -7,6 +7,7 @@
 
 pub mod caps;
 pub mod fib;
+pub mod holder;
 pub mod ifmatch;
 pub mod logrl;
 pub mod napi;

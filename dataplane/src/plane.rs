@@ -61,6 +61,10 @@ pub struct DataplaneConfig {
     /// raw-table rule kxp adds), which forwards them to the pod through the node's
     /// netfilter, so the CNI's own policy applies to them.
     pub kernel_policy: bool,
+    /// The program to run as the socket holder (`PROGRAM hold-sockets FD`, see
+    /// [`crate::holder`]); `None`: no holder, a dying process's sockets are released
+    /// one after another.
+    pub socket_holder: Option<std::path::PathBuf>,
 }
 
 impl DataplaneConfig {
@@ -90,6 +94,7 @@ impl Default for DataplaneConfig {
             affinity_capacity: NodeState::AFFINITY_CAPACITY,
             state_dir: None,
             kernel_policy: false,
+            socket_holder: None,
         }
     }
 }
@@ -1084,6 +1089,12 @@ impl Dataplane {
         self.shared.stop.store(true, Ordering::Relaxed);
         for h in self.threads.drain(..) {
             let _ = h.join();
+        }
+        // The workers' references are gone; the holder's go with it, in parallel.
+        if let Some(h) = &self.shared.holder
+            && !h.finish(Duration::from_secs(10))
+        {
+            tracing::warn!("the socket holder did not exit within 10 s: killed");
         }
         // The workers' sockets are closed: the service device can go (or stay).
         if let Some(mut dev) = self.service.take()

@@ -663,3 +663,243 @@ pub fn netns_suffix() -> Option<String> {
         Err(_) => format!("netns-ino-{ino}"),
     })
 }
+
+/// A connected pair of Unix sockets that keep message boundaries (SOCK_SEQPACKET), both
+/// closed on exec.
+pub fn seqpacket_pair() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd as _;
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: socketpair writes two descriptors into the 2-element array it is given.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created by socketpair and are owned by no one
+    // else.
+    Ok(unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+/// Whether `fd` is closed on exec (`close`) or inherited by a program this process
+/// runs.
+pub fn set_cloexec(fd: std::os::fd::BorrowedFd<'_>, close: bool) -> io::Result<()> {
+    let flags = if close { libc::FD_CLOEXEC } else { 0 };
+    // SAFETY: F_SETFD with an integer argument on a descriptor the borrow keeps open.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, flags) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sends `data` as one message on the Unix socket `sock`, with a copy of `fd` attached
+/// (SCM_RIGHTS) when given; with `wait` false, a full socket is an error
+/// (`WouldBlock`) instead of a wait.
+pub fn send_with_fd(
+    sock: std::os::fd::BorrowedFd<'_>,
+    data: &[u8],
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+    wait: bool,
+) -> io::Result<()> {
+    let flags = libc::MSG_NOSIGNAL | if wait { 0 } else { libc::MSG_DONTWAIT };
+    // Room for one descriptor's control message, aligned as cmsghdr wants.
+    let mut control = [0u64; 4];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        let raw = fd.as_raw_fd();
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) };
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as usize;
+        // SAFETY: msg_control points to `control` (32 bytes, 8-aligned), at least
+        // CMSG_SPACE(4) = 24 bytes, so CMSG_FIRSTHDR returns a header inside it, and
+        // CMSG_DATA of that header has room for the one int written.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), raw);
+        }
+    }
+    loop {
+        // SAFETY: `msg` points to `iov` (over `data`) and `control`, both alive for the
+        // call; sendmsg only reads them.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, flags) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Receives one message of up to `buf.len()` bytes from the Unix socket `sock`, and the
+/// descriptor attached to it, if any (made close-on-exec). 0 bytes: the peer is gone.
+pub fn recv_with_fd(
+    sock: std::os::fd::BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> io::Result<(usize, Option<std::os::fd::OwnedFd>)> {
+    use std::os::fd::FromRawFd as _;
+    let mut control = [0u64; 4];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    let n = loop {
+        // SAFETY: `msg` points to `iov` (over `buf`) and `control`, both alive and
+        // writable for the call; recvmsg writes at most their lengths.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut fd = None;
+    // SAFETY: after recvmsg, msg_control/msg_controllen describe the control messages
+    // the kernel wrote into `control`; CMSG_FIRSTHDR/CMSG_NXTHDR stay within them, and
+    // an SCM_RIGHTS message's data holds the descriptors the kernel installed in this
+    // process, each owned by no one else yet.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
+                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<libc::c_int>();
+                for i in 0..count {
+                    let raw = std::ptr::read_unaligned(data.add(i));
+                    let owned = std::os::fd::OwnedFd::from_raw_fd(raw);
+                    // One is expected; any other is closed here.
+                    if fd.is_none() {
+                        fd = Some(owned);
+                    }
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n, fd))
+}
+
+/// Gives the calling thread a descriptor table of its own (`unshare(CLONE_FILES)`): a
+/// copy of the process's at this moment; descriptors it opens or receives afterwards are
+/// in its table only, and are closed by its own exit.
+pub fn unshare_files() -> io::Result<()> {
+    // SAFETY: unshare with a flag argument only affects the calling thread.
+    if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Ignores SIGTERM, SIGINT and SIGHUP in this process: a helper that must outlive its
+/// parent's stop (see `crate::holder`) ends when its parent says so, or by SIGKILL.
+pub fn ignore_stop_signals() {
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: SIG_IGN as the disposition of a catchable signal; no handler runs.
+        unsafe { libc::signal(sig, libc::SIG_IGN) };
+    }
+}
+
+/// Drops every capability of the calling thread (and of the threads it starts after),
+/// and sets no_new_privs. Returns 0 or an errno.
+pub fn drop_all_capabilities() -> i32 {
+    reduce_this_thread(0, 63)
+}
+
+/// Takes ownership of descriptor `fd`, inherited from the parent process, once it is
+/// checked to be an open Unix socket (made close-on-exec).
+pub fn adopt_unix_socket(fd: RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    let mut domain: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `domain`; a descriptor that is
+    // not open or not a socket makes it fail without writing.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            (&mut domain as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if domain != libc::AF_UNIX {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a Unix socket",
+        ));
+    }
+    // SAFETY: `fd` is open (getsockopt succeeded) and was handed to this process for it
+    // alone (the parent closed its copy after starting it); nothing else owns it here.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    set_cloexec(std::os::fd::AsFd::as_fd(&owned), true)?;
+    Ok(owned)
+}
+
+/// Makes this process the reaper of its orphaned descendants (PR_SET_CHILD_SUBREAPER),
+/// as systemd and container runtimes' shims are: a benchmark that stands for a
+/// supervisor sees a dead process's helpers exit when they do.
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Reaps every exited process of process group `pgid` that is this process's child
+/// (directly, or as their subreaper); returns how many.
+pub fn reap_group(pgid: u32) -> usize {
+    let mut n = 0;
+    loop {
+        // SAFETY: siginfo_t is plain data; all-zero is valid, and waitid writes into it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid with P_PGID, an id and a pointer to `info`, alive for the call.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PGID,
+                pgid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG,
+            )
+        };
+        // SAFETY: after a successful waitid, si_pid is set (0 when nothing had exited).
+        if rc != 0 || unsafe { info.si_pid() } == 0 {
+            return n;
+        }
+        n += 1;
+    }
+}

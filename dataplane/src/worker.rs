@@ -349,6 +349,33 @@ pub struct Shared {
     /// the worker that owns its flow, its other fragments (no ports) to whichever worker
     /// received them. Only fragments take this lock.
     pub frags: std::sync::Mutex<conntrack::FragTable>,
+    /// The socket holder, which keeps a second reference to every socket (see
+    /// [`crate::holder`]).
+    pub holder: Option<crate::holder::SocketHolder>,
+}
+
+impl Shared {
+    /// Has the holder, if any, keep a reference to each of `sockets`.
+    fn hold(&self, sockets: &[(u32, u32, std::os::fd::BorrowedFd<'_>)]) {
+        let Some(h) = &self.holder else { return };
+        for (ifindex, queue, fd) in sockets {
+            if let Err(e) = h.hold(crate::holder::key(*ifindex, *queue), *fd)
+                && crate::logrl::global().allow("socket holder").is_some()
+            {
+                tracing::warn!("the socket holder cannot take a socket: {e}");
+            }
+        }
+    }
+
+    /// Has the holder, if any, drop its references to the sockets on `ifindex`'s
+    /// `queues`.
+    fn forget(&self, ifindex: u32, queues: &[u32]) {
+        if let Some(h) = &self.holder {
+            for &q in queues {
+                let _ = h.forget(crate::holder::key(ifindex, q));
+            }
+        }
+    }
 }
 
 /// A worker's command channel, which also wakes the worker if it sleeps.
@@ -668,6 +695,7 @@ impl<'id> Worker<'id> {
             local: Local::default(),
         };
         w.name_ports();
+        w.shared.hold(&w.io.sockets());
         w
     }
 
@@ -752,6 +780,12 @@ impl<'id> Worker<'id> {
         }
         self.write_journal();
         self.publish(clock.iterations, clock.busy, 0);
+        if self.shared.holder.is_some() {
+            // The holder's references are the last: its exit releases them, in parallel
+            // (Dataplane::shutdown finishes it once every worker is done).
+            drop(self);
+            return;
+        }
         // The sockets' releases overlapped (see crate::xsk::close_in_parallel).
         let copies = self.io.socket_copies();
         drop(self);
@@ -1086,20 +1120,46 @@ impl<'id> Worker<'id> {
                 queue,
                 reply,
             } => {
-                let r = self.io.add_port(&ifname, ifindex, queue).map(|fd| {
-                    // The new port is the last one.
-                    let port = self.io.port_count() - 1;
-                    (fd, self.io.zero_copy(port), self.io.tx_budget(port))
-                });
-                self.ports_changed = true;
-                let _ = reply.send(r);
+                let _ = reply.send(self.add_port(&ifname, ifindex, queue));
             }
             Command::RemovePort { ifindex, reply } => {
-                let removed = self.io.remove_port(ifindex);
-                self.ports_changed = true;
-                let _ = reply.send(removed);
+                let _ = reply.send(self.remove_port(ifindex));
             }
         }
+    }
+
+    /// Opens a socket on `ifname`'s receive queue `queue` (given to the holder too);
+    /// its descriptor, whether it is zero-copy, and its transmit budget per sendto.
+    fn add_port(
+        &mut self,
+        ifname: &str,
+        ifindex: u32,
+        queue: u32,
+    ) -> Result<(std::os::fd::RawFd, bool, u32), crate::xsk::XskError> {
+        let r = self.io.add_port(ifname, ifindex, queue).map(|fd| {
+            // The new port is the last one.
+            let port = self.io.port_count() - 1;
+            (fd, self.io.zero_copy(port), self.io.tx_budget(port))
+        });
+        if r.is_ok() {
+            let sockets = self.io.sockets();
+            self.shared.hold(&sockets[sockets.len() - 1..]);
+        }
+        self.ports_changed = true;
+        r
+    }
+
+    /// Closes this worker's sockets on `ifindex` (the holder's references dropped first,
+    /// so that the close releases them); whether it had any.
+    fn remove_port(&mut self, ifindex: u32) -> bool {
+        let queues: Vec<u32> = (self.io.sockets().iter().skip(1))
+            .filter(|(i, _, _)| *i == ifindex)
+            .map(|(_, q, _)| *q)
+            .collect();
+        self.shared.forget(ifindex, &queues);
+        let removed = self.io.remove_port(ifindex);
+        self.ports_changed = true;
+        removed
     }
 
     /// Sends `f` out of interface `ifindex`: on this worker's socket there, or through

@@ -709,6 +709,19 @@ impl<'id> WorkerIo<'id> {
         self.ports[port].rx.fd().as_raw_fd()
     }
 
+    /// Every socket: its interface, receive queue and descriptor.
+    pub fn sockets(&self) -> Vec<(u32, u32, std::os::fd::BorrowedFd<'_>)> {
+        self.ports
+            .iter()
+            .map(|p| {
+                // SAFETY: `borrow_raw` requires the fd to stay open while borrowed: `p.rx`
+                // owns it, and the borrow is tied to `&self`, which keeps the port.
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(p.rx.fd().as_raw_fd()) };
+                (p.ifindex, p.queue, fd)
+            })
+            .collect()
+    }
+
     /// A copy of every socket's descriptor, for [`close_in_parallel`] once these sockets
     /// are dropped (then the copies hold the last references).
     pub fn socket_copies(&self) -> Vec<std::os::fd::OwnedFd> {

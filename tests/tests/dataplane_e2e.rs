@@ -2642,6 +2642,113 @@ fn a_worker_kept_from_its_cpu_counts_a_stall() {
     assert!(totals.contains("stalls [worker0:"), "{totals}");
 }
 
+/// The socket inodes of process `pid`'s threads (every descriptor table: a thread that
+/// unshared its own has descriptors the process's table does not show).
+fn socket_inodes(pid: u32) -> std::collections::BTreeSet<u64> {
+    let mut out = std::collections::BTreeSet::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let Ok(fds) = std::fs::read_dir(t.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path()) {
+                let target = target.to_string_lossy().into_owned();
+                if let Some(ino) = target
+                    .strip_prefix("socket:[")
+                    .and_then(|r| r.strip_suffix(']'))
+                    .and_then(|n| n.parse().ok())
+                {
+                    out.insert(ino);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The process whose parent is `parent` and whose command line has `word`.
+fn child_with(parent: u32, word: &str) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        // pid (comm) state ppid ...: the comm may hold spaces, the last ')' ends it.
+        let ppid: u32 = stat[stat.rfind(')')? + 2..]
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        (ppid == parent && String::from_utf8_lossy(&cmdline).contains(word)).then_some(pid)
+    })
+}
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s[s.rfind(')').unwrap_or(0)..].starts_with(") Z"))
+}
+
+#[test]
+fn a_killed_kxp_leaves_its_sockets_to_its_holder_which_lets_them_go() {
+    // The default node (110 pod veths, a 4-queue uplink): kxp's socket holder holds a
+    // reference to each of the workers' AF_XDP sockets, in tables of its own; when kxp is
+    // killed it exits by itself (its threads' releases overlapping), and the next kxp
+    // binds the same queues; a SIGTERM stop waits for it.
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe64",
+        ..Default::default()
+    });
+    let kxp_pid = lab.kxp.as_ref().unwrap().child.id();
+    let holder = child_with(kxp_pid, "hold-sockets")
+        .unwrap_or_else(|| panic!("no socket holder beside kxp {kxp_pid}\n{}", lab.log()));
+    let held = socket_inodes(holder);
+    let ours = socket_inodes(kxp_pid);
+    // Every attached interface's sockets (111 interfaces and the service device here):
+    // the holder holds only kxp's own sockets, and at least one per interface.
+    let attached = lab.log().matches("INFO attached interface=").count();
+    assert!(attached >= 110, "{}", lab.log());
+    let shared: Vec<_> = held.intersection(&ours).collect();
+    assert!(
+        shared.len() > attached,
+        "{} of the holder's {} sockets are kxp's; {attached} interfaces attached",
+        shared.len(),
+        held.len()
+    );
+    let before = lab.http_spread(vip(80), 3).2;
+    assert_eq!(before, 0, "{}", lab.log());
+
+    lab.kxp.as_mut().unwrap().kill();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive(holder) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!alive(holder), "the holder outlived its kxp by 20 s");
+
+    let node = lab.node.clone();
+    let args = lab.args.clone();
+    let k = lab.kxp.as_mut().unwrap();
+    k.restart(None, &args).unwrap();
+    wait_healthy(
+        &node,
+        "127.0.0.1:10256".parse().unwrap(),
+        Duration::from_secs(30),
+        k,
+    )
+    .unwrap();
+    let (_, _, failed) = lab.http_spread(vip(80), 3);
+    assert_eq!(failed, 0, "after the restart\n{}", lab.log());
+    let kxp_pid = lab.kxp.as_ref().unwrap().child.id();
+    let holder = child_with(kxp_pid, "hold-sockets").expect("the new kxp's holder");
+    assert_eq!(lab.kxp.as_mut().unwrap().terminate(), Some(0));
+    assert!(
+        !alive(holder),
+        "a stopped kxp's holder is gone when kxp has exited"
+    );
+}
+
 #[test]
 fn connections_survive_kill_restart_and_binary_replacement() {
     // Two workers on two-queue veths, ClientIP affinity: the long-lived TCP connection

@@ -457,6 +457,29 @@ impl Proc {
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// SIGKILL to the process alone (as a crash or the OOM killer), then waits, as a
+    /// supervisor does before it starts the next one (systemd for the unit's cgroup, the
+    /// kubelet for the container's PID namespace), until no process of its group is
+    /// left (its helpers, which end by themselves), up to `grace`.
+    fn crash(&mut self, grace: Duration) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let end = Instant::now() + grace;
+        // process_group(0) made the child's pid its group id; signal 0 only asks.
+        while dataplane::sys::signal_group(self.child.id(), 0).is_ok() && Instant::now() < end {
+            // As the supervisor's subreaper (see main), its orphans are ours to reap.
+            dataplane::sys::reap_group(self.child.id());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if dataplane::sys::signal_group(self.child.id(), 0).is_ok() {
+            eprintln!(
+                "macro-bench: {}'s group outlived it by {grace:?}; SIGKILL",
+                self.name
+            );
+            self.signal(libc::SIGKILL);
+        }
+    }
 }
 
 impl Drop for Proc {
@@ -1430,10 +1453,11 @@ impl<'a> Router<'a> {
         let (old_bin, args) = self.kxp_cmd.clone().context("no kxp to restart")?;
         let stopping = Instant::now();
         if let Some(mut p) = self.kxp.take() {
-            p.stop(
-                if kill { libc::SIGKILL } else { libc::SIGTERM },
-                Duration::from_secs(10),
-            );
+            if kill {
+                p.crash(Duration::from_secs(10));
+            } else {
+                p.stop(libc::SIGTERM, Duration::from_secs(10));
+            }
         }
         let gone_in = stopping.elapsed();
         let bin = bin.map_or(old_bin, Path::to_path_buf);
@@ -3175,7 +3199,8 @@ fn admin_at_scale(lab: &Lab, plan: &Plan, flows: u64) -> anyhow::Result<()> {
 #[derive(Debug)]
 struct Gap {
     kind: &'static str,
-    /// From the signal to the old process reaped (its sockets closed by the kernel).
+    /// From the signal to the old process reaped and, after a kill -9, its process group
+    /// gone (its sockets closed by the kernel), which a supervisor waits for.
     gone_in: Duration,
     /// From the signal to kxp answering /healthz again.
     back_in: Duration,
@@ -3194,6 +3219,11 @@ const HAND_OVER: &str = "hand-over (a newer kxp started beside)";
 /// 1,024 established flows, restarted three ways and handed over once; the backend's counter is read every few
 /// milliseconds throughout.
 fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
+    // A supervisor (systemd, a container runtime's shim) reaps what a dead kxp leaves
+    // (its socket holder) as soon as it exits; this process stands for one.
+    if let Err(e) = dataplane::sys::become_subreaper() {
+        eprintln!("macro-bench: cannot become a subreaper: {e}");
+    }
     let mut router = Router::setup(lab, case, &plan.kxp, &plan.busy_poll, "restart")?;
     let cfg = lab.trafgen_cfg(Mode::Est)?;
     let upgrade = lab.dir.join("kxp-new");

@@ -164,6 +164,18 @@ pub(super) fn shared_state(
             FRAG_PARKED_BYTES,
             FRAG_TIMEOUT_NS,
         )),
+        holder: cfg.socket_holder.as_deref().and_then(|exe| {
+            crate::holder::SocketHolder::spawn(exe)
+                .inspect(|h| tracing::debug!(pid = h.pid(), "socket holder started"))
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        "cannot start the socket holder ({}): a kxp that dies has its \
+                         sockets released one after another: {e}",
+                        exe.display()
+                    );
+                })
+                .ok()
+        }),
     });
     Ok((rxs, shared))
 }
