@@ -1194,16 +1194,27 @@ impl LinkCtl {
         strict: bool,
     ) -> Result<bool, DataplaneError> {
         let mut changed = false;
-        for l in links {
-            if !self.wanted_name(&l.name)
-                || prog.steering.iter().any(|s| s.ifindex() == l.ifindex)
-                || prog.failed.contains_key(&l.ifindex)
-                || !crate::ifmatch::wanted(&self.patterns, &l.name)
-            {
-                continue;
-            }
+        let todo: Vec<&LinkInfo> = links
+            .iter()
+            .filter(|l| {
+                self.wanted_name(&l.name)
+                    && !prog.steering.iter().any(|s| s.ifindex() == l.ifindex)
+                    && !prog.failed.contains_key(&l.ifindex)
+                    && crate::ifmatch::wanted(&self.patterns, &l.name)
+            })
+            .collect();
+        // Every socket asked for at once: the workers open them in one go, instead of a
+        // round trip each (112 of them at a start with 110 pod veths).
+        let mut asked = self.ask_sockets(&todo);
+        for l in todo {
             changed = true;
-            match self.attach(prog, l) {
+            let r = self.attach(prog, l, &mut asked);
+            if r.is_err() {
+                // Those asked for and not used (the attach stopped before them).
+                let all: Vec<usize> = (0..self.workers).collect();
+                self.close_ports(l.ifindex, &all);
+            }
+            match r {
                 Ok((queues, mode, tx_per_sendto)) => tracing::info!(
                     interface = %l.name,
                     ifindex = l.ifindex,
@@ -1219,6 +1230,12 @@ impl LinkCtl {
                         .iter()
                         .any(|p| !crate::ifmatch::is_pattern(p) && *p == l.name);
                     if strict && literal {
+                        // The sockets asked for the links not attached yet go too.
+                        let left: HashSet<u32> = asked.keys().map(|(i, _)| *i).collect();
+                        let all: Vec<usize> = (0..self.workers).collect();
+                        for ifindex in left {
+                            self.close_ports(ifindex, &all);
+                        }
                         return Err(e);
                     }
                     crate::warn_limited!(format!("attach {}", l.name), interface = %l.name, error = %e, "cannot attach; retrying every 10 s");
@@ -1252,6 +1269,7 @@ impl LinkCtl {
         &self,
         prog: &mut Programming,
         link: &LinkInfo,
+        asked: &mut Asked,
     ) -> Result<(usize, &'static str, u32), DataplaneError> {
         let queues = served_queues(&link.name);
         self.warn_frame_mtu(link);
@@ -1265,7 +1283,7 @@ impl LinkCtl {
         if self.keep {
             s.set_hold(queues as u32)?;
         }
-        let (opened, mut result) = self.open_sockets(&s, link, queues);
+        let (opened, mut result) = self.open_sockets(&s, link, queues, asked);
         // Filled and with its sockets: attach it, or, if a previous kxp's link steers
         // this interface, leave that one in place until `take_over`.
         let kept = self.keep && !prog.taken_over && Steering::kept_on(&link.name, self.attach);
@@ -1315,6 +1333,7 @@ impl LinkCtl {
         s: &Steering,
         link: &LinkInfo,
         queues: usize,
+        asked: &mut Asked,
     ) -> (Opened, Result<(), DataplaneError>) {
         let mut opened = Opened {
             workers: Vec::new(),
@@ -1323,7 +1342,7 @@ impl LinkCtl {
         };
         for queue in 0..queues {
             let worker = queue % self.workers;
-            let r = match self.open_socket(worker, link, queue) {
+            let r = match self.open_socket(worker, link, queue, asked) {
                 Ok(Ok((fd, zc, budget))) => {
                     if !opened.workers.contains(&worker) {
                         opened.workers.push(worker);
@@ -1345,23 +1364,58 @@ impl LinkCtl {
         (opened, Ok(()))
     }
 
-    /// Has `worker` open a socket on `link`'s receive queue `queue`; its reply (the
-    /// socket, or why not), or the timeout's error if it did not answer in time.
-    fn open_socket(&self, worker: usize, link: &LinkInfo, queue: usize) -> PortReply {
+    /// Asks the workers for a socket on every receive queue of each of `links` (queue
+    /// `q` of worker `q % workers`) without waiting: where each answer will come.
+    fn ask_sockets(&self, links: &[&LinkInfo]) -> Asked {
+        let mut asked = Asked::new();
+        for link in links {
+            for queue in 0..served_queues(&link.name) {
+                let worker = queue % self.workers;
+                asked.insert((link.ifindex, queue), self.ask_socket(worker, link, queue));
+            }
+        }
+        asked
+    }
+
+    /// Asks `worker` for a socket on `link`'s receive queue `queue`; where its answer
+    /// will come.
+    fn ask_socket(
+        &self,
+        worker: usize,
+        link: &LinkInfo,
+        queue: usize,
+    ) -> crossbeam::channel::Receiver<PortAnswer> {
+        let (rtx, rrx) = crossbeam::channel::bounded(1);
+        let _ = self.shared.commands[worker].send(Command::AddPort {
+            ifname: link.name.clone(),
+            ifindex: link.ifindex,
+            queue: queue as u32,
+            reply: rtx,
+        });
+        rrx
+    }
+
+    /// Has `worker` open a socket on `link`'s receive queue `queue` (the answer to what
+    /// was `asked` already, if it was); its reply (the socket, or why not), or the
+    /// timeout's error if it did not answer in time.
+    fn open_socket(
+        &self,
+        worker: usize,
+        link: &LinkInfo,
+        queue: usize,
+        asked: &mut Asked,
+    ) -> PortReply {
         let open = || {
-            let (rtx, rrx) = crossbeam::channel::bounded(1);
-            let _ = self.shared.commands[worker].send(Command::AddPort {
-                ifname: link.name.clone(),
-                ifindex: link.ifindex,
-                queue: queue as u32,
-                reply: rtx,
-            });
-            rrx.recv_timeout(WORKER_REPLY)
+            self.ask_socket(worker, link, queue)
+                .recv_timeout(WORKER_REPLY)
         };
         // A socket closed on this queue a moment ago (attaching again after a queue
-        // count change) may still hold it (see XskError::is_busy): tried again for
-        // up to a second.
-        let mut reply = open();
+        // count change, or by a kxp that just died) may still hold it (see
+        // XskError::is_busy): tried again for up to a second.
+        let mut reply = match asked.remove(&(link.ifindex, queue)) {
+            Some(rx) => rx.recv_timeout(WORKER_REPLY),
+            None => open(),
+        };
         let busy_since = Instant::now();
         while matches!(&reply, Ok(Err(e)) if e.is_busy())
             && busy_since.elapsed() < Duration::from_secs(1)
@@ -1410,10 +1464,14 @@ impl LinkCtl {
 
 /// A worker's answer to [`Command::AddPort`]: the socket's descriptor, whether it is in
 /// zero-copy mode and its TX budget per sendto(), or why not; or no answer in time.
-type PortReply = Result<
-    Result<(std::os::fd::RawFd, bool, u32), crate::xsk::XskError>,
-    crossbeam::channel::RecvTimeoutError,
->;
+/// Where the workers' answers to sockets asked for in advance come, by (interface,
+/// queue).
+type Asked = HashMap<(u32, usize), crossbeam::channel::Receiver<PortAnswer>>;
+
+/// A worker's answer to [`Command::AddPort`].
+type PortAnswer = Result<(std::os::fd::RawFd, bool, u32), crate::xsk::XskError>;
+
+type PortReply = Result<PortAnswer, crossbeam::channel::RecvTimeoutError>;
 
 /// The sockets opened on an interface's receive queues (see [`LinkCtl::attach`]).
 struct Opened {
