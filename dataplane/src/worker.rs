@@ -1848,9 +1848,14 @@ impl<'id> Worker<'id> {
     }
 }
 
-/// Packets a worker keeps while their next hop is resolved, and for how long.
+/// Packets a worker keeps while their next hop is resolved, and for how long: as long as
+/// the kernel keeps them, until the resolution fails (3 solicitations a second apart,
+/// `mcast_solicit` × `retrans_time_ms`). A second was too short where the first
+/// solicitation went unanswered (an IPv6 address still tentative, doing duplicate
+/// address detection): the packet the kernel would have delivered a second later was
+/// dropped.
 const WAITING_MAX: usize = 256;
-const WAITING_NS: u64 = 1_000_000_000;
+const WAITING_NS: u64 = 3_000_000_000;
 
 /// The worker that owns the flow of `l3` (an IP packet): [`conntrack::flow_owner`] of
 /// the flow's client side, which is

@@ -2704,6 +2704,12 @@ fn a_killed_kxp_leaves_its_sockets_to_its_holder_which_lets_them_go() {
     let kxp_pid = lab.kxp.as_ref().unwrap().child.id();
     let holder = child_with(kxp_pid, "hold-sockets")
         .unwrap_or_else(|| panic!("no socket holder beside kxp {kxp_pid}\n{}", lab.log()));
+    let status = std::fs::read_to_string(format!("/proc/{holder}/status")).unwrap_or_default();
+    assert!(
+        status.contains("CapEff:\t0000000000000000")
+            && status.contains("CapPrm:\t0000000000000000"),
+        "the holder keeps no capability:\n{status}"
+    );
     let held = socket_inodes(holder);
     let ours = socket_inodes(kxp_pid);
     // Every attached interface's sockets (111 interfaces and the service device here):
