@@ -1553,7 +1553,9 @@ impl<'id> Worker<'id> {
             self.io.recycle(f);
             return;
         }
-        if !matches!(rewrite::decrement_ttl(l3), Ok(true)) {
+        // Handed to the kernel (as its first fragment was), the kernel's forwarding
+        // decrements the TTL.
+        if vlan & FRAG_HANDOVER == 0 && !matches!(rewrite::decrement_ttl(l3), Ok(true)) {
             *c.drops.entry(DropCause::TtlExceeded).or_default() += 1;
             self.io.recycle(f);
             return;

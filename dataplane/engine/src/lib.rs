@@ -767,10 +767,17 @@ impl Engine {
             Ok(()) => {}
             Err(_) => return Verdict::Drop(DropCause::Malformed("icmp_rewrite")),
         }
-        match rewrite::decrement_ttl(pkt) {
-            Ok(true) => {}
-            Ok(false) => return Verdict::Drop(DropCause::TtlExceeded),
-            Err(err) => return Verdict::Drop(DropCause::Malformed(err.reason())),
+        let handover = match dir {
+            Direction::Original => tag_handover(tag),
+            Direction::Reply => Handover::No,
+        };
+        // Handed to the kernel, the kernel's forwarding decrements the TTL.
+        if handover == Handover::No {
+            match rewrite::decrement_ttl(pkt) {
+                Ok(true) => {}
+                Ok(false) => return Verdict::Drop(DropCause::TtlExceeded),
+                Err(err) => return Verdict::Drop(DropCause::Malformed(err.reason())),
+            }
         }
         self.counters.icmp_errors_translated += 1;
         Verdict::Forward {
@@ -783,10 +790,7 @@ impl Engine {
                 Direction::Reply => tag_vlan(tag),
                 Direction::Original => 0,
             },
-            handover: match dir {
-                Direction::Original => tag_handover(tag),
-                Direction::Reply => Handover::No,
-            },
+            handover,
         }
     }
 }
@@ -887,7 +891,15 @@ fn forward(
         let _ = e;
         return Verdict::Drop(DropCause::Malformed("rewrite"));
     }
-    match rewrite::decrement_ttl(pkt) {
+    // A packet handed to the kernel has its TTL decremented by the kernel, which forwards
+    // it from the service device: one hop, counted once (and expiring where the kernel
+    // says so).
+    let hop = if handover == Handover::No {
+        rewrite::decrement_ttl(pkt)
+    } else {
+        Ok(true)
+    };
+    match hop {
         Ok(true) => Verdict::Forward {
             new_flow,
             dst: to.dst,

@@ -801,7 +801,12 @@ fn with_kernel_policy_connections_to_local_pods_are_handed_to_the_kernel() {
     let client = sa("198.18.1.1:5000");
     let orig = Tuple::new(client, sa("198.19.0.10:53"), Protocol::Udp);
     let mut q = build_tuple(&orig, b"query");
+    let ttl = q[8];
     assert_eq!(verdict(&r.send(&mut q)), Handover::Masquerade);
+    assert_eq!(
+        q[8], ttl,
+        "handed over: the kernel's forwarding decrements the TTL"
+    );
     let fwd = tuple_of(&q);
     assert_eq!(
         fwd,
@@ -812,6 +817,7 @@ fn with_kernel_policy_connections_to_local_pods_are_handed_to_the_kernel() {
     let mut a = build_tuple(&fwd.reversed(), b"answer");
     assert_eq!(verdict(&r.send(&mut a)), Handover::No);
     assert_eq!(tuple_of(&a), orig.reversed());
+    assert_eq!(a[8], ttl - 1, "forwarded by kxp: one hop");
     // From a pod: DNAT only, handed over as it is.
     let pod = Tuple::new(
         sa("198.18.128.50:6000"),
@@ -820,6 +826,7 @@ fn with_kernel_policy_connections_to_local_pods_are_handed_to_the_kernel() {
     );
     let mut q = build_tuple(&pod, b"query");
     assert_eq!(verdict(&r.send(&mut q)), Handover::Plain);
+    assert_eq!(q[8], ttl);
     // The node's own connection (through the service device) keeps kxp's SNAT port.
     r.e.host_interface = Some("kxp0-dp".into());
     let own = Tuple::new(sa("198.18.0.254:7000"), sa("198.19.0.10:53"), Protocol::Udp);
