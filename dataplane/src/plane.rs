@@ -1210,9 +1210,8 @@ impl LinkCtl {
             changed = true;
             let r = self.attach(prog, l, &mut asked);
             if r.is_err() {
-                // Those asked for and not used (the attach stopped before them).
-                let all: Vec<usize> = (0..self.workers).collect();
-                self.close_ports(l.ifindex, &all);
+                // Its sockets, opened or only asked for.
+                self.close_ports_everywhere(l.ifindex);
             }
             match r {
                 Ok((queues, mode, tx_per_sendto)) => tracing::info!(
@@ -1232,9 +1231,8 @@ impl LinkCtl {
                     if strict && literal {
                         // The sockets asked for the links not attached yet go too.
                         let left: HashSet<u32> = asked.keys().map(|(i, _)| *i).collect();
-                        let all: Vec<usize> = (0..self.workers).collect();
                         for ifindex in left {
-                            self.close_ports(ifindex, &all);
+                            self.close_ports_everywhere(ifindex);
                         }
                         return Err(e);
                     }
@@ -1292,11 +1290,8 @@ impl LinkCtl {
                 .attach(&link.name, self.attach, self.keep)
                 .map_err(DataplaneError::from);
         }
-        if let Err(e) = result {
-            drop(s);
-            self.close_ports(link.ifindex, &opened.workers);
-            return Err(e);
-        }
+        // On an error the caller closes the interface's sockets.
+        result?;
         if self.busy_poll {
             prog.restore
                 .extend(busy_poll_knobs(std::slice::from_ref(&link.name)));
@@ -1326,7 +1321,7 @@ impl LinkCtl {
 
     /// Has the workers open a socket on each of `link`'s first `queues` receive queues
     /// (queue `q` by worker `q % workers`) and enters each in `s`'s socket map, up to the
-    /// first failure. Returns the sockets opened (to be closed if the attach fails) and
+    /// first failure. Returns what the sockets opened are (their mode and budget) and
     /// that failure, if any.
     fn open_sockets(
         &self,
@@ -1336,7 +1331,6 @@ impl LinkCtl {
         asked: &mut Asked,
     ) -> (Opened, Result<(), DataplaneError>) {
         let mut opened = Opened {
-            workers: Vec::new(),
             zero_copy: Vec::new(),
             tx_budget: u32::MAX,
         };
@@ -1344,9 +1338,6 @@ impl LinkCtl {
             let worker = queue % self.workers;
             let r = match self.open_socket(worker, link, queue, asked) {
                 Ok(Ok((fd, zc, budget))) => {
-                    if !opened.workers.contains(&worker) {
-                        opened.workers.push(worker);
-                    }
                     opened.zero_copy.push(zc);
                     opened.tx_budget = opened.tx_budget.min(budget);
                     s.set_socket(queue as u32, fd).map_err(DataplaneError::from)
@@ -1437,23 +1428,21 @@ impl LinkCtl {
         if let Err(e) = s.detach() {
             tracing::warn!(interface = %name, error = %e, "detaching an XDP program");
         }
-        let all: Vec<usize> = (0..self.workers).collect();
-        self.close_ports(ifindex, &all);
+        self.close_ports_everywhere(ifindex);
         tracing::info!(interface = %name, ifindex, "detached (gone or no longer matching)");
     }
 
-    fn close_ports(&self, ifindex: u32, workers: &[usize]) {
-        let replies: Vec<_> = workers
-            .iter()
-            .filter_map(|&w| {
+    /// Has every worker close its sockets on `ifindex`.
+    fn close_ports_everywhere(&self, ifindex: u32) {
+        let replies: Vec<_> = (self.shared.commands.iter())
+            .filter_map(|c| {
                 let (rtx, rrx) = crossbeam::channel::bounded(1);
-                self.shared.commands[w]
-                    .send(Command::RemovePort {
-                        ifindex,
-                        reply: rtx,
-                    })
-                    .ok()
-                    .map(|()| rrx)
+                c.send(Command::RemovePort {
+                    ifindex,
+                    reply: rtx,
+                })
+                .ok()
+                .map(|()| rrx)
             })
             .collect();
         for r in replies {
@@ -1462,21 +1451,19 @@ impl LinkCtl {
     }
 }
 
-/// A worker's answer to [`Command::AddPort`]: the socket's descriptor, whether it is in
-/// zero-copy mode and its TX budget per sendto(), or why not; or no answer in time.
 /// Where the workers' answers to sockets asked for in advance come, by (interface,
 /// queue).
 type Asked = HashMap<(u32, usize), crossbeam::channel::Receiver<PortAnswer>>;
 
-/// A worker's answer to [`Command::AddPort`].
+/// A worker's answer to [`Command::AddPort`]: the socket's descriptor, whether it is in
+/// zero-copy mode and its TX budget per sendto(), or why not.
 type PortAnswer = Result<(std::os::fd::RawFd, bool, u32), crate::xsk::XskError>;
 
+/// A worker's answer, or no answer in time.
 type PortReply = Result<PortAnswer, crossbeam::channel::RecvTimeoutError>;
 
 /// The sockets opened on an interface's receive queues (see [`LinkCtl::attach`]).
 struct Opened {
-    /// The workers that opened one or more.
-    workers: Vec<usize>,
     /// Whether each socket is in zero-copy mode.
     zero_copy: Vec<bool>,
     /// The fewest frames one sendto() on them transmits (`u32::MAX`: none opened).

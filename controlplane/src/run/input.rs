@@ -131,7 +131,11 @@ impl Input {
         match self {
             // A change settling is looked at again sooner.
             Input::File { watch, .. } => {
-                std::thread::sleep(watch.settling().map_or(d, |s| d.min(s / 5)));
+                std::thread::sleep(if watch.settling() {
+                    d.min(SETTLE / 5)
+                } else {
+                    d
+                });
             }
             Input::Kube {
                 changes,
@@ -291,9 +295,10 @@ impl FileWatch {
         }
     }
 
-    /// When [`Self::changed`] is worth asking again: a change waits to settle.
-    pub(super) fn settling(&self) -> Option<Duration> {
-        self.pending.map(|_| SETTLE)
+    /// Whether a change waits to settle (then [`Self::changed`] is worth asking again
+    /// sooner).
+    pub(super) fn settling(&self) -> bool {
+        self.pending.is_some()
     }
 }
 

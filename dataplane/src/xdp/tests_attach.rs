@@ -287,18 +287,25 @@ fn steered_packets_reach_the_socket_and_the_rest_the_kernel() {
     }
 }
 
-#[test]
-fn one_program_serves_several_interfaces_each_with_its_sockets_counters_and_flags() {
-    require_root();
+/// Namespaces `a` (kxa 198.18.0.1, kxc 198.18.1.1) and `b` (kxb .0.2, kxd .1.2), named
+/// from `a_name` and `b_name`, joined by two links.
+fn two_links(a_name: &str, b_name: &str) -> (Topology, String, String) {
     let mut lab = Topology::new(LAB);
     let (a, b) = (
-        lab.add_ns_unique("sa").unwrap(),
-        lab.add_ns_unique("sb").unwrap(),
+        lab.add_ns_unique(a_name).unwrap(),
+        lab.add_ns_unique(b_name).unwrap(),
     );
     lab.link((&a, "kxa", "198.18.0.1/24"), (&b, "kxb", "198.18.0.2/24"))
         .unwrap();
     lab.link((&a, "kxc", "198.18.1.1/24"), (&b, "kxd", "198.18.1.2/24"))
         .unwrap();
+    (lab, a, b)
+}
+
+#[test]
+fn one_program_serves_several_interfaces_each_with_its_sockets_counters_and_flags() {
+    require_root();
+    let (lab, a, b) = two_links("sa", "sb");
     let send = |to: &'static str, n: usize| {
         lab.run_in(&a, move || {
             let sock = UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -419,15 +426,7 @@ fn one_program_serves_several_interfaces_each_with_its_sockets_counters_and_flag
 #[test]
 fn a_restarted_kxp_of_the_same_build_takes_up_the_pinned_program_and_its_steering() {
     require_root();
-    let mut lab = Topology::new(LAB);
-    let (a, b) = (
-        lab.add_ns_unique("pa").unwrap(),
-        lab.add_ns_unique("pb").unwrap(),
-    );
-    lab.link((&a, "kxa", "198.18.0.1/24"), (&b, "kxb", "198.18.0.2/24"))
-        .unwrap();
-    lab.link((&a, "kxc", "198.18.1.1/24"), (&b, "kxd", "198.18.1.2/24"))
-        .unwrap();
+    let (lab, a, b) = two_links("pa", "pb");
     for to in ["198.18.0.2", "198.18.1.2"] {
         ip_stdout(&["netns", "exec", &a, "ping", "-c1", "-W2", to]);
     }
