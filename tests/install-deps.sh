@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  # xsk-rs builds libbpf and libxdp from source
+  # libbpf-sys builds libbpf from source; build.rs compiles the steering program (clang)
   clang llvm libelf-dev zlib1g-dev pkg-config m4 libpcap-dev
   # network namespaces, veth, the kernel's NAT for comparisons, traffic generation
   iproute2 iputils-ping nftables iptables ethtool netsniff-ng
@@ -30,7 +30,7 @@ if ((${#missing[@]})); then
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-# libxdp's dispatcher wants bpffs.
+# kxp pins its steering program and maps in bpffs.
 if [[ $(id -u) -eq 0 ]] && ! mountpoint -q /sys/fs/bpf 2>/dev/null; then
   mount -t bpf bpf /sys/fs/bpf 2>/dev/null || echo "install-deps: could not mount bpffs at /sys/fs/bpf" >&2
 fi

@@ -2,9 +2,8 @@
 //! removes when it stops.
 //!
 //! Its dataplane side (`NAME-dp`, one receive queue per worker) carries the first AF_XDP
-//! socket of every worker. That socket is the UMEM's own (libxdp binds it on the UMEM's
-//! file descriptor, which stays bound until the UMEM goes), and every other socket shares
-//! the UMEM through it. Interfaces kxp attaches to come and go with the pods, so the
+//! socket of every worker. That socket is the UMEM's own (it registers the UMEM, see
+//! crate::afxdp), and every other socket shares the UMEM through it. Interfaces kxp attaches to come and go with the pods, so the
 //! UMEM's socket must sit on a device that lives exactly as long as kxp: this one.
 //!
 //! The host side (`NAME`, default `kxp0`) is where the node's own connections to Service

@@ -1,4 +1,4 @@
-//! AF_XDP sockets of one worker (xsk-rs): one UMEM shared by a socket on each queue the
+//! AF_XDP sockets of one worker ([`crate::afxdp`]): one UMEM shared by a socket on each queue the
 //! worker serves of each attached interface (one per interface when there are no more
 //! queues than workers), so a frame received on one interface can be sent on another
 //! without a copy.
@@ -6,15 +6,15 @@
 //! Frame ownership is what makes AF_XDP sound: a frame is owned either by the kernel (on
 //! the fill or TX ring) or by userspace, never both. Here userspace ownership is a
 //! [`Frame`] token — not `Clone`, not `Copy` — so a frame can be handed to one ring at a
-//! time and its bytes borrowed only through the token. Every `unsafe` call of xsk-rs in
+//! time and its bytes borrowed only through the token. Every `unsafe` call of `afxdp` in
 //! the dataplane (tests aside) is in this module, each justified by that invariant.
 //!
 //! Where a frame is, at any time, is exactly one of: on a fill, RX, TX or completion
 //! ring (the kernel's); once in `free` or in a port's `tx_pending` (userspace's, no
 //! token); in one [`Frame`] (userspace's, that token's); nowhere (its token dropped).
 //! Moving a frame between these is done only here, and every descriptor involved comes
-//! from this worker's one [`Umem`]: from `Umem::new`, or from a ring of a socket created
-//! on it. Each frame is marked with the port whose fill or TX ring holds it and
+//! from this worker's one UMEM ([`Area`]): from `Area::descs`, or from a ring of a
+//! socket created on it. Each frame is marked with the port whose fill or TX ring holds it and
 //! unmarked when it comes off the RX or completion ring, so [`WorkerIo::remove_port`]
 //! takes back exactly the frames still on the removed port's rings, never one a token
 //! holds.
@@ -32,13 +32,9 @@
 //! program does not compile — and no frame outlives the UMEM it points into.
 
 use std::marker::PhantomData;
-use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, RawFd};
 
-use xsk_rs::config::{
-    BindFlags, FrameSize, Interface, LibxdpFlags, QueueSize, SocketConfig, UmemConfig,
-};
-use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, TxQueue, Umem};
+use crate::afxdp::{Area, Bind, Desc, Socket, XDP_HEADROOM};
 
 /// A packet owned by userspace: a UMEM frame, or (for a packet larger than one frame,
 /// received as several with `XDP_USE_SG`, or built for a large MTU) a heap buffer that
@@ -65,7 +61,7 @@ type Brand<'id> = PhantomData<fn(&'id ()) -> &'id ()>;
 
 #[derive(Debug)]
 enum Buf {
-    Umem(FrameDesc),
+    Umem(Desc),
     Heap(Vec<u8>),
 }
 
@@ -178,16 +174,13 @@ struct Port {
     rx_packets: u64,
     /// A port of this interface has received (see [`IDLE_FILL`]).
     warm: bool,
-    tx: TxQueue,
-    rx: RxQueue,
-    fq: FillQueue,
-    cq: CompQueue,
+    sock: Socket,
     /// The socket is in zero-copy mode (`XDP_OPTIONS`), not copy mode.
     zero_copy: bool,
     /// In copy mode, the most frames one sendto() has the kernel transmit.
     tx_budget: u32,
     /// Frames waiting for room on the TX ring.
-    tx_pending: Vec<FrameDesc>,
+    tx_pending: Vec<Desc>,
     /// Frames on the TX ring not yet back on the completion ring: `reap` reads the
     /// completion ring only of ports that have some.
     tx_in_flight: usize,
@@ -226,29 +219,29 @@ pub struct PortStats {
 
 /// One worker's sockets and frames.
 ///
-/// The first port is the UMEM's own socket: libxdp binds it on the UMEM's file
-/// descriptor, which stays open (and bound) until the UMEM goes, and every later socket
+/// The first port is the UMEM's own socket: it registers the UMEM, and every later socket
 /// shares the UMEM through it (`XDP_SHARED_UMEM`). It must be on an interface that lives
 /// as long as the worker (kxp's own service device); the others come and go with
 /// [`WorkerIo::add_port`] and [`WorkerIo::remove_port`].
 pub struct WorkerIo<'id> {
     // Ports first: sockets must go before the UMEM they use.
     ports: Vec<Port>,
-    umem: Umem,
+    area: Area,
     /// Per frame (address / frame size): the ifindex of the port whose fill or TX ring
     /// it was last put on, so that a port that goes away gives back the frames its
     /// rings held (see [`WorkerIo::remove_port`]).
     ring_of: Vec<u32>,
-    /// Every frame's descriptor as the UMEM handed it out, by frame number.
-    all_descs: Vec<FrameDesc>,
     frame_size: usize,
-    sock_cfg: SocketConfig,
+    /// Bind flags of the UMEM's own socket.
+    bind_flags: u16,
     queue: u32,
     busy_poll: Option<(u32, u32)>,
     frames_total: usize,
     ring_size: usize,
-    free: Vec<FrameDesc>,
-    scratch: Vec<FrameDesc>,
+    /// Free frames, by address.
+    free: Vec<u64>,
+    scratch: Vec<Desc>,
+    scratch_addrs: Vec<u64>,
     /// Each port's want of fill frames in a round (kept to reuse its allocation).
     wants: Vec<usize>,
     /// Frames kept back from the fill rings for transmitting generated packets.
@@ -329,17 +322,17 @@ impl Sockets {
     pub fn with<R>(self, f: impl for<'id> FnOnce(WorkerIo<'id>) -> R) -> R {
         let WorkerIo {
             ports,
-            umem,
+            area,
             ring_of,
-            all_descs,
             frame_size,
-            sock_cfg,
+            bind_flags,
             queue,
             busy_poll,
             frames_total,
             ring_size,
             free,
             scratch,
+            scratch_addrs,
             wants,
             reserve,
             fill_target,
@@ -350,17 +343,17 @@ impl Sockets {
         } = self.0;
         f(WorkerIo {
             ports,
-            umem,
+            area,
             ring_of,
-            all_descs,
             frame_size,
-            sock_cfg,
+            bind_flags,
             queue,
             busy_poll,
             frames_total,
             ring_size,
             free,
             scratch,
+            scratch_addrs,
             wants,
             reserve,
             fill_target,
@@ -412,48 +405,39 @@ impl WorkerIo<'static> {
     /// [`Sockets`]).
     fn open(cfg: &XskConfig, ifnames: &[String], queue: u32) -> Result<Self, XskError> {
         let bad = |m: String| XskError::Config(m);
-        let frame_size = FrameSize::new(cfg.frame_size).map_err(|e| bad(e.to_string()))?;
-        let ring = QueueSize::new(cfg.ring_size).map_err(|e| bad(e.to_string()))?;
-        let frames = NonZeroU32::new(cfg.frames).ok_or_else(|| bad("frames must be > 0".into()))?;
-        let umem_cfg = UmemConfig::builder()
-            .frame_size(frame_size)
-            .fill_queue_size(ring)
-            .comp_queue_size(ring)
-            .build()
-            .map_err(|e| bad(e.to_string()))?;
-        let (umem, descs) = Umem::new(umem_cfg, frames, false).map_err(|e| XskError::Umem {
+        if !cfg.ring_size.is_power_of_two() {
+            return Err(bad(format!(
+                "ring size {} is not a power of two",
+                cfg.ring_size
+            )));
+        }
+        let area = Area::new(cfg.frames, cfg.frame_size).map_err(|e| XskError::Umem {
             frames: cfg.frames,
             frame_size: cfg.frame_size,
             reason: e.to_string(),
         })?;
+        let descs: Vec<u64> = area.descs().iter().map(|d| d.addr).collect();
         // Multi-buffer (XDP_USE_SG): packets larger than a frame (jumbo MTUs) arrive and
         // leave as chains of frames. Set on the UMEM's own socket, every socket sharing
         // the UMEM has it.
-        let mut bind = BindFlags::XDP_USE_NEED_WAKEUP;
+        let mut bind_flags = libc::XDP_USE_NEED_WAKEUP;
         if cfg.multi_buffer {
-            bind |= BindFlags::XDP_USE_SG;
+            bind_flags |= libc::XDP_USE_SG;
         }
         // Neither flag: zero-copy if the driver has it, else copy mode (the kernel's
         // fallback); XDP_COPY when asked for.
         if cfg.copy_mode {
-            bind |= BindFlags::XDP_COPY;
+            bind_flags |= libc::XDP_COPY;
         }
-        let sock_cfg = SocketConfig::builder()
-            .rx_queue_size(ring)
-            .tx_queue_size(ring)
-            .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
-            .bind_flags(bind)
-            .build();
 
         let frames_total = descs.len();
         let reserve = (frames_total / 4).max(BATCH);
         let mut io = WorkerIo {
             ports: Vec::with_capacity(ifnames.len()),
-            umem,
+            area,
             ring_of: vec![0; frames_total],
-            all_descs: descs.clone(),
             frame_size: cfg.frame_size as usize,
-            sock_cfg,
+            bind_flags,
             queue,
             busy_poll: cfg.busy_poll,
             frames_total,
@@ -463,7 +447,8 @@ impl WorkerIo<'static> {
             fill_limit: usize::MAX,
             reserve,
             free: descs,
-            scratch: vec![FrameDesc::default(); BATCH],
+            scratch: vec![Desc::default(); BATCH],
+            scratch_addrs: vec![0; BATCH],
             wants: Vec::new(),
             frame_capacity: (cfg.frame_size as usize).saturating_sub(256),
             _brand: PhantomData,
@@ -490,45 +475,31 @@ impl<'id> WorkerIo<'id> {
             reason,
             errno: None,
         };
-        let iface: Interface = ifname
-            .parse()
-            .map_err(|_| sock_err("not a valid interface name".into()))?;
-        // SAFETY: `Socket::new` has one precondition: if the UMEM is shared and the
-        // (interface, queue) pair is already bound, `XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD`
-        // must be set (else dropping the sockets can double-free libxdp's program
-        // state). `sock_cfg` is built only in `open`, always with that flag (kxp loads
-        // its own XDP program), so it holds on every call, bound pair or not (a bound
-        // pair returns no fill/comp rings and is refused below, its queues dropped).
-        let (tx, rx, fq_cq) =
-            unsafe { xsk_rs::Socket::new(self.sock_cfg, &self.umem, &iface, queue) }.map_err(
-                |e| {
-                    let os = std::error::Error::source(&e)
-                        .and_then(|s| s.downcast_ref::<std::io::Error>());
-                    XskError::Socket {
-                        ifname: ifname.to_string(),
-                        queue,
-                        reason: match os {
-                            Some(os) => format!("{e}: {os}"),
-                            None => e.to_string(),
-                        },
-                        errno: os.and_then(std::io::Error::raw_os_error),
-                    }
-                },
-            )?;
-        let Some((fq, cq)) = fq_cq else {
-            return Err(sock_err(
-                "the (interface, queue) pair is already bound".into(),
-            ));
+        if ifindex == 0 {
+            return Err(sock_err("no such interface".into()));
+        }
+        let bind = Bind {
+            ifindex,
+            queue,
+            ring_size: self.ring_size as u32,
+            flags: self.bind_flags,
         };
-        if let Some((usecs, budget)) = self.busy_poll {
-            crate::sys::set_busy_poll(rx.fd().as_raw_fd(), usecs, budget).map_err(|source| {
-                XskError::BusyPoll {
+        let sock =
+            Socket::new(&self.area, self.ports.first().map(|p| &p.sock), bind).map_err(|e| {
+                XskError::Socket {
                     ifname: ifname.to_string(),
-                    source,
+                    queue,
+                    reason: e.to_string(),
+                    errno: e.raw_os_error(),
                 }
             })?;
+        let fd = sock.fd().as_raw_fd();
+        if let Some((usecs, budget)) = self.busy_poll {
+            crate::sys::set_busy_poll(fd, usecs, budget).map_err(|source| XskError::BusyPoll {
+                ifname: ifname.to_string(),
+                source,
+            })?;
         }
-        let fd = rx.fd().as_raw_fd();
         let zero_copy = crate::sys::xsk_zero_copy(fd).unwrap_or(false);
         let mut tx_budget = 0;
         if !zero_copy {
@@ -550,10 +521,7 @@ impl<'id> WorkerIo<'id> {
             warm: self.ports.iter().any(|p| p.ifindex == ifindex && p.warm),
             zero_copy,
             tx_budget,
-            tx,
-            rx,
-            fq,
-            cq,
+            sock,
             tx_pending: Vec::with_capacity(BATCH),
             tx_in_flight: 0,
             partial: None,
@@ -592,8 +560,8 @@ impl<'id> WorkerIo<'id> {
             .position(|p| p.ifindex == ifindex)
             .map(|i| i + 1)
         {
-            let mut p = self.ports.remove(i);
-            self.free.append(&mut p.tx_pending);
+            let p = self.ports.remove(i);
+            self.free.extend(p.tx_pending.iter().map(|d| d.addr));
             // Closing the socket first: the kernel stops using its rings, then what they
             // held is userspace's again.
             drop(p);
@@ -605,7 +573,8 @@ impl<'id> WorkerIo<'id> {
         for (n, owner) in self.ring_of.iter_mut().enumerate() {
             if *owner == ifindex {
                 *owner = 0;
-                self.free.push(self.all_descs[n]);
+                self.free
+                    .push(n as u64 * self.frame_size as u64 + XDP_HEADROOM);
             }
         }
         self.reshare();
@@ -692,8 +661,8 @@ impl<'id> WorkerIo<'id> {
         self.ports.iter().position(|p| p.ifindex == ifindex)
     }
 
-    fn frame_no(frame_size: usize, d: &FrameDesc) -> usize {
-        d.addr() / frame_size
+    fn frame_no(frame_size: usize, addr: u64) -> usize {
+        addr as usize / frame_size
     }
 
     pub fn port_count(&self) -> usize {
@@ -706,19 +675,14 @@ impl<'id> WorkerIo<'id> {
 
     /// The socket of `port`, to put in the XDP program's XSKMAP.
     pub fn fd(&self, port: usize) -> RawFd {
-        self.ports[port].rx.fd().as_raw_fd()
+        self.ports[port].sock.fd().as_raw_fd()
     }
 
     /// Every socket: its interface, receive queue and descriptor.
     pub fn sockets(&self) -> Vec<(u32, u32, std::os::fd::BorrowedFd<'_>)> {
         self.ports
             .iter()
-            .map(|p| {
-                // SAFETY: `borrow_raw` requires the fd to stay open while borrowed: `p.rx`
-                // owns it, and the borrow is tied to `&self`, which keeps the port.
-                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(p.rx.fd().as_raw_fd()) };
-                (p.ifindex, p.queue, fd)
-            })
+            .map(|p| (p.ifindex, p.queue, p.sock.fd()))
             .collect()
     }
 
@@ -727,25 +691,18 @@ impl<'id> WorkerIo<'id> {
     pub fn socket_copies(&self) -> Vec<std::os::fd::OwnedFd> {
         self.ports
             .iter()
-            .filter_map(|p| {
-                // SAFETY: `borrow_raw` requires the fd to stay open while borrowed: `p.rx`
-                // owns it and outlives this expression, which only duplicates it.
-                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(p.rx.fd().as_raw_fd()) };
-                fd.try_clone_to_owned().ok()
-            })
+            .filter_map(|p| p.sock.fd().try_clone_to_owned().ok())
             .collect()
     }
 
     /// Receives up to [`BATCH`] frames from `port` into `out`; returns how many.
     pub fn recv(&mut self, port: usize, out: &mut Vec<Frame<'id>>) -> usize {
         let p = &mut self.ports[port];
-        // SAFETY: `RxQueue::consume` requires the descriptors to be used with the UMEM
-        // the queue is tied to: `p.rx` was created on `self.umem` (`add_port`), and
-        // each descriptor written into `scratch` (an output buffer, its old contents
-        // not read) is used below only with `self.umem`. Consuming them moves the
-        // frames from the kernel to userspace; each goes into exactly one Frame, or
-        // (a multi-buffer piece) is copied and put in `free`, so none has two owners.
-        let n = unsafe { p.rx.consume(&mut self.scratch) };
+        // SAFETY: `Socket::recv` makes the frames received userspace's: `p.sock` was
+        // created on `self.area` (`add_port`), and each descriptor written into `scratch`
+        // goes into exactly one Frame, or (a multi-buffer piece) is copied and put in
+        // `free`, so none has two owners.
+        let n = unsafe { p.sock.recv(&mut self.scratch) };
         p.in_fill = p.in_fill.saturating_sub(n);
         p.rx_packets += n as u64;
         if n > 0 && !p.warm {
@@ -758,10 +715,13 @@ impl<'id> WorkerIo<'id> {
         for i in 0..n {
             let d = self.scratch[i];
             // Off the ring: userspace's (see `remove_port`).
-            if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
+            if let Some(o) = self
+                .ring_of
+                .get_mut(Self::frame_no(self.frame_size, d.addr))
+            {
                 *o = 0;
             }
-            let more = d.options() & XDP_PKT_CONTD != 0;
+            let more = d.options & XDP_PKT_CONTD != 0;
             let p = &mut self.ports[port];
             if p.partial.is_none() && !more {
                 out.push(Frame {
@@ -774,18 +734,17 @@ impl<'id> WorkerIo<'id> {
             }
             // A piece of a multi-buffer packet: gathered into one buffer, the frame given
             // back at once.
-            // SAFETY: `Umem::data` requires (1) `d` to be a frame of `self.umem`: it
-            // came from the RX ring of a socket on it, just consumed; (2) no mutable
-            // access to the frame meanwhile, by the kernel or userspace: the kernel
-            // let go of it when it put it on the RX ring and gets it back only through
-            // a fill or TX ring, and no Frame or `DataMut` for it exists (it is pushed
-            // to `free` only after `piece`'s last use).
-            let piece = unsafe { self.umem.data(&d) };
+            // SAFETY: `Area::bytes` requires no other access to the frame while the slice
+            // lives: it came from the RX ring of a socket on `self.area`, just consumed,
+            // so the kernel let go of it (it gets it back only through a fill or TX
+            // ring), and no Frame for it exists (it is pushed to `free` only after
+            // `piece`'s last use).
+            let piece = unsafe { self.area.bytes(&d) };
             let buf = p.partial.get_or_insert_with(|| Vec::with_capacity(16_384));
-            if buf.len() + piece.contents().len() <= MAX_PACKET {
-                buf.extend_from_slice(piece.contents());
+            if buf.len() + piece.len() <= MAX_PACKET {
+                buf.extend_from_slice(piece);
             }
-            self.free.push(d);
+            self.free.push(d.addr);
             if !more && let Some(whole) = p.partial.take() {
                 out.push(Frame {
                     buf: Buf::Heap(whole),
@@ -804,26 +763,13 @@ impl<'id> WorkerIo<'id> {
             Buf::Umem(d) => d,
             Buf::Heap(v) => return v.as_mut_slice(),
         };
-        // SAFETY: `Umem::data_mut` requires (1) `desc` to be a frame of `self.umem`:
-        // `f` is a `Frame<'id>`, and only this `WorkerIo<'id>` makes those, from its
-        // own UMEM's descriptors (module docs); (2) no other access to the frame, by
-        // userspace or the kernel, while the result lives: `f` is its only token
-        // (Frame is neither Clone nor Copy), borrowed mutably here, and a frame with a
-        // token is on no ring, so the kernel does not touch it.
-        let mut d = unsafe { self.umem.data_mut(desc) };
-        let len = d.contents().len();
-        // `contents_mut` borrows only `d`, a local, though the buffer `d` holds is
-        // borrowed for 'a: a raw pointer returns it for 'a.
-        let ptr = d.contents_mut().as_mut_ptr();
-        // SAFETY: `from_raw_parts_mut` requires `ptr` non-null and aligned (a slice's
-        // pointer, of u8), valid for reads and writes of `len` bytes in one allocation
-        // (the frame's data segment `d` holds, within the UMEM mapping, which lives as
-        // long as `self`, borrowed for 'a), initialised (mapped memory, any byte valid),
-        // `len` <= isize::MAX (at most a frame), and no other access for 'a: `d` is not
-        // used again, `f` stays borrowed mutably for 'a (no other `bytes`/`set_len` on
-        // this frame, no `send`/`recycle`), `self` shared for 'a (nothing that puts a
-        // frame on a ring runs), and other tokens' frames are disjoint from this one.
-        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+        // SAFETY: `Area::bytes` requires no other access to the frame while the slice
+        // lives: `f` is a `Frame<'id>`, which only this `WorkerIo<'id>` makes, from its
+        // own area's frames (module docs); `f` is its only token (Frame is neither Clone
+        // nor Copy), borrowed mutably for 'a, so no other `bytes`/`set_len`/`send`/
+        // `recycle` on it meanwhile; and a frame with a token is on no ring, so the
+        // kernel does not touch it. Other tokens' frames are disjoint from this one.
+        unsafe { self.area.bytes(desc) }
     }
 
     /// Sets a frame's packet length (up to the frame's data room).
@@ -835,12 +781,7 @@ impl<'id> WorkerIo<'id> {
                 return;
             }
         };
-        let len = len.min(self.frame_capacity);
-        // SAFETY: as in `bytes`: `desc` is a frame of `self.umem` (`f` is a
-        // `Frame<'id>`), and `f`, borrowed mutably and on no ring, is its only owner,
-        // so nothing else accesses it while `d` lives (to the end of this function).
-        let mut d = unsafe { self.umem.data_mut(desc) };
-        d.cursor().set_pos(len);
+        desc.len = len.min(self.frame_capacity).min(self.area.room(desc)) as u32;
     }
 
     /// A frame holding a copy of `bytes`: a UMEM frame when they fit in one, else a
@@ -883,8 +824,13 @@ impl<'id> WorkerIo<'id> {
         if self.free.is_empty() {
             self.reap();
         }
-        self.free.pop().map(|desc| Frame {
-            buf: Buf::Umem(desc),
+        let fs = self.frame_size as u64;
+        self.free.pop().map(|addr| Frame {
+            buf: Buf::Umem(Desc {
+                addr: addr / fs * fs + XDP_HEADROOM,
+                len: 0,
+                options: 0,
+            }),
             port: 0,
             _brand: PhantomData,
         })
@@ -893,7 +839,7 @@ impl<'id> WorkerIo<'id> {
     /// Gives a frame back (its packet is dropped).
     pub fn recycle(&mut self, f: Frame<'id>) {
         if let Buf::Umem(d) = f.buf {
-            self.free.push(d);
+            self.free.push(d.addr);
         }
     }
 
@@ -904,7 +850,7 @@ impl<'id> WorkerIo<'id> {
         match f.buf {
             Buf::Umem(mut d) => {
                 // A frame that was a piece of a received chain may still say "more".
-                d.set_options(0);
+                d.options = 0;
                 self.ports[port].tx_pending.push(d)
             }
             Buf::Heap(v) => {
@@ -923,7 +869,7 @@ impl<'id> WorkerIo<'id> {
                     self.set_len(&mut g, chunk.len());
                     self.bytes(&mut g).copy_from_slice(chunk);
                     let Buf::Umem(mut d) = g.buf else { continue };
-                    d.set_options(if i + 1 < pieces { XDP_PKT_CONTD } else { 0 });
+                    d.options = if i + 1 < pieces { XDP_PKT_CONTD } else { 0 };
                     self.ports[port].tx_pending.push(d);
                 }
             }
@@ -939,18 +885,21 @@ impl<'id> WorkerIo<'id> {
         if p.tx_pending.is_empty() {
             return;
         }
-        let room = p.tx.nb_free(p.tx_pending.len() as u32) as usize;
+        let room = p.sock.tx_free(p.tx_pending.len() as u32) as usize;
         let n = room.min(p.tx_pending.len());
         if n > 0 {
-            // SAFETY: `TxQueue::produce` requires (1) frames of the UMEM `p.tx` is tied
-            // to, `self.umem`: `tx_pending` holds only descriptors of `Frame<'id>`s
-            // (`send`), of this worker's UMEM by the brand; (2) no frame also on another
-            // ring or in use: each came out of a token consumed by value, is in no
-            // other list, and leaves `tx_pending` only once the ring took it (`drain`).
-            let done = unsafe { p.tx.produce(&p.tx_pending[..n]) };
+            // SAFETY: `Socket::send` requires (1) frames of the UMEM of `p.sock`,
+            // `self.area`: `tx_pending` holds only descriptors of `Frame<'id>`s (`send`),
+            // of this worker's UMEM by the brand; (2) frames the caller owns: each came
+            // out of a token consumed by value, is in no other list, and leaves
+            // `tx_pending` only once the ring took it (`drain`).
+            let done = unsafe { p.sock.send(&p.tx_pending[..n]) };
             p.tx_in_flight += done;
             for d in p.tx_pending.drain(..done) {
-                if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
+                if let Some(o) = self
+                    .ring_of
+                    .get_mut(Self::frame_no(self.frame_size, d.addr))
+                {
                     *o = p.ifindex;
                 }
             }
@@ -960,14 +909,14 @@ impl<'id> WorkerIo<'id> {
         // ring is drained (bounded; transient errors such as EAGAIN or ENOBUFS
         // leave the rest for the next flush).
         for _ in 0..16 {
-            if !p.tx.needs_wakeup() {
+            if !p.sock.tx_needs_wakeup() {
                 break;
             }
             p.tx_kicks += 1;
-            if p.tx.wakeup().is_err() {
+            if p.sock.tx_wakeup().is_err() {
                 break;
             }
-            if p.tx.nb_free_exact() >= p.tx_size {
+            if p.sock.tx_free_exact() >= p.tx_size {
                 break;
             }
         }
@@ -1027,21 +976,20 @@ impl<'id> WorkerIo<'id> {
     fn reap(&mut self) {
         for p in self.ports.iter_mut().filter(|p| p.tx_in_flight > 0) {
             loop {
-                // SAFETY: `CompQueue::consume` requires the descriptors to be used with
-                // the UMEM the queue is tied to: `p.cq` was created on `self.umem`, and
-                // the completed frames (ones this worker put on `p.tx`, which the kernel
-                // has finished reading) go to `free`, used only with `self.umem`.
-                let n = unsafe { p.cq.consume(&mut self.scratch) };
+                // SAFETY: `Socket::completed` makes the frames userspace's: the completed
+                // frames (ones this worker put on `p.sock`'s TX ring, which the kernel has
+                // finished reading) go to `free`, once each.
+                let n = unsafe { p.sock.completed(&mut self.scratch_addrs) };
                 if n == 0 {
                     break;
                 }
                 p.tx_in_flight = p.tx_in_flight.saturating_sub(n);
-                for d in &self.scratch[..n] {
-                    if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, d)) {
+                for &a in &self.scratch_addrs[..n] {
+                    if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, a)) {
                         *o = 0;
                     }
                 }
-                self.free.extend_from_slice(&self.scratch[..n]);
+                self.free.extend_from_slice(&self.scratch_addrs[..n]);
             }
         }
     }
@@ -1075,42 +1023,42 @@ impl<'id> WorkerIo<'id> {
         if share == 0 || want == 0 {
             return;
         }
-        let room = p.fq.nb_free(want as u32) as usize;
+        let room = p.sock.fill_free(want as u32) as usize;
         let n = room.min(share).min(want);
         if n == 0 {
             return;
         }
         let start = self.free.len() - n;
-        // SAFETY: `FillQueue::produce` requires (1) frames of the UMEM `p.fq` is tied
-        // to, `self.umem`: `free` holds only its descriptors (module docs); (2) no
-        // frame also on another ring or in use: a frame in `free` is there once, has
-        // no token and is on no ring, and only the `done` taken leave it (`drain`).
-        let done = unsafe { p.fq.produce(&self.free[start..]) };
+        // SAFETY: `Socket::fill` requires (1) frames of the UMEM of `p.sock`,
+        // `self.area`: `free` holds only its frames (module docs); (2) frames the caller
+        // owns: a frame in `free` is there once, has no token and is on no ring, and only
+        // the `done` taken leave it (`drain`).
+        let done = unsafe { p.sock.fill(&self.free[start..]) };
         if done > 0 {
             // produce() takes the slice from its start.
-            for d in self.free.drain(start..start + done) {
-                if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, &d)) {
+            for a in self.free.drain(start..start + done) {
+                if let Some(o) = self.ring_of.get_mut(Self::frame_no(self.frame_size, a)) {
                     *o = p.ifindex;
                 }
             }
             p.in_fill += done;
         }
-        if p.fq.needs_wakeup() {
-            let _ = p.fq.wakeup(p.rx.fd_mut(), 0);
+        if p.sock.fill_needs_wakeup() {
+            p.sock.fill_wakeup();
         }
     }
 
     /// Kernel statistics of `port`'s socket.
     pub fn stats(&self, port: usize) -> PortStats {
-        match self.ports[port].rx.fd().xdp_statistics() {
+        match self.ports[port].sock.statistics() {
             Ok(s) => PortStats {
                 queue: self.ports[port].queue,
                 rx_packets: self.ports[port].rx_packets,
-                rx_dropped: s.rx_dropped(),
-                rx_ring_full: s.rx_ring_full(),
-                rx_fill_ring_empty: s.rx_fill_ring_empty_descs(),
-                tx_invalid: s.tx_invalid_descs(),
-                tx_ring_empty: s.tx_ring_empty_descs(),
+                rx_dropped: s.rx_dropped,
+                rx_ring_full: s.rx_ring_full,
+                rx_fill_ring_empty: s.rx_fill_ring_empty_descs,
+                tx_invalid: s.tx_invalid_descs,
+                tx_ring_empty: s.tx_ring_empty_descs,
             },
             Err(_) => PortStats {
                 queue: self.ports[port].queue,
@@ -1129,7 +1077,7 @@ impl<'id> WorkerIo<'id> {
     /// which makes the kernel run the devices' receive processing on this CPU now.
     pub fn busy_poll_kick(&self) {
         for p in &self.ports {
-            crate::sys::kick_rx(p.rx.fd().as_raw_fd());
+            crate::sys::kick_rx(p.sock.fd().as_raw_fd());
         }
     }
 

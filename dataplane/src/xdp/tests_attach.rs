@@ -5,13 +5,11 @@
 
 use std::collections::HashSet;
 use std::net::UdpSocket;
-use std::num::NonZeroU32;
 use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
+use crate::afxdp::{Area, Bind, Desc, Socket};
 use nat::tuple::Protocol;
-use xsk_rs::config::{BindFlags, LibxdpFlags, SocketConfig, UmemConfig};
-use xsk_rs::{CompQueue, FillQueue, FrameDesc, RxQueue, Socket, TxQueue, Umem};
 
 use super::testutil::require_root;
 use super::*;
@@ -139,62 +137,52 @@ fn cleanup_removes_leftovers_but_not_a_live_link() {
 /// An AF_XDP socket on queue 0 of `ifname` (copy mode) with a small UMEM of its own,
 /// all frames on the fill ring.
 struct TestXsk {
-    umem: Umem,
-    rx: RxQueue,
-    _tx: TxQueue,
-    _fq: FillQueue,
-    _cq: CompQueue,
+    // The socket first: it goes before the area it uses.
+    sock: Socket,
+    area: Area,
 }
 
 impl TestXsk {
     fn open(ifname: &str) -> TestXsk {
-        let (umem, descs) =
-            Umem::new(UmemConfig::default(), NonZeroU32::new(64).unwrap(), false).unwrap();
-        let cfg = SocketConfig::builder()
-            .libxdp_flags(LibxdpFlags::XSK_LIBXDP_FLAGS_INHIBIT_PROG_LOAD)
-            .bind_flags(BindFlags::XDP_COPY)
-            .build();
-        // SAFETY: `Socket::new` requires INHIBIT_PROG_LOAD when the UMEM is shared and
-        // the (interface, queue) pair already bound: neither is true (a fresh UMEM, its
-        // first socket), and the flag is set anyway.
-        let (tx, rx, rings) = unsafe { Socket::new(cfg, &umem, &ifname.parse().unwrap(), 0) }
+        let area = Area::new(64, 2048).unwrap();
+        let bind = Bind {
+            ifindex: crate::xdp::ifindex_of(ifname).unwrap(),
+            queue: 0,
+            ring_size: 64,
+            flags: libc::XDP_COPY,
+        };
+        let mut sock = Socket::new(&area, None, bind)
             .unwrap_or_else(|e| panic!("AF_XDP socket on {ifname}: {e}"));
-        let (mut fq, cq) = rings.expect("the first socket of a UMEM gets its fill/comp rings");
-        // SAFETY: `FillQueue::produce` requires (1) frames of the UMEM `fq` is tied to:
-        // `descs` are `umem`'s own (from `Umem::new`) and `fq` came from a socket on
-        // it; (2) none also on another ring or in use: they are fresh, each once, and
-        // this test never puts a frame on the TX ring or writes one.
-        let n = unsafe { fq.produce(&descs) };
-        assert_eq!(n, descs.len());
-        TestXsk {
-            umem,
-            rx,
-            _tx: tx,
-            _fq: fq,
-            _cq: cq,
-        }
+        let addrs: Vec<u64> = area.descs().iter().map(|d| d.addr).collect();
+        // SAFETY: `Socket::fill` requires frames of the socket's UMEM that the caller
+        // owns: they are `area`'s own, fresh, each once, and this test never puts a frame
+        // on the TX ring or writes one.
+        let n = unsafe { sock.fill(&addrs) };
+        assert_eq!(n, addrs.len());
+        TestXsk { sock, area }
     }
 
     fn fd(&self) -> i32 {
-        self.rx.fd().as_raw_fd()
+        self.sock.fd().as_raw_fd()
     }
 
     /// Up to `want` received frames (copied out), waiting at most `timeout`.
     fn recv(&mut self, want: usize, timeout: Duration) -> Vec<Vec<u8>> {
         let deadline = Instant::now() + timeout;
-        let mut descs = vec![FrameDesc::default(); 16];
+        let mut descs = vec![Desc::default(); 16];
         let mut out = Vec::new();
         while out.len() < want && Instant::now() < deadline {
-            // SAFETY: `RxQueue::poll_and_consume` (as `consume`) requires the
-            // descriptors to be used with the UMEM the queue is tied to: `self.rx` was
-            // created on `self.umem`, the only UMEM they are used with below.
-            let n = unsafe { self.rx.poll_and_consume(&mut descs, 50) }.unwrap();
+            // SAFETY: `Socket::recv` makes the frames the caller's: they are only read
+            // below and never put back on a ring.
+            let n = unsafe { self.sock.recv(&mut descs) };
+            if n == 0 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             for d in &descs[..n] {
-                // SAFETY: `Umem::data` requires (1) `d` to be a frame of `self.umem`: it
-                // came from the RX ring of its socket; (2) no mutable access meanwhile:
-                // the kernel gave it up on the RX ring and it is never put back on the
-                // fill (or TX) ring, and userspace only reads frames here.
-                out.push(unsafe { self.umem.data(d) }.contents().to_vec());
+                // SAFETY: `Area::bytes` requires no other access to the frame: the kernel
+                // gave it up on the RX ring and it is never put back on the fill (or TX)
+                // ring, and this copy is the only use.
+                out.push(unsafe { self.area.bytes(d) }.to_vec());
             }
         }
         out
