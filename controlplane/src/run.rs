@@ -94,11 +94,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let (mut tracker, listed, listing) = read_state(&input, &settings)?;
     // The kxp running beside this newer one (announced above) releases the node now
     // that the lists are in, before /healthz's port is bound.
-    if let Some(s) = successor {
-        s.ask_release();
-    }
+    // Started empty (nothing is redirected yet); the first sync follows once the node's
+    // addresses and the host's are known (generation 2). What touches nothing of the node
+    // is done while the running kxp, if any, still forwards.
+    let prepared = Dataplane::prepare(&dp_cfg, Snapshot::empty(0, Default::default()))?;
+    let handed = successor.map_or_else(Vec::new, |s| s.ask_release().1);
     let (metrics, health, server) = serve_health(&serving, resync)?;
-    let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp)?;
+    let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed)?;
     let release = dp_cfg
         .state_dir
         .as_deref()
@@ -127,8 +129,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     if let Some(r) = &release {
         r.wait_for_successor(handover::SUCCESSOR_WAIT);
     }
-    shutdown(&dp_cfg, admin, dp, hc, server, metrics_server);
-    if release.is_some_and(handover::ReleaseListener::finish) {
+    let hand_over = release
+        .as_ref()
+        .is_some_and(handover::ReleaseListener::asked);
+    let handed = shutdown(&dp_cfg, admin, dp, hc, server, metrics_server, hand_over);
+    if release.is_some_and(|r| r.finish(&handed)) {
         handover::stand_by("released this node to a newer kxp");
     }
     Ok(())
@@ -428,10 +433,11 @@ fn start_dataplane(
     dp_cfg: &DataplaneConfig,
     opts: &RunOptions,
     kxp: &crate::config::KxpSection,
+    prepared: dataplane::plane::Prepared,
+    handed: Vec<dataplane::xsk::Handed>,
 ) -> anyhow::Result<(Dataplane, Option<AdminServer>)> {
-    // Started empty (nothing is redirected yet); the first sync follows once the node's
-    // addresses and the host's are known (generation 2).
-    let dp = Dataplane::start(dp_cfg, Snapshot::empty(0, Default::default()))?;
+    // With the sockets the previous kxp handed over, if any.
+    let dp = Dataplane::start_prepared(dp_cfg, prepared, handed)?;
     let admin_path = path_setting(
         &opts.admin_socket,
         &kxp.admin_socket,
@@ -631,7 +637,8 @@ fn shutdown(
     hc: ServiceHealthServers,
     server: Option<HealthServer>,
     metrics_server: Option<MetricsServer>,
-) {
+    hand_over: bool,
+) -> Vec<dataplane::xsk::Handed> {
     tracing::info!("{}", totals_line(&dp));
     match &dp_cfg.state_dir {
         Some(dir) => tracing::info!(
@@ -641,7 +648,13 @@ fn shutdown(
         None => tracing::info!("stopping: detaching from {}", dp_cfg.interfaces.join(", ")),
     }
     drop(admin);
-    dp.stop();
+    // A successor asked for the node: the sockets go to it (see run/handover.rs).
+    let handed = if hand_over {
+        dp.hand_over()
+    } else {
+        dp.stop();
+        Vec::new()
+    };
     hc.stop();
     if let Some(s) = server {
         s.stop();
@@ -649,6 +662,7 @@ fn shutdown(
     if let Some(s) = metrics_server {
         s.stop();
     }
+    handed
 }
 
 /// The dataplane's configuration from the command line and the file (no side effect but

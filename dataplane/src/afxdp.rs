@@ -536,6 +536,11 @@ impl Socket {
         self.fd.as_fd()
     }
 
+    /// Entries of each ring.
+    pub fn ring_size(&self) -> u32 {
+        self.rx.size
+    }
+
     /// Takes received descriptors off the RX ring.
     ///
     /// # Safety

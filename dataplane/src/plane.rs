@@ -295,6 +295,17 @@ impl StartTimes {
     }
 }
 
+/// A dataplane's start up to where it touches the node ([`Dataplane::prepare`]).
+#[derive(Debug)]
+pub struct Prepared {
+    initial: Arc<Snapshot>,
+    times: StartTimes,
+    fib: Arc<FibMirror>,
+    rxs: Vec<crossbeam::channel::Receiver<crate::worker::Command>>,
+    shared: Arc<Shared>,
+    tables: Vec<conntrack::ConnTable>,
+}
+
 /// A running dataplane.
 #[derive(Debug)]
 pub struct Dataplane {
@@ -768,18 +779,81 @@ impl Dataplane {
         cfg: &DataplaneConfig,
         initial: impl Into<Arc<Snapshot>>,
     ) -> Result<Dataplane, DataplaneError> {
+        Self::start_handed(cfg, initial, Vec::new())
+    }
+
+    /// [`Dataplane::start`] with the sockets a previous kxp handed over
+    /// ([`Dataplane::hand_over`]): taken up instead of opened, where they were made as
+    /// this kxp makes them; those on interfaces this one does not attach to are closed.
+    ///
+    /// # Errors
+    /// As [`Dataplane::start`].
+    pub fn start_handed(
+        cfg: &DataplaneConfig,
+        initial: impl Into<Arc<Snapshot>>,
+        handed: Vec<crate::xsk::Handed>,
+    ) -> Result<Dataplane, DataplaneError> {
+        Self::start_prepared(cfg, Self::prepare(cfg, initial)?, handed)
+    }
+
+    /// The part of a start that touches nothing of the node, so that a kxp taking over
+    /// from a running one ([`Dataplane::hand_over`]) does it while that one still
+    /// forwards: the configuration checked, the FIB mirror, the workers' shared state
+    /// (`initial` published in it) and their connection tables.
+    ///
+    /// # Errors
+    /// As [`Dataplane::start`].
+    pub fn prepare(
+        cfg: &DataplaneConfig,
+        initial: impl Into<Arc<Snapshot>>,
+    ) -> Result<Prepared, DataplaneError> {
         let initial: Arc<Snapshot> = initial.into();
         let ranges = start::check(cfg)?;
+        let mut times = StartTimes::default();
+        let mut lap = Instant::now();
+        let fib = start::fib_mirror()?;
+        times.lap("FIB mirror", &mut lap);
+        let (rxs, shared) = start::shared_state(cfg, &initial)?;
+        let tables = start::connection_tables(cfg, ranges)?;
+        times.lap("connection tables", &mut lap);
+        Ok(Prepared {
+            initial,
+            times,
+            fib,
+            rxs,
+            shared,
+            tables,
+        })
+    }
+
+    /// The rest of [`Dataplane::start_handed`], after [`Dataplane::prepare`]: from the
+    /// state directory's lock on.
+    ///
+    /// # Errors
+    /// As [`Dataplane::start`].
+    pub fn start_prepared(
+        cfg: &DataplaneConfig,
+        prepared: Prepared,
+        handed: Vec<crate::xsk::Handed>,
+    ) -> Result<Dataplane, DataplaneError> {
+        let Prepared {
+            initial,
+            mut times,
+            fib,
+            rxs,
+            shared,
+            mut tables,
+        } = prepared;
+        let handed_ifindexes: HashSet<u32> = handed
+            .iter()
+            .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))
+            .collect();
         let settings = start::Settings::of(cfg);
         let locked = start::lock_state(cfg)?;
-        let mut times = StartTimes::default();
         let mut lap = Instant::now();
         let service =
             ServiceDevice::create(&cfg.service_device, cfg.workers as u32, settings.keep)?;
         times.lap("service device", &mut lap);
-        let fib = start::fib_mirror()?;
-        times.lap("FIB mirror", &mut lap);
-        let (rxs, shared) = start::shared_state(cfg, &initial)?;
 
         // The node's own traffic: a program on the service device's kxp side, and
         // routes of the Service addresses into its host side (see crate::servicedev).
@@ -791,8 +865,6 @@ impl Dataplane {
         start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
         let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, &service)?;
 
-        let mut tables = start::connection_tables(cfg, ranges)?;
-        times.lap("connection tables", &mut lap);
         let (mut persistence, node) = start::restore_state(cfg, locked, &mut tables)?;
         times.lap("state restore", &mut lap);
         let kit = start::WorkerKit {
@@ -803,7 +875,8 @@ impl Dataplane {
             shared: &shared,
             node: &node,
         };
-        let (workers, started) = kit.parts(rxs, tables, &mut service_prog, &mut persistence)?;
+        let (workers, started) =
+            kit.parts(rxs, tables, &mut service_prog, &mut persistence, handed)?;
         let taken_over = start::steer_service_device(&mut service_prog, &service, &settings)?;
         let prog = Programming::at_start(
             cfg,
@@ -836,6 +909,7 @@ impl Dataplane {
         }
         // The interfaces there now; one named without a wildcard must attach.
         links.reconcile(&dp.fib.view().links(), true)?;
+        links.close_unclaimed(handed_ifindexes);
         times.lap("interfaces", &mut lap);
         times.interfaces = links.lock().steering.len();
         dp.start_times = times;
@@ -1036,6 +1110,27 @@ impl Dataplane {
     pub fn stop(mut self) {
         let keep = self.links.keep;
         self.shutdown(keep);
+    }
+
+    /// Stops as [`Dataplane::stop`] (with a state directory: steering kept), but instead
+    /// of closing the workers' sockets hands them over: returns, per worker, its UMEM,
+    /// its sockets and the frames userspace held, for the next kxp
+    /// ([`Dataplane::start_handed`]). The kernel goes on receiving into the rings
+    /// meanwhile. A worker that could not hand over closed its sockets (it is missing).
+    pub fn hand_over(mut self) -> Vec<crate::xsk::Handed> {
+        self.shared.hand_over.asked.store(true, Ordering::Relaxed);
+        let keep = self.links.keep;
+        self.shutdown(keep);
+        let mut handed = std::mem::take(
+            &mut *self
+                .shared
+                .hand_over
+                .handed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        handed.sort_by_key(|(id, _)| *id);
+        handed.into_iter().map(|(_, h)| h).collect()
     }
 
     /// Stops and removes everything: programs (pins included), the service device, its
@@ -1430,6 +1525,19 @@ impl LinkCtl {
         }
         self.close_ports_everywhere(ifindex);
         tracing::info!(interface = %name, ifindex, "detached (gone or no longer matching)");
+    }
+
+    /// Closes the sockets handed over by a previous kxp on interfaces (`handed`) this one
+    /// did not attach to.
+    fn close_unclaimed(&self, handed: HashSet<u32>) {
+        let attached: HashSet<u32> = self.lock().steering.iter().map(Steering::ifindex).collect();
+        for ifindex in handed.difference(&attached) {
+            tracing::info!(
+                ifindex,
+                "closing the sockets handed over on an interface this kxp does not attach to"
+            );
+            self.close_ports_everywhere(*ifindex);
+        }
     }
 
     /// Has every worker close its sockets on `ifindex`.

@@ -352,6 +352,16 @@ pub struct Shared {
     /// The socket holder, which keeps a second reference to every socket (see
     /// [`crate::holder`]).
     pub holder: Option<crate::holder::SocketHolder>,
+    /// The workers' sockets go to the next kxp when they stop (see [`HandOver`]).
+    pub hand_over: HandOver,
+}
+
+/// Workers stopping to hand their sockets to the next kxp instead of closing them: each
+/// puts its [`crate::xsk::Handed`] here as it ends.
+#[derive(Debug, Default)]
+pub struct HandOver {
+    pub asked: AtomicBool,
+    pub handed: std::sync::Mutex<Vec<(usize, crate::xsk::Handed)>>,
 }
 
 impl Shared {
@@ -759,7 +769,14 @@ impl<'id> Worker<'id> {
             if self.busy_poll {
                 self.io.busy_poll_kick();
             }
-            work += self.handle_received(&round, &mut bufs);
+            // `kxp run` starts the dataplane with an empty snapshot (generation 0) and
+            // publishes the cluster's state once the node's addresses are known: until
+            // then what the sockets receive (the previous kxp's steering still sends
+            // its Services' packets, into sockets it handed over) waits in the rings,
+            // instead of being taken for traffic to no Service.
+            if snap.generation != 0 {
+                work += self.handle_received(&round, &mut bufs);
+            }
             clock.handled = crate::sys::monotonic_ns();
             // Every flow a packet of this batch created or changed is in the state file
             // before the packet leaves (the transmit kick below).
@@ -780,6 +797,10 @@ impl<'id> Worker<'id> {
         }
         self.write_journal();
         self.publish(clock.iterations, clock.busy, 0);
+        if self.shared.hand_over.asked.load(Ordering::Relaxed) {
+            self.hand_sockets_over();
+            return;
+        }
         if self.shared.holder.is_some() {
             // The holder's references are the last: its exit releases them, in parallel
             // (Dataplane::shutdown finishes it once every worker is done).
@@ -790,6 +811,25 @@ impl<'id> Worker<'id> {
         let copies = self.io.socket_copies();
         drop(self);
         crate::xsk::close_in_parallel(copies);
+    }
+
+    /// Gives back the frames the worker holds (packets waiting for a neighbour) and
+    /// hands its sockets over (see [`HandOver`]); on failure they are closed as at a
+    /// stop, and the next kxp opens its own.
+    fn hand_sockets_over(mut self) {
+        for (f, ..) in std::mem::take(&mut self.waiting) {
+            self.io.recycle(f);
+        }
+        let (id, shared) = (self.id, self.shared.clone());
+        match self.io.hand_over() {
+            Ok(h) => shared
+                .hand_over
+                .handed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, h)),
+            Err(e) => tracing::warn!("worker {id}: cannot hand its sockets over: {e}"),
+        }
     }
 
     /// A new snapshot: the connection table's totals of endpoints no Service has any

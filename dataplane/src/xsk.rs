@@ -36,6 +36,9 @@ use std::os::fd::{AsRawFd, RawFd};
 
 use crate::afxdp::{Area, Bind, Desc, Socket, XDP_HEADROOM};
 
+mod handover;
+pub use handover::{Handed, HandedPort, HandedState};
+
 /// A packet owned by userspace: a UMEM frame, or (for a packet larger than one frame,
 /// received as several with `XDP_USE_SG`, or built for a large MTU) a heap buffer that
 /// is cut into a chain of frames again when sent. Dropping it without giving it back
@@ -400,13 +403,29 @@ const FIRST_PORT_FILL: usize = 256;
 pub const IDLE_FILL: usize = 16;
 pub const IDLE_FILL_MAX: usize = BATCH;
 
+/// The bind flags of a worker's UMEM's own socket (every socket sharing the UMEM has its
+/// mode).
+fn bind_flags(cfg: &XskConfig) -> u16 {
+    // Multi-buffer (XDP_USE_SG): packets larger than a frame (jumbo MTUs) arrive and
+    // leave as chains of frames.
+    let mut flags = libc::XDP_USE_NEED_WAKEUP;
+    if cfg.multi_buffer {
+        flags |= libc::XDP_USE_SG;
+    }
+    // Neither flag: zero-copy if the driver has it, else copy mode (the kernel's
+    // fallback); XDP_COPY when asked for.
+    if cfg.copy_mode {
+        flags |= libc::XDP_COPY;
+    }
+    flags
+}
+
 impl WorkerIo<'static> {
     /// See [`Sockets::open`] (the only caller: a `WorkerIo<'static>` never leaves
     /// [`Sockets`]).
     fn open(cfg: &XskConfig, ifnames: &[String], queue: u32) -> Result<Self, XskError> {
-        let bad = |m: String| XskError::Config(m);
         if !cfg.ring_size.is_power_of_two() {
-            return Err(bad(format!(
+            return Err(XskError::Config(format!(
                 "ring size {} is not a power of two",
                 cfg.ring_size
             )));
@@ -416,28 +435,24 @@ impl WorkerIo<'static> {
             frame_size: cfg.frame_size,
             reason: e.to_string(),
         })?;
-        let descs: Vec<u64> = area.descs().iter().map(|d| d.addr).collect();
-        // Multi-buffer (XDP_USE_SG): packets larger than a frame (jumbo MTUs) arrive and
-        // leave as chains of frames. Set on the UMEM's own socket, every socket sharing
-        // the UMEM has it.
-        let mut bind_flags = libc::XDP_USE_NEED_WAKEUP;
-        if cfg.multi_buffer {
-            bind_flags |= libc::XDP_USE_SG;
+        let free = area.descs().iter().map(|d| d.addr).collect();
+        let mut io = Self::with_area(cfg, area, queue, free);
+        for ifname in ifnames {
+            let ifindex = crate::xdp::ifindex_of(ifname).unwrap_or(0);
+            io.add_port(ifname, ifindex, queue)?;
         }
-        // Neither flag: zero-copy if the driver has it, else copy mode (the kernel's
-        // fallback); XDP_COPY when asked for.
-        if cfg.copy_mode {
-            bind_flags |= libc::XDP_COPY;
-        }
+        Ok(io)
+    }
 
-        let frames_total = descs.len();
-        let reserve = (frames_total / 4).max(BATCH);
-        let mut io = WorkerIo {
-            ports: Vec::with_capacity(ifnames.len()),
+    /// No ports yet, on `area`, `free` its free frames.
+    fn with_area(cfg: &XskConfig, area: Area, queue: u32, free: Vec<u64>) -> Self {
+        let frames_total = area.len() / area.frame_size() as usize;
+        WorkerIo {
+            ports: Vec::new(),
             area,
             ring_of: vec![0; frames_total],
             frame_size: cfg.frame_size as usize,
-            bind_flags,
+            bind_flags: bind_flags(cfg),
             queue,
             busy_poll: cfg.busy_poll,
             frames_total,
@@ -445,19 +460,39 @@ impl WorkerIo<'static> {
             fill_target: 0,
             idle_fill: IDLE_FILL_MAX,
             fill_limit: usize::MAX,
-            reserve,
-            free: descs,
+            reserve: (frames_total / 4).max(BATCH),
+            free,
             scratch: vec![Desc::default(); BATCH],
             scratch_addrs: vec![0; BATCH],
             wants: Vec::new(),
             frame_capacity: (cfg.frame_size as usize).saturating_sub(256),
             _brand: PhantomData,
-        };
-        for ifname in ifnames {
-            let ifindex = crate::xdp::ifindex_of(ifname).unwrap_or(0);
-            io.add_port(ifname, ifindex, queue)?;
         }
-        Ok(io)
+    }
+}
+
+impl Port {
+    fn new(ifname: &str, ifindex: u32, queue: u32, sock: Socket, zero_copy: bool) -> Port {
+        Port {
+            ifname: ifname.to_string(),
+            ifindex,
+            queue,
+            rx_packets: 0,
+            warm: false,
+            zero_copy,
+            tx_budget: 0,
+            tx_size: sock.ring_size(),
+            sock,
+            tx_pending: Vec::with_capacity(BATCH),
+            tx_in_flight: 0,
+            partial: None,
+            in_fill: 0,
+            received: 0,
+            demand: 0,
+            window_received: 0,
+            hold: 0,
+            tx_kicks: 0,
+        }
     }
 }
 
@@ -477,6 +512,10 @@ impl<'id> WorkerIo<'id> {
         };
         if ifindex == 0 {
             return Err(sock_err("no such interface".into()));
+        }
+        // Already open (handed over by the previous kxp).
+        if let Some(p) = self.port_at(ifindex, queue) {
+            return Ok(self.fd(p));
         }
         let bind = Bind {
             ifindex,
@@ -513,26 +552,10 @@ impl<'id> WorkerIo<'id> {
                 }
             };
         }
-        self.ports.push(Port {
-            ifname: ifname.to_string(),
-            ifindex,
-            queue,
-            rx_packets: 0,
-            warm: self.ports.iter().any(|p| p.ifindex == ifindex && p.warm),
-            zero_copy,
-            tx_budget,
-            sock,
-            tx_pending: Vec::with_capacity(BATCH),
-            tx_in_flight: 0,
-            partial: None,
-            in_fill: 0,
-            received: 0,
-            demand: 0,
-            window_received: 0,
-            hold: 0,
-            tx_size: self.ring_size as u32,
-            tx_kicks: 0,
-        });
+        let mut port = Port::new(ifname, ifindex, queue, sock, zero_copy);
+        port.warm = self.ports.iter().any(|p| p.ifindex == ifindex && p.warm);
+        port.tx_budget = tx_budget;
+        self.ports.push(port);
         self.reshare();
         self.refill_all(false);
         Ok(fd)
@@ -654,6 +677,13 @@ impl<'id> WorkerIo<'id> {
     /// The ifindex of `port`.
     pub fn ifindex(&self, port: usize) -> u32 {
         self.ports[port].ifindex
+    }
+
+    /// The port on `ifindex`'s receive queue `queue`, if any.
+    pub fn port_at(&self, ifindex: u32, queue: u32) -> Option<usize> {
+        self.ports
+            .iter()
+            .position(|p| p.ifindex == ifindex && p.queue == queue)
     }
 
     /// The port on `ifindex`, if any.
@@ -1331,5 +1361,79 @@ mod tests {
             "the new port's fill ring took frames: {during} / {before}"
         );
         assert_eq!(after, before, "every frame of the removed port came back");
+    }
+
+    impl WorkerIo<'_> {
+        /// Frames accounted for: free, on fill rings, on TX rings, waiting for them.
+        fn accounted(&self) -> usize {
+            self.free.len()
+                + self
+                    .ports
+                    .iter()
+                    .map(|p| p.in_fill + p.tx_in_flight + p.tx_pending.len())
+                    .sum::<usize>()
+        }
+    }
+
+    /// A worker's sockets handed over (as to the next kxp) are taken up where they were
+    /// left: the same ports, every frame accounted for (free, on a ring, or waiting to be
+    /// sent), and sending goes on, the frames sent before the hand-over coming back to
+    /// the new owner.
+    #[test]
+    fn handed_over_sockets_are_taken_up_where_they_were_left() {
+        assert!(
+            crate::sys::is_root(),
+            "needs root: it opens AF_XDP sockets in a netns"
+        );
+        let (topo, ns) = two_links("kxph");
+        let frame = [0x02u8; 60];
+        topo.run_in(&ns, || {
+            let cfg = XskConfig::default();
+            let total = cfg.frames as usize;
+            let ifindex = crate::xdp::ifindex_of("pod").unwrap();
+            let handed = Sockets::open(&cfg, &["anchor".to_string()], 0)
+                .unwrap()
+                .with(|mut io| {
+                    io.add_port("pod", ifindex, 0).unwrap();
+                    io.flush();
+                    for i in 0..200 {
+                        let f = io.frame_from(&frame).unwrap();
+                        assert!(io.send(1, f));
+                        if i == 100 {
+                            io.flush();
+                        }
+                    }
+                    assert_eq!(io.accounted(), total);
+                    io.hand_over().unwrap()
+                });
+            assert_eq!(handed.sockets.len(), 2);
+            let state = handed.state.clone();
+            assert_eq!(HandedState::decode(&state.encode()).unwrap(), state);
+            Sockets::adopt(&cfg, handed).unwrap().with(|mut io| {
+                assert_eq!(io.port_count(), 2);
+                assert_eq!(io.port_at(ifindex, 0), Some(1));
+                assert_eq!(io.accounted(), total, "every frame accounted for");
+                for _ in 0..50 {
+                    let f = io.frame_from(&frame).unwrap();
+                    assert!(io.send(1, f));
+                }
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                while io
+                    .ports
+                    .iter()
+                    .any(|p| p.tx_in_flight + p.tx_pending.len() > 0)
+                    && std::time::Instant::now() < deadline
+                {
+                    io.flush();
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                assert!(
+                    io.ports.iter().all(|p| p.tx_in_flight == 0),
+                    "every frame sent, before and after the hand-over, came back"
+                );
+                assert_eq!(io.accounted(), total);
+            });
+        })
+        .unwrap();
     }
 }

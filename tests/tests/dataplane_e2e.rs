@@ -2924,9 +2924,9 @@ fn thread_caps(pid: u32) -> Vec<(String, u64, u64, u64, bool)> {
 
 /// A rolling update with a surge: a newer kxp (`KXP_GENERATION` 2) started beside the
 /// running one (1) announces itself, the running one forwards until the newer one has
-/// the cluster's state, then releases the node (sockets closed, state files synced,
-/// steering kept) and stands by; the newer one takes the pinned program and the state
-/// over. On the default node (110 pod veths, two nodes): a TCP connection through a
+/// the cluster's state, then releases the node (state files synced, steering kept) and
+/// hands its sockets over, and stands by; the newer one takes the pinned program, the
+/// state and every socket over (none opened anew). On the default node (110 pod veths, two nodes): a TCP connection through a
 /// ClusterIP loses no message, a UDP stream's gap is bounded, and the old kxp, stopped
 /// later, leaves the new one serving.
 #[test]
@@ -2981,12 +2981,18 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
         "announced as its successor (generation 2)",
         "the running kxp released the node to this one (generation 2)",
         "steering program taken up from the previous kxp",
+        "took the sockets the running kxp handed over",
     ] {
         assert!(new_text.contains(line), "{line:?} in\n{new_text}");
     }
+    assert!(
+        !new_text.contains("cannot be taken up") && !new_text.contains("did not arrive whole"),
+        "{new_text}"
+    );
     for line in [
         "a newer kxp (generation 2, this one 1) announced itself",
         "asks for the node",
+        "handed the sockets over to the newer kxp",
         "standing by until stopped",
     ] {
         assert!(old_text.contains(line), "{line:?} in\n{old_text}");

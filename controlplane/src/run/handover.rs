@@ -9,10 +9,14 @@
 //!    newer than its own (`KXP_GENERATION`: the DaemonSet's `pod-template-generation`
 //!    label). So an old pod restarted by the kubelet never takes the node back.
 //! 2. Once the new kxp has the lists (which take the longest), it asks: `release`. The
-//!    running kxp stops as at SIGTERM: steering, service device and state files kept, its
-//!    sockets closed, the state directory unlocked. It answers `released` and stands by
-//!    until it is stopped. The new kxp then takes the state directory and the steering
-//!    program over as at a restart (see docs/operations.md).
+//!    running kxp stops as at SIGTERM: steering, service device and state files kept, the
+//!    state directory unlocked; but its sockets are not closed. It answers `released`,
+//!    then `sockets N` and, for each of its N workers, the UMEM's memfd with what
+//!    userspace held of its frames, and every socket (SCM_RIGHTS, one descriptor per
+//!    message; see dataplane::xsk::Handed), and stands by until it is stopped. The new kxp
+//!    takes the state directory and the steering program over as at a restart (see
+//!    docs/operations.md), and the sockets up where the running one left their rings,
+//!    instead of opening new ones (those it cannot take up, it closes and opens anew).
 //!
 //! A running kxp told to stop (SIGTERM: the DaemonSet deleting the old pod, perhaps
 //! because the new one looked ready) while a successor is announced goes on forwarding
@@ -28,6 +32,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use dataplane::xsk::{Handed, HandedState};
 
 /// The protocol's version: a kxp that speaks another answers `refused`.
 const VERSION: u32 = 1;
@@ -113,9 +119,40 @@ impl Successor {
         }
     }
 
-    /// Asks the running kxp for the node and waits until it has released it. Logs what
-    /// came of it.
-    pub(crate) fn ask_release(mut self) -> Asked {
+    /// Asks the running kxp for the node and waits until it has released it, then takes
+    /// the sockets it hands over (none from a kxp that hands none). Logs what came of it.
+    pub(crate) fn ask_release(self) -> (Asked, Vec<Handed>) {
+        let stream = self.stream.try_clone();
+        let asked = self.ask();
+        if !matches!(asked, Asked::Released(_)) {
+            return (asked, Vec::new());
+        }
+        let started = Instant::now();
+        let handed = match stream
+            .map_err(|e| e.to_string())
+            .and_then(|s| receive_sockets(&s))
+        {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(
+                    "the sockets the running kxp handed over did not arrive whole ({e}): \
+                     opening new ones"
+                );
+                Vec::new()
+            }
+        };
+        if !handed.is_empty() {
+            tracing::info!(
+                workers = handed.len(),
+                sockets = handed.iter().map(|h| h.sockets.len()).sum::<usize>(),
+                took_ms = started.elapsed().as_millis() as u64,
+                "took the sockets the running kxp handed over"
+            );
+        }
+        (asked, handed)
+    }
+
+    fn ask(mut self) -> Asked {
         let started = Instant::now();
         let asked = match writeln!(self.stream, "release").and_then(|()| read_line(&self.stream)) {
             Ok(a) if a == "released" => Asked::Released(started.elapsed()),
@@ -136,6 +173,101 @@ impl Successor {
         }
         asked
     }
+}
+
+/// The kinds of the messages that carry descriptors, after `sockets N`: a worker's
+/// UMEM (with its state after the header), and one of its sockets.
+const MSG_WORKER: u32 = 1;
+const MSG_SOCKET: u32 = 2;
+/// The most bytes of a worker's state (its free list and frame owners are a few hundred
+/// kilobytes at most).
+const MAX_STATE: usize = 64 << 20;
+
+/// Sends `handed` on `s` after `released`: a line `sockets N` (N workers), then per
+/// worker its UMEM's memfd with its state, and each of its sockets, one descriptor per
+/// message (SCM_RIGHTS).
+fn send_sockets(s: &UnixStream, handed: &[Handed]) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+    let mut w = s;
+    writeln!(w, "sockets {}", handed.len())?;
+    let header = |kind: u32, len: usize| {
+        let mut h = [0u8; 8];
+        h[..4].copy_from_slice(&kind.to_le_bytes());
+        h[4..].copy_from_slice(&(len as u32).to_le_bytes());
+        h
+    };
+    for h in handed {
+        let state = h.state.encode();
+        dataplane::sys::send_with_fd(
+            s.as_fd(),
+            &header(MSG_WORKER, state.len()),
+            Some(h.memfd.as_fd()),
+            true,
+        )?;
+        w.write_all(&state)?;
+        for sock in &h.sockets {
+            dataplane::sys::send_with_fd(
+                s.as_fd(),
+                &header(MSG_SOCKET, 0),
+                Some(sock.as_fd()),
+                true,
+            )?;
+        }
+    }
+    w.flush()
+}
+
+/// One message's header and the descriptor it carries.
+fn receive_fd(s: &UnixStream, kind: u32) -> Result<(usize, std::os::fd::OwnedFd), String> {
+    use std::os::fd::AsFd;
+    let mut h = [0u8; 8];
+    let (n, fd) = dataplane::sys::recv_with_fd(s.as_fd(), &mut h).map_err(|e| e.to_string())?;
+    if n == 0 {
+        return Err("the connection closed".into());
+    }
+    let mut r = s;
+    r.read_exact(&mut h[n..]).map_err(|e| e.to_string())?;
+    let got = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+    if got != kind {
+        return Err(format!("a message of kind {got} where {kind} was expected"));
+    }
+    let fd = fd.ok_or("a message without its descriptor")?;
+    Ok((len, fd))
+}
+
+/// The sockets the running kxp hands over after `released` ([`send_sockets`]): none if
+/// it sends none (a kxp before this protocol closes the connection).
+fn receive_sockets(s: &UnixStream) -> Result<Vec<Handed>, String> {
+    let line = read_line(s).map_err(|e| e.to_string())?;
+    if line.is_empty() {
+        return Ok(Vec::new());
+    }
+    let workers: usize = line
+        .strip_prefix("sockets ")
+        .and_then(|n| n.parse().ok())
+        .filter(|&n| n <= 4096)
+        .ok_or_else(|| format!("not a count of sockets: {line:?}"))?;
+    let mut handed = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let (len, memfd) = receive_fd(s, MSG_WORKER)?;
+        if len > MAX_STATE {
+            return Err(format!("a worker's state of {len} bytes"));
+        }
+        let mut bytes = vec![0; len];
+        let mut r = s;
+        r.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+        let state = HandedState::decode(&bytes)?;
+        let sockets = (0..state.ports.len())
+            .map(|_| receive_fd(s, MSG_SOCKET).map(|(_, fd)| fd))
+            .collect::<Result<_, _>>()?;
+        handed.push(Handed {
+            memfd,
+            sockets,
+            state,
+        });
+    }
+    Ok(handed)
 }
 
 /// One line from `s`, without its end (empty at the end of the stream). Read a byte at
@@ -239,10 +371,16 @@ impl ReleaseListener {
         tracing::warn!("the newer kxp did not ask for the node within {wait:?}: stopping");
     }
 
+    /// Whether a successor has asked for the node (the dataplane then hands its sockets
+    /// over as it stops, [`Dataplane::hand_over`](dataplane::plane::Dataplane::hand_over)).
+    pub(crate) fn asked(&self) -> bool {
+        lock(&self.state).asking.is_some()
+    }
+
     /// Once the dataplane has stopped: tells the successor that asked, if one did, that
-    /// the node is its own. Returns whether this kxp should stand by: one asked and no
-    /// signal came.
-    pub(crate) fn finish(mut self) -> bool {
+    /// the node is its own, and hands it the sockets `handed`. Returns whether this kxp
+    /// should stand by: one asked and no signal came.
+    pub(crate) fn finish(mut self, handed: &[Handed]) -> bool {
         self.done.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -254,6 +392,14 @@ impl ReleaseListener {
         };
         if let Err(e) = writeln!(s, "released") {
             tracing::warn!("cannot tell the newer kxp that the node is released: {e}");
+        } else if let Err(e) = send_sockets(&s, handed) {
+            tracing::warn!("cannot hand the sockets over to the newer kxp: {e}");
+        } else if !handed.is_empty() {
+            tracing::info!(
+                workers = handed.len(),
+                sockets = handed.iter().map(|h| h.sockets.len()).sum::<usize>(),
+                "handed the sockets over to the newer kxp"
+            );
         }
         !self.signalled.load(Ordering::Relaxed)
     }
@@ -472,8 +618,47 @@ mod tests {
             "waited for it"
         );
         assert!(stop.load(Ordering::Relaxed), "asked to stop");
-        assert!(!l.finish(), "signalled: no standing by");
-        assert!(matches!(asker.join().unwrap(), Asked::Released(_)));
+        assert!(l.asked());
+        // Any descriptors travel (the dataplane's tests take real sockets up).
+        let fd = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let state = |queue| HandedState {
+            frames: 2,
+            frame_size: 2048,
+            ring_size: 64,
+            bind_flags: 8,
+            queue,
+            ports: ["kxp0-dp", "eth0"]
+                .iter()
+                .map(|n| dataplane::xsk::HandedPort {
+                    ifname: n.to_string(),
+                    ifindex: 3,
+                    queue,
+                    in_fill: 1,
+                    tx_in_flight: 0,
+                    warm: false,
+                    zero_copy: false,
+                    tx_budget: 64,
+                    tx_pending: Vec::new(),
+                })
+                .collect(),
+            free: vec![256],
+            ring_of: vec![3, 0],
+        };
+        let handed: Vec<Handed> = (0..2)
+            .map(|q| Handed {
+                memfd: fd(),
+                sockets: vec![fd(), fd()],
+                state: state(q),
+            })
+            .collect();
+        assert!(!l.finish(&handed), "signalled: no standing by");
+        let (asked, got) = asker.join().unwrap();
+        assert!(matches!(asked, Asked::Released(_)));
+        assert_eq!(got.len(), 2, "both workers' sockets arrived");
+        for (q, h) in got.iter().enumerate() {
+            assert_eq!(h.state, state(q as u32));
+            assert_eq!(h.sockets.len(), 2);
+        }
         assert!(!socket_path(&dir).exists());
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -176,6 +176,7 @@ pub(super) fn shared_state(
                 })
                 .ok()
         }),
+        hand_over: Default::default(),
     });
     Ok((rxs, shared))
 }
@@ -363,6 +364,45 @@ pub(super) struct WorkerKit<'a> {
 }
 
 impl WorkerKit<'_> {
+    /// Worker `id`'s sockets: those the previous kxp handed over, if any and made as this
+    /// one makes them, else new ones, the UMEM's own on the service device (see
+    /// crate::servicedev).
+    fn sockets(
+        &self,
+        id: usize,
+        handed: Option<crate::xsk::Handed>,
+    ) -> Result<Sockets, DataplaneError> {
+        let dp = (self.service.dp_ifindex, id as u32);
+        if let Some(h) = handed {
+            let first = h.state.ports.first().map(|p| (p.ifindex, p.queue));
+            let adopted = if first == Some(dp) {
+                Sockets::adopt(self.xsk, h).map_err(|e| e.to_string())
+            } else {
+                Err(format!(
+                    "its first socket is on ifindex {:?}, not on kxp's service device queue {id}",
+                    first
+                ))
+            };
+            match adopted {
+                Ok(s) => return Ok(s),
+                Err(e) => tracing::warn!(
+                    "worker {id}: the sockets the previous kxp handed over cannot be taken up \
+                     ({e}): opening new ones"
+                ),
+            }
+        }
+        // A socket handed over and let go a moment ago is released in the background.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            match Sockets::open(self.xsk, std::slice::from_ref(&self.service.dp), id as u32) {
+                Err(e) if e.is_busy() && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                r => return Ok(r?),
+            }
+        }
+    }
+
     /// Puts each worker together (not started): its command channel's end from `rxs`, its
     /// table from `tables`, its journal from `persistence`, and its UMEM's own socket,
     /// opened here on the service device and entered in `service_prog`'s socket map.
@@ -373,8 +413,13 @@ impl WorkerKit<'_> {
         tables: Vec<ConnTable>,
         service_prog: &mut Steering,
         persistence: &mut Option<Persistence>,
+        handed: Vec<crate::xsk::Handed>,
     ) -> Result<(Vec<WorkerParts>, std::sync::mpsc::Receiver<libc::pid_t>), DataplaneError> {
         let (cfg, xsk, service) = (self.cfg, self.xsk, self.service);
+        let mut handed: std::collections::HashMap<usize, crate::xsk::Handed> = handed
+            .into_iter()
+            .map(|h| (h.state.queue as usize, h))
+            .collect();
         // Each worker is put together in its own thread, around its sockets branded
         // there (see crate::xsk): what it needs is gathered here.
         let mut workers = Vec::new();
@@ -382,8 +427,7 @@ impl WorkerKit<'_> {
         for (id, (rx, mut table)) in rxs.into_iter().zip(tables).enumerate() {
             // A hint, no I/O: the table prefetches the flows it will evict next.
             table.set_prefetch(crate::sys::prefetch);
-            // The UMEM's own socket goes on the service device (see crate::servicedev).
-            let sockets = Sockets::open(xsk, std::slice::from_ref(&service.dp), id as u32)?;
+            let sockets = self.sockets(id, handed.remove(&id))?;
             service_prog.set_socket(id as u32, sockets.fd(0))?;
             let mut engine = Engine::on_node(
                 table,
