@@ -98,9 +98,10 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // addresses and the host's are known (generation 2). What touches nothing of the node
     // is done while the running kxp, if any, still forwards.
     let prepared = Dataplane::prepare(&dp_cfg, Snapshot::empty(0, Default::default()))?;
-    let handed = successor.map_or_else(Vec::new, |s| s.ask_release().1);
+    let handed = successor.map_or_else(Default::default, |s| s.ask_release().1);
+    let paused_at = handed.stopped_ns;
     let (metrics, health, server) = serve_health(&serving, resync)?;
-    let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed)?;
+    let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed.workers)?;
     let release = dp_cfg
         .state_dir
         .as_deref()
@@ -108,6 +109,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     find_host_addresses(&mut settings, &mut tracker, &dp);
     let first_started = Instant::now();
     let (mut hc, mut localnp) = first_sync(&mut tracker, &input, &mut dp, &health, &cfg)?;
+    // The workers forward from the first sync on.
+    handover::log_pause(paused_at);
     take_over_interfaces(&dp, listing, first_started.elapsed());
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
     // What the first lists and programming freed goes back to the kernel (glibc keeps
@@ -638,7 +641,7 @@ fn shutdown(
     server: Option<HealthServer>,
     metrics_server: Option<MetricsServer>,
     hand_over: bool,
-) -> Vec<dataplane::xsk::Handed> {
+) -> dataplane::plane::HandedOver {
     tracing::info!("{}", totals_line(&dp));
     match &dp_cfg.state_dir {
         Some(dir) => tracing::info!(
@@ -653,7 +656,7 @@ fn shutdown(
         dp.hand_over()
     } else {
         dp.stop();
-        Vec::new()
+        Default::default()
     };
     hc.stop();
     if let Some(s) = server {

@@ -295,6 +295,15 @@ impl StartTimes {
     }
 }
 
+/// What a dataplane hands the next kxp ([`Dataplane::hand_over`]).
+#[derive(Debug, Default)]
+pub struct HandedOver {
+    /// Each worker's sockets, in worker order.
+    pub workers: Vec<crate::xsk::Handed>,
+    /// When its workers stopped forwarding (`CLOCK_MONOTONIC`, ns; 0: unknown).
+    pub stopped_ns: u64,
+}
+
 /// A dataplane's start up to where it touches the node ([`Dataplane::prepare`]).
 #[derive(Debug)]
 pub struct Prepared {
@@ -907,7 +916,10 @@ impl Dataplane {
         if taken_over || initial.port_count() > 0 {
             dp.program(&Update::full(initial))?;
         }
-        // The interfaces there now; one named without a wildcard must attach.
+        // The interfaces there now; one named without a wildcard must attach. (On
+        // sockets handed over this finds them open; those on interfaces this kxp does not
+        // attach to are closed. The attached set decides where the workers transmit, so
+        // it comes before they forward.)
         links.reconcile(&dp.fib.view().links(), true)?;
         links.close_unclaimed(handed_ifindexes);
         times.lap("interfaces", &mut lap);
@@ -1117,7 +1129,7 @@ impl Dataplane {
     /// its sockets and the frames userspace held, for the next kxp
     /// ([`Dataplane::start_handed`]). The kernel goes on receiving into the rings
     /// meanwhile. A worker that could not hand over closed its sockets (it is missing).
-    pub fn hand_over(mut self) -> Vec<crate::xsk::Handed> {
+    pub fn hand_over(mut self) -> HandedOver {
         self.shared.hand_over.asked.store(true, Ordering::Relaxed);
         let keep = self.links.keep;
         self.shutdown(keep);
@@ -1130,7 +1142,18 @@ impl Dataplane {
                 .unwrap_or_else(|e| e.into_inner()),
         );
         handed.sort_by_key(|(id, _)| *id);
-        handed.into_iter().map(|(_, h)| h).collect()
+        let handed = HandedOver {
+            workers: handed.into_iter().map(|(_, h)| h).collect(),
+            stopped_ns: self.shared.hand_over.stopped_ns.load(Ordering::Relaxed),
+        };
+        // The state directory is the next kxp's now; the rest (the FIB mirror's thread,
+        // the socket holder) is let go in the background: the next kxp waits for the
+        // sockets, and forwarding waits with it.
+        drop(self.persistence.take());
+        let _ = std::thread::Builder::new()
+            .name("kxp-handed".into())
+            .spawn(move || drop(self));
+        handed
     }
 
     /// Stops and removes everything: programs (pins included), the service device, its
@@ -1185,8 +1208,11 @@ impl Dataplane {
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
-        // The workers' references are gone; the holder's go with it, in parallel.
+        // The workers' references are gone; the holder's go with it, in parallel. (When
+        // the sockets were handed over, they live on: the holder goes later, with the
+        // last reference to the workers' shared state.)
         if let Some(h) = &self.shared.holder
+            && !self.shared.hand_over.asked.load(Ordering::Relaxed)
             && !h.finish(Duration::from_secs(10))
         {
             tracing::warn!("the socket holder did not exit within 10 s: killed");

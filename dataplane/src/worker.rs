@@ -362,6 +362,9 @@ pub struct Shared {
 pub struct HandOver {
     pub asked: AtomicBool,
     pub handed: std::sync::Mutex<Vec<(usize, crate::xsk::Handed)>>,
+    /// When the last worker stopped forwarding (`CLOCK_MONOTONIC`, ns): the hand-over's
+    /// pause starts there.
+    pub stopped_ns: AtomicU64,
 }
 
 impl Shared {
@@ -817,6 +820,7 @@ impl<'id> Worker<'id> {
     /// hands its sockets over (see [`HandOver`]); on failure they are closed as at a
     /// stop, and the next kxp opens its own.
     fn hand_sockets_over(mut self) {
+        (self.shared.hand_over.stopped_ns).fetch_max(crate::sys::monotonic_ns(), Ordering::Relaxed);
         for (f, ..) in std::mem::take(&mut self.waiting) {
             self.io.recycle(f);
         }

@@ -1409,6 +1409,25 @@ mod tests {
             assert_eq!(handed.sockets.len(), 2);
             let state = handed.state.clone();
             assert_eq!(HandedState::decode(&state.encode()).unwrap(), state);
+            // A kxp that makes its UMEM otherwise refuses them, saying why.
+            let copy = Handed {
+                memfd: handed.memfd.try_clone().unwrap(),
+                sockets: handed
+                    .sockets
+                    .iter()
+                    .map(|s| s.try_clone().unwrap())
+                    .collect(),
+                state: state.clone(),
+            };
+            let other = XskConfig {
+                ring_size: 2048,
+                ..cfg.clone()
+            };
+            let e = Sockets::adopt(&other, copy).unwrap_err().to_string();
+            assert!(
+                e.contains("rings of 4096") && e.contains("rings of 2048"),
+                "{e}"
+            );
             Sockets::adopt(&cfg, handed).unwrap().with(|mut io| {
                 assert_eq!(io.port_count(), 2);
                 assert_eq!(io.port_at(ifindex, 0), Some(1));

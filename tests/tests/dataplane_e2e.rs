@@ -2973,7 +2973,16 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
         .iter()
         .filter(|(t, who)| *t >= t0 && who.is_none())
         .count();
-    println!("hand-over: longest TCP stall {stall:?}; UDP datagrams unanswered {lost}");
+    let pause = new_text
+        .lines()
+        .find(|l| l.contains("forwarding resumed"))
+        .and_then(|l| l.split("paused_ms=").nth(1))
+        .unwrap_or("none logged")
+        .to_string();
+    println!(
+        "hand-over: longest TCP stall {stall:?}; UDP datagrams unanswered {lost}; forwarding \
+         paused {pause} ms by the new kxp's log"
+    );
     // One datagram per 50 ms: a gap of a few hundred ms at most (a restart's is the
     // process start and the lists besides).
     assert!(lost <= 20, "{lost} unanswered\n{old_text}\n{new_text}");
@@ -2982,6 +2991,7 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
         "the running kxp released the node to this one (generation 2)",
         "steering program taken up from the previous kxp",
         "took the sockets the running kxp handed over",
+        "hand-over: forwarding resumed",
     ] {
         assert!(new_text.contains(line), "{line:?} in\n{new_text}");
     }

@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dataplane::plane::HandedOver;
 use dataplane::xsk::{Handed, HandedState};
 
 /// The protocol's version: a kxp that speaks another answers `refused`.
@@ -121,11 +122,11 @@ impl Successor {
 
     /// Asks the running kxp for the node and waits until it has released it, then takes
     /// the sockets it hands over (none from a kxp that hands none). Logs what came of it.
-    pub(crate) fn ask_release(self) -> (Asked, Vec<Handed>) {
+    pub(crate) fn ask_release(self) -> (Asked, HandedOver) {
         let stream = self.stream.try_clone();
         let asked = self.ask();
         if !matches!(asked, Asked::Released(_)) {
-            return (asked, Vec::new());
+            return (asked, HandedOver::default());
         }
         let started = Instant::now();
         let handed = match stream
@@ -138,13 +139,17 @@ impl Successor {
                     "the sockets the running kxp handed over did not arrive whole ({e}): \
                      opening new ones"
                 );
-                Vec::new()
+                HandedOver::default()
             }
         };
-        if !handed.is_empty() {
+        if !handed.workers.is_empty() {
             tracing::info!(
-                workers = handed.len(),
-                sockets = handed.iter().map(|h| h.sockets.len()).sum::<usize>(),
+                workers = handed.workers.len(),
+                sockets = handed
+                    .workers
+                    .iter()
+                    .map(|h| h.sockets.len())
+                    .sum::<usize>(),
                 took_ms = started.elapsed().as_millis() as u64,
                 "took the sockets the running kxp handed over"
             );
@@ -186,17 +191,17 @@ const MAX_STATE: usize = 64 << 20;
 /// Sends `handed` on `s` after `released`: a line `sockets N` (N workers), then per
 /// worker its UMEM's memfd with its state, and each of its sockets, one descriptor per
 /// message (SCM_RIGHTS).
-fn send_sockets(s: &UnixStream, handed: &[Handed]) -> std::io::Result<()> {
+fn send_sockets(s: &UnixStream, handed: &HandedOver) -> std::io::Result<()> {
     use std::os::fd::AsFd;
     let mut w = s;
-    writeln!(w, "sockets {}", handed.len())?;
+    writeln!(w, "sockets {} {}", handed.workers.len(), handed.stopped_ns)?;
     let header = |kind: u32, len: usize| {
         let mut h = [0u8; 8];
         h[..4].copy_from_slice(&kind.to_le_bytes());
         h[4..].copy_from_slice(&(len as u32).to_le_bytes());
         h
     };
-    for h in handed {
+    for h in &handed.workers {
         let state = h.state.encode();
         dataplane::sys::send_with_fd(
             s.as_fd(),
@@ -238,16 +243,22 @@ fn receive_fd(s: &UnixStream, kind: u32) -> Result<(usize, std::os::fd::OwnedFd)
 
 /// The sockets the running kxp hands over after `released` ([`send_sockets`]): none if
 /// it sends none (a kxp before this protocol closes the connection).
-fn receive_sockets(s: &UnixStream) -> Result<Vec<Handed>, String> {
+fn receive_sockets(s: &UnixStream) -> Result<HandedOver, String> {
     let line = read_line(s).map_err(|e| e.to_string())?;
     if line.is_empty() {
-        return Ok(Vec::new());
+        return Ok(HandedOver::default());
     }
-    let workers: usize = line
-        .strip_prefix("sockets ")
-        .and_then(|n| n.parse().ok())
-        .filter(|&n| n <= 4096)
-        .ok_or_else(|| format!("not a count of sockets: {line:?}"))?;
+    let mut words = line.split_whitespace();
+    let (Some("sockets"), Some(Ok(workers)), Some(Ok(stopped_ns))) = (
+        words.next(),
+        words.next().map(str::parse::<usize>),
+        words.next().map(str::parse::<u64>),
+    ) else {
+        return Err(format!("not a count of sockets: {line:?}"));
+    };
+    if workers > 4096 {
+        return Err(format!("{workers} workers"));
+    }
     let mut handed = Vec::with_capacity(workers);
     for _ in 0..workers {
         let (len, memfd) = receive_fd(s, MSG_WORKER)?;
@@ -267,7 +278,10 @@ fn receive_sockets(s: &UnixStream) -> Result<Vec<Handed>, String> {
             state,
         });
     }
-    Ok(handed)
+    Ok(HandedOver {
+        workers: handed,
+        stopped_ns,
+    })
 }
 
 /// One line from `s`, without its end (empty at the end of the stream). Read a byte at
@@ -380,7 +394,7 @@ impl ReleaseListener {
     /// Once the dataplane has stopped: tells the successor that asked, if one did, that
     /// the node is its own, and hands it the sockets `handed`. Returns whether this kxp
     /// should stand by: one asked and no signal came.
-    pub(crate) fn finish(mut self, handed: &[Handed]) -> bool {
+    pub(crate) fn finish(mut self, handed: &HandedOver) -> bool {
         self.done.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -394,10 +408,14 @@ impl ReleaseListener {
             tracing::warn!("cannot tell the newer kxp that the node is released: {e}");
         } else if let Err(e) = send_sockets(&s, handed) {
             tracing::warn!("cannot hand the sockets over to the newer kxp: {e}");
-        } else if !handed.is_empty() {
+        } else if !handed.workers.is_empty() {
             tracing::info!(
-                workers = handed.len(),
-                sockets = handed.iter().map(|h| h.sockets.len()).sum::<usize>(),
+                workers = handed.workers.len(),
+                sockets = handed
+                    .workers
+                    .iter()
+                    .map(|h| h.sockets.len())
+                    .sum::<usize>(),
                 "handed the sockets over to the newer kxp"
             );
         }
@@ -546,6 +564,20 @@ fn decide(line: &str, ours: u64) -> Result<u64, Refusal> {
     Ok(theirs)
 }
 
+/// Once the first sync is published (the workers forward from then on): how long
+/// forwarding paused since the previous kxp's workers stopped at `stopped_ns`
+/// (`CLOCK_MONOTONIC`, shared by the processes of a node; 0: no hand-over).
+pub(crate) fn log_pause(stopped_ns: u64) {
+    if stopped_ns == 0 {
+        return;
+    }
+    let now = dataplane::sys::monotonic_ns();
+    tracing::info!(
+        paused_ms = now.saturating_sub(stopped_ns) as f64 / 1e6,
+        "hand-over: forwarding resumed after this long since the previous kxp's workers stopped"
+    );
+}
+
 /// Does nothing until SIGTERM or SIGINT: after releasing the node (`why`: the DaemonSet
 /// deletes the old pod once the new one is ready), or when outranked by the kxp that runs.
 pub(crate) fn stand_by(why: &str) {
@@ -651,11 +683,16 @@ mod tests {
                 state: state(q),
             })
             .collect();
+        let handed = HandedOver {
+            workers: handed,
+            stopped_ns: 12345,
+        };
         assert!(!l.finish(&handed), "signalled: no standing by");
         let (asked, got) = asker.join().unwrap();
         assert!(matches!(asked, Asked::Released(_)));
-        assert_eq!(got.len(), 2, "both workers' sockets arrived");
-        for (q, h) in got.iter().enumerate() {
+        assert_eq!(got.stopped_ns, 12345);
+        assert_eq!(got.workers.len(), 2, "both workers' sockets arrived");
+        for (q, h) in got.workers.iter().enumerate() {
             assert_eq!(h.state, state(q as u32));
             assert_eq!(h.sockets.len(), 2);
         }
