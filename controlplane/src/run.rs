@@ -109,8 +109,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     find_host_addresses(&mut settings, &mut tracker, &dp);
     let first_started = Instant::now();
     let (mut hc, mut localnp) = first_sync(&mut tracker, &input, &mut dp, &health, &cfg)?;
-    // The workers forward from the first sync on.
-    handover::log_pause(paused_at);
+    // The workers forward from the first sync's publication on.
+    handover::log_pause(paused_at, dp.first_published_ns());
     take_over_interfaces(&dp, listing, first_started.elapsed());
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
     // What the first lists and programming freed goes back to the kernel (glibc keeps
@@ -132,6 +132,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     if let Some(r) = &release {
         r.wait_for_successor(handover::SUCCESSOR_WAIT);
     }
+    // The localhost NodePorts' sockets go first: a successor binds them at its first
+    // sync, and this kxp stands by after releasing the node.
+    drop(localnp);
     let hand_over = release
         .as_ref()
         .is_some_and(handover::ReleaseListener::asked);

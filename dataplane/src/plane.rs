@@ -330,6 +330,8 @@ pub struct Dataplane {
     threads: Vec<JoinHandle<()>>,
     link_thread: Option<JoinHandle<()>>,
     link_stop: Arc<AtomicBool>,
+    /// See [`Dataplane::first_published_ns`].
+    first_published_ns: u64,
     /// Last: removed once every socket on it is closed.
     service: Option<ServiceDevice>,
 }
@@ -906,6 +908,7 @@ impl Dataplane {
             threads: Vec::new(),
             link_thread: None,
             link_stop: Arc::new(AtomicBool::new(false)),
+            first_published_ns: 0,
             service: Some(service),
         };
         dp.spawn_workers(workers)?;
@@ -975,7 +978,16 @@ impl Dataplane {
     /// redoes the maps in full).
     pub fn publish(&mut self, update: Update) -> Result<(), DataplaneError> {
         self.shared.snapshot.store(update.snapshot.clone());
+        if self.first_published_ns == 0 {
+            self.first_published_ns = crate::sys::monotonic_ns();
+        }
         self.program(&update)
+    }
+
+    /// When the first state was published (`CLOCK_MONOTONIC`, ns; 0: not yet): the
+    /// workers forward from then on (see [`crate::worker::Worker::run`]).
+    pub fn first_published_ns(&self) -> u64 {
+        self.first_published_ns
     }
 
     fn program(&mut self, update: &Update) -> Result<(), DataplaneError> {

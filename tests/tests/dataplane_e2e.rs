@@ -2995,10 +2995,15 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
     ] {
         assert!(new_text.contains(line), "{line:?} in\n{new_text}");
     }
-    assert!(
-        !new_text.contains("cannot be taken up") && !new_text.contains("did not arrive whole"),
-        "{new_text}"
-    );
+    // Nothing the running kxp held stays in the way: the sockets are taken up, the
+    // localhost NodePorts bound.
+    for line in [
+        "cannot be taken up",
+        "did not arrive whole",
+        "Address already in use",
+    ] {
+        assert!(!new_text.contains(line), "{line:?} in\n{new_text}");
+    }
     for line in [
         "a newer kxp (generation 2, this one 1) announced itself",
         "asks for the node",

@@ -564,16 +564,15 @@ fn decide(line: &str, ours: u64) -> Result<u64, Refusal> {
     Ok(theirs)
 }
 
-/// Once the first sync is published (the workers forward from then on): how long
-/// forwarding paused since the previous kxp's workers stopped at `stopped_ns`
+/// Once the first sync is published at `resumed_ns` (the workers forward from then on):
+/// how long forwarding paused since the previous kxp's workers stopped at `stopped_ns`
 /// (`CLOCK_MONOTONIC`, shared by the processes of a node; 0: no hand-over).
-pub(crate) fn log_pause(stopped_ns: u64) {
-    if stopped_ns == 0 {
+pub(crate) fn log_pause(stopped_ns: u64, resumed_ns: u64) {
+    if stopped_ns == 0 || resumed_ns == 0 {
         return;
     }
-    let now = dataplane::sys::monotonic_ns();
     tracing::info!(
-        paused_ms = now.saturating_sub(stopped_ns) as f64 / 1e6,
+        paused_ms = resumed_ns.saturating_sub(stopped_ns) as f64 / 1e6,
         "hand-over: forwarding resumed after this long since the previous kxp's workers stopped"
     );
 }
