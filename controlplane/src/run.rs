@@ -98,6 +98,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // addresses and the host's are known (generation 2). What touches nothing of the node
     // is done while the running kxp, if any, still forwards.
     let prepared = Dataplane::prepare(&dp_cfg, Snapshot::empty(0, Default::default()))?;
+    // The first sync's translation too: at 100,000 Services it is most of the first sync.
+    find_host_addresses(&mut settings, &mut tracker, &prepared.local_addrs());
+    let translating = Instant::now();
+    let first = tracker.sync(FIRST_GENERATION);
+    let translated = translating.elapsed();
     let handed = successor.map_or_else(Default::default, |s| s.ask_release().1);
     let paused_at = handed.stopped_ns;
     let (metrics, health, server) = serve_health(&serving, resync)?;
@@ -106,11 +111,15 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         .state_dir
         .as_deref()
         .and_then(|dir| handover::ReleaseListener::start(dir, generation, stop.clone()));
-    find_host_addresses(&mut settings, &mut tracker, &dp);
-    let first_started = Instant::now();
-    let (mut hc, mut localnp) = first_sync(&mut tracker, &input, &mut dp, &health, &cfg)?;
-    // The workers forward from the first sync's publication on.
+    // (The first sync's time counts its translation, done above.)
+    let first_started = Instant::now()
+        .checked_sub(translated)
+        .unwrap_or_else(Instant::now);
+    let (mut hc, mut localnp) = first_sync(first, &input, &mut dp, &health, &cfg)?;
+    // The workers forward from the first sync's publication on; on sockets handed over,
+    // the interfaces' own program instances are attached from then.
     handover::log_pause(paused_at, dp.first_published_ns());
+    dp.attach_interfaces()?;
     take_over_interfaces(&dp, listing, first_started.elapsed());
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
     // What the first lists and programming freed goes back to the kernel (glibc keeps
@@ -456,12 +465,12 @@ fn start_dataplane(
 }
 
 /// Gives the tracker the host's addresses, as the dataplane sees them.
-fn find_host_addresses(settings: &mut NodeSettings, tracker: &mut Tracker, dp: &Dataplane) {
+fn find_host_addresses(settings: &mut NodeSettings, tracker: &mut Tracker, local: &[IpAddr]) {
     // The Node object (or --node-ip) gives the node's primary addresses (kube-proxy's
     // way); the host's are local to the node beside them, its NodePort addresses in
     // iptables mode, and the fallback when nothing else gives any (followed as they
     // change, in the sync loop).
-    settings.host_addrs = host_addresses(dp);
+    settings.host_addrs = host_addresses_of(local);
     tracker.set_settings(settings.clone());
 }
 
@@ -472,14 +481,15 @@ fn find_host_addresses(settings: &mut NodeSettings, tracker: &mut Tracker, dp: &
 /// # Errors
 /// The Services' health servers cannot start, or the dataplane cannot be programmed.
 fn first_sync(
-    tracker: &mut Tracker,
+    first: translate::tracker::Synced,
     input: &Input,
     dp: &mut Dataplane,
     health: &Arc<Health>,
     cfg: &KubeProxyConfiguration,
 ) -> anyhow::Result<(ServiceHealthServers, Option<LocalhostNodePorts>)> {
-    let first = tracker.sync(FIRST_GENERATION);
     report(&first, input);
+    // Published first: the workers forward from here (a hand-over's pause ends).
+    dp.publish(first.update.clone())?;
     let mut hc = ServiceHealthServers::start(health.clone())
         .context("starting the service health servers")?;
     for e in hc.sync(&first.update) {
@@ -497,7 +507,6 @@ fn first_sync(
             l.serving().len()
         );
     }
-    dp.publish(first.update)?;
     Ok((hc, localnp))
 }
 
@@ -858,9 +867,15 @@ fn path_setting(
 }
 
 fn host_addresses(dp: &Dataplane) -> Vec<IpAddr> {
-    let mut v: Vec<IpAddr> = dp
-        .local_addrs()
-        .into_iter()
+    host_addresses_of(&dp.local_addrs())
+}
+
+/// The host's addresses among the node's local ones (`local`): not loopback, not
+/// link-local, sorted.
+fn host_addresses_of(local: &[IpAddr]) -> Vec<IpAddr> {
+    let mut v: Vec<IpAddr> = local
+        .iter()
+        .copied()
         .filter(|ip| !ip.is_loopback() && !is_link_local(ip))
         .collect();
     v.sort();

@@ -315,6 +315,13 @@ pub struct Prepared {
     tables: Vec<conntrack::ConnTable>,
 }
 
+impl Prepared {
+    /// The node's local addresses, as the FIB mirror has them now.
+    pub fn local_addrs(&self) -> Vec<IpAddr> {
+        self.fib.view().local_addrs()
+    }
+}
+
 /// A running dataplane.
 #[derive(Debug)]
 pub struct Dataplane {
@@ -330,6 +337,9 @@ pub struct Dataplane {
     threads: Vec<JoinHandle<()>>,
     link_thread: Option<JoinHandle<()>>,
     link_stop: Arc<AtomicBool>,
+    /// Started on sockets handed over: their interfaces (see
+    /// [`Dataplane::attach_interfaces`]).
+    handed: Option<HashSet<u32>>,
     /// See [`Dataplane::first_published_ns`].
     first_published_ns: u64,
     /// Last: removed once every socket on it is closed.
@@ -908,6 +918,7 @@ impl Dataplane {
             threads: Vec::new(),
             link_thread: None,
             link_stop: Arc::new(AtomicBool::new(false)),
+            handed: None,
             first_published_ns: 0,
             service: Some(service),
         };
@@ -919,18 +930,50 @@ impl Dataplane {
         if taken_over || initial.port_count() > 0 {
             dp.program(&Update::full(initial))?;
         }
-        // The interfaces there now; one named without a wildcard must attach. (On
-        // sockets handed over this finds them open; those on interfaces this kxp does not
-        // attach to are closed. The attached set decides where the workers transmit, so
-        // it comes before they forward.)
-        links.reconcile(&dp.fib.view().links(), true)?;
-        links.close_unclaimed(handed_ifindexes);
-        times.lap("interfaces", &mut lap);
-        times.interfaces = links.lock().steering.len();
         dp.start_times = times;
+        if handed_ifindexes.is_empty() {
+            // The interfaces there now; one named without a wildcard must attach.
+            dp.attach_now()?;
+        } else {
+            // On sockets handed over, the previous kxp's program goes on redirecting into
+            // them, and the workers serve them from the first sync: attaching the
+            // interfaces' own instances waits until then ([`Dataplane::attach_interfaces`]),
+            // out of forwarding's pause. Where the workers transmit is the handed
+            // interfaces that match until then.
+            links.publish_handed(&dp.fib.view().links(), &handed_ifindexes);
+            dp.handed = Some(handed_ifindexes);
+        }
         dp.follow_links(cfg, links)?;
         start::keep_others_off(cfg, &started);
         Ok(dp)
+    }
+
+    /// Started on sockets a previous kxp handed over ([`Dataplane::start_handed`]): to
+    /// call once the first sync is published. Attaches to every interface there now that
+    /// matches (as the start does otherwise) and closes the sockets handed over on the
+    /// others. Nothing otherwise.
+    ///
+    /// # Errors
+    /// An interface named without a wildcard cannot be attached.
+    pub fn attach_interfaces(&mut self) -> Result<(), DataplaneError> {
+        if self.handed.is_none() {
+            return Ok(());
+        }
+        self.attach_now()
+    }
+
+    /// Attaches to every interface there now that matches (those that come later are
+    /// attached as they come), closes the sockets handed over on the others, and adds the
+    /// time to `start_times`.
+    fn attach_now(&mut self) -> Result<(), DataplaneError> {
+        let mut lap = Instant::now();
+        self.links.reconcile(&self.fib.view().links(), true)?;
+        if let Some(handed) = self.handed.take() {
+            self.links.close_unclaimed(handed);
+        }
+        self.start_times.lap("interfaces", &mut lap);
+        self.start_times.interfaces = self.links.lock().steering.len();
+        Ok(())
     }
 
     /// The interfaces kxp is attached to now (name, ifindex).
@@ -1377,6 +1420,19 @@ impl LinkCtl {
     }
 
     /// Tells the FIB mirror and the workers which interfaces are attached now.
+    /// Before the interfaces are attached on sockets handed over: the interfaces of
+    /// `handed` there now that this kxp attaches to are where the workers transmit.
+    fn publish_handed(&self, links: &[LinkInfo], handed: &HashSet<u32>) {
+        let list: Vec<(u32, String)> = links
+            .iter()
+            .filter(|l| handed.contains(&l.ifindex) && self.wanted_name(&l.name))
+            .map(|l| (l.ifindex, l.name.clone()))
+            .collect();
+        self.fib
+            .set_attached(&list.iter().map(|(i, _)| *i).collect::<Vec<_>>());
+        self.shared.attached.store(Arc::new(list));
+    }
+
     fn publish_attached(&self, prog: &Programming) {
         let list: Vec<(u32, String)> = prog
             .steering
