@@ -6,6 +6,7 @@
 
 mod handover;
 mod input;
+mod reload;
 mod sync;
 
 use std::net::{IpAddr, SocketAddr};
@@ -86,6 +87,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // A kxp running beside this one (a rolling update with a surge): this one announces
     // itself as its successor; it forwards until this one has the cluster's lists.
     let generation = handover::generation();
+    // `systemctl reload`: a successor started beside this kxp takes the node over.
+    reload::on_sighup(generation, dp_cfg.state_dir.is_some());
     let Ok(successor) = announce(&dp_cfg, generation) else {
         return Ok(());
     };
@@ -103,7 +106,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let translating = Instant::now();
     let first = tracker.sync(FIRST_GENERATION);
     let translated = translating.elapsed();
-    let handed = successor.map_or_else(Default::default, |s| s.ask_release().1);
+    let (released, handed) = match successor {
+        Some(s) => {
+            let (asked, handed) = s.ask_release();
+            (matches!(asked, handover::Asked::Released(_)), handed)
+        }
+        None => (false, Default::default()),
+    };
     let paused_at = handed.stopped_ns;
     let (metrics, health, server) = serve_health(&serving, resync)?;
     let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed.workers)?;
@@ -122,6 +131,8 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     dp.attach_interfaces()?;
     take_over_interfaces(&dp, listing, first_started.elapsed());
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
+    // systemd's `Type=notify`; after a reload, this kxp is the service's main process now.
+    reload::ready(released);
     // What the first lists and programming freed goes back to the kernel (glibc keeps
     // it otherwise; 29 MiB of 1.3 GiB at 100,000 Services).
     dataplane::sys::release_free_heap();

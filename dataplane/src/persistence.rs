@@ -21,7 +21,7 @@ use crate::statefile::{OldFile, StateDir, StateFile, boot_id};
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// What start-up found and did.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub struct Restored {
     pub flows: usize,
     pub affinity: usize,
@@ -31,7 +31,31 @@ pub struct Restored {
     pub flows_dropped: usize,
     /// Whole files not used, with why.
     pub bad_files: Vec<String>,
+    /// Time taken: reading the flows, writing the new connection-table files, the
+    /// affinity table (its file and its entries).
+    pub took: [std::time::Duration; 3],
 }
+
+/// What was restored is equal; how long it took does not count.
+impl PartialEq for Restored {
+    fn eq(&self, o: &Restored) -> bool {
+        (
+            self.flows,
+            self.affinity,
+            self.bad_records,
+            self.flows_dropped,
+            &self.bad_files,
+        ) == (
+            o.flows,
+            o.affinity,
+            o.bad_records,
+            o.flows_dropped,
+            &o.bad_files,
+        )
+    }
+}
+
+impl Eq for Restored {}
 
 /// The state directory and this process's files in it.
 #[derive(Debug)]
@@ -93,23 +117,130 @@ impl Persistence {
         affinity_capacity: usize,
         now: u64,
     ) -> io::Result<(Persistence, AffinityTable)> {
+        let prepared = Persistence::prepare(&sd.path, tables, affinity_capacity)?;
+        Persistence::start_prepared(sd, prepared, tables, now)
+    }
+
+    /// What a start does in state directory `dir` before it holds the lock (so a kxp
+    /// taking over from a running one does it while that one forwards): this process's
+    /// new files created under names of its own (`NAME.PID.new`), the affinity table
+    /// made with the previous one's shard seed, and the tables' journals on (empty
+    /// tables: every flow restored into them later is journaled).
+    ///
+    /// # Errors
+    /// The directory or the files cannot be created.
+    pub fn prepare(
+        dir: &Path,
+        tables: &mut [ConnTable],
+        affinity_capacity: usize,
+    ) -> io::Result<PreparedFiles> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| io_err("creating", dir, e))?;
         let id = FileId {
             boot: boot_id()?,
             netns: crate::sys::netns_cookie().unwrap_or(0),
         };
+        let workers = tables.len();
+        let mut conntrack = Vec::with_capacity(workers);
+        for (i, t) in tables.iter_mut().enumerate() {
+            let path = crate::statefile::conntrack_path(dir, i);
+            let h = Header {
+                kind: Kind::Conntrack,
+                records: t.capacity() as u64,
+                worker: i as u32,
+                workers: workers as u32,
+                boot_id: id.boot,
+                seed: 0,
+                netns: id.netns,
+            };
+            conntrack.push(StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?);
+            t.enable_journal();
+        }
+        let path = crate::statefile::affinity_path(dir);
+        // The shard seed is the previous table's (its header does not change while it
+        // runs), so that restored clients land in the shards they came from.
+        let seed = match OldFile::read(&path, id.boot, id.netns) {
+            Ok(Some(f)) if f.header.kind == Kind::Affinity => f.header.seed,
+            _ => AffinityTable::random_seed(),
+        };
+        let h = Header {
+            kind: Kind::Affinity,
+            records: AffinityTable::capacity_for(affinity_capacity) as u64,
+            worker: 0,
+            workers: 1,
+            boot_id: id.boot,
+            seed,
+            netns: id.netns,
+        };
+        let file =
+            Arc::new(StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?);
+        let affinity = AffinityTable::with_sink(
+            affinity_capacity,
+            seed,
+            Some(Box::new(SharedFile(file.clone()))),
+        );
+        Ok(PreparedFiles {
+            id,
+            conntrack,
+            affinity_file: file,
+            affinity,
+        })
+    }
+
+    /// The rest of [`Persistence::start_locked`] after [`Persistence::prepare`] (given
+    /// the same `tables`): restores what the previous process left into them and the
+    /// affinity table, writes it into the new files and makes them the directory's.
+    ///
+    /// # Errors
+    /// The new files cannot be renamed into place.
+    pub fn start_prepared(
+        sd: StateDir,
+        prepared: PreparedFiles,
+        tables: &mut [ConnTable],
+        now: u64,
+    ) -> io::Result<(Persistence, AffinityTable)> {
+        crate::statefile::remove_stale_temps(&sd.path);
+        let PreparedFiles {
+            id,
+            conntrack,
+            affinity_file,
+            affinity,
+        } = prepared;
         let mut r = Restored::default();
+        let mut lap = std::time::Instant::now();
+        let mut took = |i: usize, r: &mut Restored| {
+            r.took[i] = lap.elapsed();
+            lap = std::time::Instant::now();
+        };
         restore_flows(&sd, id, tables, now, &mut r);
-        let files = start_flow_files(&sd, id, tables)?;
-        let table = start_affinity(&sd, id, affinity_capacity, now, &mut r)?;
+        took(0, &mut r);
+        let files = start_flow_files(&sd, tables, conntrack)?;
+        took(1, &mut r);
+        start_affinity(&sd, id, &affinity, &affinity_file, now, &mut r)?;
+        took(2, &mut r);
         Ok((
             Persistence {
                 dir: sd,
                 conntrack: files,
                 restored: r,
             },
-            table,
+            affinity,
         ))
     }
+}
+
+/// This process's new state files and affinity table, made before the lock (see
+/// [`Persistence::prepare`]).
+#[derive(Debug)]
+pub struct PreparedFiles {
+    id: FileId,
+    conntrack: Vec<StateFile>,
+    affinity_file: Arc<StateFile>,
+    affinity: AffinityTable,
 }
 
 /// What a state file is valid for: this boot, this network namespace.
@@ -153,54 +284,44 @@ fn restore_flows(sd: &StateDir, id: FileId, tables: &mut [ConnTable], now: u64, 
     }
 }
 
-/// Each worker's new connection-table file, holding what its table holds now, its
-/// journal on from now; the files of workers that no longer exist removed.
+/// Each worker's new connection-table file (`files`, made by [`Persistence::prepare`]),
+/// holding what its table holds now (its journal on since), made the directory's; the
+/// files of workers that no longer exist removed.
 fn start_flow_files(
     sd: &StateDir,
-    id: FileId,
     tables: &mut [ConnTable],
+    files: Vec<StateFile>,
 ) -> io::Result<Vec<Option<StateFile>>> {
     let workers = tables.len();
-    let mut files = Vec::with_capacity(workers);
-    for (i, t) in tables.iter_mut().enumerate() {
-        let path = sd.conntrack(i);
-        let h = Header {
-            kind: Kind::Conntrack,
-            records: t.capacity() as u64,
-            worker: i as u32,
-            workers: workers as u32,
-            boot_id: id.boot,
-            seed: 0,
-            netns: id.netns,
-        };
-        let f = StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?;
-        t.enable_journal();
+    let mut out = Vec::with_capacity(workers);
+    for (t, f) in tables.iter_mut().zip(files) {
         t.drain_journal(|slot, rec| {
             f.write(
                 slot,
                 &rec.map_or(conntrack::persist::CLEARED, |r| r.encode()),
             );
         });
-        f.commit().map_err(|e| io_err("renaming", &path, e))?;
-        files.push(Some(f));
+        f.commit().map_err(|e| io_err("renaming", f.path(), e))?;
+        out.push(Some(f));
     }
     for (i, path) in sd.conntrack_files() {
         if i >= workers {
             let _ = std::fs::remove_file(path);
         }
     }
-    Ok(files)
+    Ok(out)
 }
 
-/// The node's affinity table, restored from the previous one, with its new file: same
-/// shard seed as before, so that clients fit as they did.
+/// The node's affinity table (made with its new file by [`Persistence::prepare`]), with
+/// the previous one's entries restored, its file made the directory's.
 fn start_affinity(
     sd: &StateDir,
     id: FileId,
-    affinity_capacity: usize,
+    table: &AffinityTable,
+    file: &StateFile,
     now: u64,
     r: &mut Restored,
-) -> io::Result<AffinityTable> {
+) -> io::Result<()> {
     let path = sd.affinity();
     let old = match OldFile::read(&path, id.boot, id.netns) {
         Ok(Some(f)) if f.header.kind == Kind::Affinity => Some(f),
@@ -215,35 +336,22 @@ fn start_affinity(
             None
         }
     };
-    let seed = old
-        .as_ref()
-        .map_or_else(AffinityTable::random_seed, |f| f.header.seed);
-    let capacity = AffinityTable::capacity_for(affinity_capacity);
-    let h = Header {
-        kind: Kind::Affinity,
-        records: capacity as u64,
-        worker: 0,
-        workers: 1,
-        boot_id: id.boot,
-        seed,
-        netns: id.netns,
-    };
-    let file = Arc::new(StateFile::create(&path, &h).map_err(|e| io_err("creating", &path, e))?);
-    let table = AffinityTable::with_sink(
-        affinity_capacity,
-        seed,
-        Some(Box::new(SharedFile(file.clone()))),
-    );
     if let Some(old) = &old {
-        for rec in old.records() {
-            match rec.and_then(|p| AffinityRecord::decode(&p)) {
-                Ok(a) => r.affinity += usize::from(table.restore(&a, now)),
-                Err(_) => r.bad_records += 1,
+        if old.header.seed == table.seed() {
+            for rec in old.records() {
+                match rec.and_then(|p| AffinityRecord::decode(&p)) {
+                    Ok(a) => r.affinity += usize::from(table.restore(&a, now)),
+                    Err(_) => r.bad_records += 1,
+                }
             }
+        } else {
+            r.bad_files.push(format!(
+                "{}: replaced since this kxp read its shard seed",
+                path.display()
+            ));
         }
     }
-    file.commit().map_err(|e| io_err("renaming", &path, e))?;
-    Ok(table)
+    file.commit().map_err(|e| io_err("renaming", &path, e))
 }
 
 #[cfg(test)]

@@ -313,6 +313,7 @@ pub struct Prepared {
     rxs: Vec<crossbeam::channel::Receiver<crate::worker::Command>>,
     shared: Arc<Shared>,
     tables: Vec<conntrack::ConnTable>,
+    files: Option<crate::persistence::PreparedFiles>,
 }
 
 impl Prepared {
@@ -835,8 +836,10 @@ impl Dataplane {
         let fib = start::fib_mirror()?;
         times.lap("FIB mirror", &mut lap);
         let (rxs, shared) = start::shared_state(cfg, &initial)?;
-        let tables = start::connection_tables(cfg, ranges)?;
+        let mut tables = start::connection_tables(cfg, ranges)?;
         times.lap("connection tables", &mut lap);
+        let files = start::prepare_state(cfg, &mut tables)?;
+        times.lap("state files", &mut lap);
         Ok(Prepared {
             initial,
             times,
@@ -844,6 +847,7 @@ impl Dataplane {
             rxs,
             shared,
             tables,
+            files,
         })
     }
 
@@ -864,6 +868,7 @@ impl Dataplane {
             rxs,
             shared,
             mut tables,
+            files,
         } = prepared;
         let handed_ifindexes: HashSet<u32> = handed
             .iter()
@@ -886,7 +891,7 @@ impl Dataplane {
         start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
         let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, &service)?;
 
-        let (mut persistence, node) = start::restore_state(cfg, locked, &mut tables)?;
+        let (mut persistence, node) = start::restore_state(cfg, locked, files, &mut tables)?;
         times.lap("state restore", &mut lap);
         let kit = start::WorkerKit {
             cfg,

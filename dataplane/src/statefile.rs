@@ -10,7 +10,7 @@
 //! it was writing torn (and then discarded by the next reader).
 //!
 //! Start-up reads the previous files with plain reads, restores what is valid, writes it
-//! into new files (`NAME.new`) and renames them over the old ones, so a crash during
+//! into new files (`NAME.PID.new`) and renames them over the old ones, so a crash during
 //! start-up leaves either the old files or complete new ones.
 //!
 //! The only unsafe code is the mapping itself, seen as a slice of `AtomicU64`: every
@@ -78,12 +78,12 @@ impl StateDir {
 
     /// The file of worker `i`'s connection table.
     pub fn conntrack(&self, worker: usize) -> PathBuf {
-        self.path.join(format!("conntrack-{worker}.state"))
+        conntrack_path(&self.path, worker)
     }
 
     /// The node's affinity table file.
     pub fn affinity(&self) -> PathBuf {
-        self.path.join("affinity.state")
+        affinity_path(&self.path)
     }
 
     /// Connection-table files present, by worker number.
@@ -101,6 +101,38 @@ impl StateDir {
             .collect();
         v.sort();
         v
+    }
+}
+
+/// The file of worker `i`'s connection table in state directory `dir`.
+pub fn conntrack_path(dir: &Path, worker: usize) -> PathBuf {
+    dir.join(format!("conntrack-{worker}.state"))
+}
+
+/// The node's affinity table file in state directory `dir`.
+pub fn affinity_path(dir: &Path) -> PathBuf {
+    dir.join("affinity.state")
+}
+
+/// Removes the new files (`NAME.PID.new`) that a kxp which is no longer running left in
+/// `dir` (it died between creating them and making them the directory's), and those of
+/// the format before the PID (`NAME.new`). Called by the lock's holder.
+pub fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let me = std::process::id();
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".new") else {
+            continue;
+        };
+        let pid = stem.rsplit('.').next().and_then(|p| p.parse::<u32>().ok());
+        let alive =
+            pid.is_some_and(|p| p == me || std::path::Path::new(&format!("/proc/{p}")).exists());
+        if !alive {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -371,7 +403,7 @@ pub struct StateFile {
 }
 
 impl StateFile {
-    /// Creates `PATH.new` for `header` (all records empty) and maps it; [`commit`]
+    /// Creates `PATH.PID.new` for `header` (all records empty) and maps it; [`commit`]
     /// renames it to `path` once it holds what it must.
     ///
     /// [`commit`]: StateFile::commit
@@ -379,7 +411,9 @@ impl StateFile {
     /// # Errors
     /// The file cannot be created, sized or mapped.
     pub fn create(path: &Path, header: &Header) -> io::Result<StateFile> {
-        let tmp = path.with_extension("new");
+        // A name of this process's own: a kxp starting beside a running one (a hand-over)
+        // creates its files before it holds the directory's lock.
+        let tmp = path.with_extension(format!("{}.new", std::process::id()));
         let file = OpenOptions::new()
             .create(true)
             .truncate(true)
@@ -428,6 +462,11 @@ impl StateFile {
             persist::seal(seq.wrapping_add(1).max(2), payload),
             Ordering::Release,
         );
+    }
+
+    /// The path the file is made at by [`StateFile::commit`].
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// Makes this file the one at its path (replacing the previous process's).
@@ -566,6 +605,32 @@ mod tests {
         assert_eq!(got, slots.map(|i| i as u64).to_vec());
         drop(f);
         drop(sd);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// New files a dead kxp left are removed by the lock's holder; a live process's
+    /// (this one's) stay.
+    #[test]
+    fn new_files_of_processes_gone_are_removed() {
+        let dir = std::env::temp_dir().join(format!("kxp-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ours = format!("conntrack-0.{}.new", std::process::id());
+        for name in [
+            "conntrack-0.4000000000.new",
+            "affinity.new",
+            ours.as_str(),
+            "conntrack-0.state",
+        ] {
+            std::fs::write(dir.join(name), b"x").unwrap();
+        }
+        remove_stale_temps(&dir);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec![ours, "conntrack-0.state".to_string()]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

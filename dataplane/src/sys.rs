@@ -305,6 +305,23 @@ pub fn signal_group(pgid: u32, sig: libc::c_int) -> io::Result<()> {
     Ok(())
 }
 
+/// Sends `sig` to process `pid`.
+///
+/// # Errors
+/// kill(2) failed (no such process, not permitted), or `pid` is not a process's (0 or
+/// negative would signal groups).
+pub fn signal_process(pid: u32, sig: libc::c_int) -> io::Result<()> {
+    let pid = libc::pid_t::try_from(pid)
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a process id"))?;
+    // SAFETY: kill(2) with a positive pid signals that process; no memory is involved.
+    if unsafe { libc::kill(pid, sig) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Clock ticks per second (`sysconf(_SC_CLK_TCK)`, the unit of /proc/PID/stat times).
 pub fn clock_ticks_per_sec() -> u64 {
     // SAFETY: sysconf has no preconditions.

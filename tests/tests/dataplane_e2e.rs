@@ -3028,6 +3028,92 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
     assert_eq!(failed, 0, "{}", lab.log());
 }
 
+/// `systemctl reload kxp` (deploy/kxp.service: `ExecReload=/bin/kill -HUP $MAINPID`,
+/// `Type=notify`, `NotifyAccess=all`): on SIGHUP the running kxp starts the binary it was
+/// started as beside itself, with the next generation, which takes the node over on the
+/// sockets handed over, tells systemd it is the main process and stops its predecessor.
+/// On the default node: no TCP message lost, the UDP stream's gap bounded, systemd's
+/// notification socket told `READY=1` by the first kxp, then `MAINPID=` of the successor
+/// with `READY=1`; the first kxp exits 0 and the successor serves.
+#[test]
+fn a_reload_hands_the_node_over_to_a_successor_started_beside() {
+    use std::os::unix::net::UnixDatagram;
+    let notify_path = std::env::temp_dir().join(format!("kxp-notify-{}", std::process::id()));
+    let _ = std::fs::remove_file(&notify_path);
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let notify_env = notify_path.to_string_lossy().into_owned();
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe65",
+        kxp_env: &[("KXP_GENERATION", "1"), ("NOTIFY_SOCKET", &notify_env)],
+        ..Default::default()
+    });
+    let mut buf = [0u8; 256];
+    let n = notify.recv(&mut buf).expect("READY=1 from the first kxp");
+    assert_eq!(&buf[..n], b"READY=1\n");
+    let echo = Echoer::start(&lab.client, vip(7));
+    let udp_stop = Arc::new(AtomicBool::new(false));
+    let udp = udp_stream(&lab.client, vip(9), udp_stop.clone());
+    std::thread::sleep(Duration::from_millis(600));
+
+    let old_pid = lab.kxp.as_ref().unwrap().child.id();
+    let t0 = Instant::now();
+    dataplane::sys::signal_process(old_pid, libc::SIGHUP).unwrap();
+    let n = notify.recv(&mut buf).expect("MAINPID= from the successor");
+    let taken = Instant::now();
+    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+    let new_pid: u32 = msg
+        .lines()
+        .find_map(|l| l.strip_prefix("MAINPID="))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{msg:?}\n{}", lab.log()));
+    assert!(msg.contains("READY=1"), "{msg:?}");
+    assert_ne!(new_pid, old_pid);
+    // The successor stops its predecessor, which exits 0.
+    let old = lab.kxp.as_mut().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut status = None;
+    while status.is_none() && Instant::now() < deadline {
+        status = old.child.try_wait().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let log = echo.finish();
+    udp_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let datagrams = udp.join().unwrap().unwrap();
+    let text = lab.log();
+    let lost = datagrams
+        .iter()
+        .filter(|(t, who)| *t >= t0 && who.is_none())
+        .count();
+    let stall = stall_around(&log.rtts, t0, taken + Duration::from_millis(800));
+    println!("reload: longest TCP stall {stall:?}; UDP datagrams unanswered {lost}");
+    // The successor serves: Services answer with the first kxp gone.
+    let (_, _, failed) = lab.http_spread(vip(80), 5);
+    // It is not the lab's child: stopped by its pid, and waited for.
+    let _ = dataplane::sys::signal_process(new_pid, libc::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while std::path::Path::new(&format!("/proc/{new_pid}")).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(&notify_path);
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{text}");
+    assert!(log.error.is_none(), "TCP: {:?}\n{text}", log.error);
+    assert!(lost <= 20, "{lost} unanswered\n{text}");
+    assert_eq!(failed, 0, "{text}");
+    for line in [
+        "SIGHUP: started a successor",
+        "took the sockets the running kxp handed over",
+        "hand-over: forwarding resumed",
+        "reload: stopped the kxp this one took over from",
+        "stopped while standing by",
+    ] {
+        assert!(text.contains(line), "{line:?} in\n{text}");
+    }
+}
+
 /// Waits (up to 10 s) until kxp has logged its capability drop `n` times: it drops them
 /// once set up, a moment after /healthz answers.
 fn wait_dropped(lab: &Lab, n: usize) {

@@ -184,6 +184,19 @@ pub(super) fn shared_state(
 /// With a state directory, locks it (waiting for a previous kxp still stopping): before
 /// anything of the node is touched, since what the previous kxp left (the steering
 /// program, its maps, the service device) is taken up next.
+/// With a state directory, this process's new state files and affinity table, made
+/// before the lock (see [`Persistence::prepare`]), the tables' journals on.
+pub(super) fn prepare_state(
+    cfg: &DataplaneConfig,
+    tables: &mut [ConnTable],
+) -> Result<Option<crate::persistence::PreparedFiles>, DataplaneError> {
+    cfg.state_dir
+        .as_deref()
+        .map(|dir| Persistence::prepare(dir, tables, cfg.affinity_capacity))
+        .transpose()
+        .map_err(|e| DataplaneError::State(e.to_string()))
+}
+
 pub(super) fn lock_state(cfg: &DataplaneConfig) -> Result<Option<StateDir>, DataplaneError> {
     cfg.state_dir
         .as_deref()
@@ -324,17 +337,17 @@ pub(super) fn connection_tables(
 pub(super) fn restore_state(
     cfg: &DataplaneConfig,
     locked: Option<StateDir>,
+    files: Option<crate::persistence::PreparedFiles>,
     tables: &mut [ConnTable],
 ) -> Result<(Option<Persistence>, Arc<NodeState>), DataplaneError> {
     match locked {
         Some(sd) => {
-            let (p, affinity) = Persistence::start_locked(
-                sd,
-                tables,
-                cfg.affinity_capacity,
-                crate::sys::monotonic_ns(),
-            )
-            .map_err(|e| DataplaneError::State(e.to_string()))?;
+            let now = crate::sys::monotonic_ns();
+            let started = match files {
+                Some(f) => Persistence::start_prepared(sd, f, tables, now),
+                None => Persistence::start_locked(sd, tables, cfg.affinity_capacity, now),
+            };
+            let (p, affinity) = started.map_err(|e| DataplaneError::State(e.to_string()))?;
             let r = &p.restored;
             tracing::info!(
                 dir = %p.dir.path.display(),
@@ -342,6 +355,9 @@ pub(super) fn restore_state(
                 affinity = r.affinity,
                 bad_records = r.bad_records,
                 flows_dropped = r.flows_dropped,
+                read_ms = r.took[0].as_millis() as u64,
+                files_ms = r.took[1].as_millis() as u64,
+                affinity_ms = r.took[2].as_millis() as u64,
                 "state restored"
             );
             for f in &r.bad_files {
