@@ -304,6 +304,13 @@ pub struct HandedOver {
     pub stopped_ns: u64,
 }
 
+impl HandedOver {
+    /// Sockets handed over, every worker's.
+    pub fn sockets(&self) -> usize {
+        self.workers.iter().map(|h| h.sockets.len()).sum()
+    }
+}
+
 /// A dataplane's start up to where it touches the node ([`Dataplane::prepare`]).
 #[derive(Debug)]
 pub struct Prepared {

@@ -145,11 +145,7 @@ impl Successor {
         if !handed.workers.is_empty() {
             tracing::info!(
                 workers = handed.workers.len(),
-                sockets = handed
-                    .workers
-                    .iter()
-                    .map(|h| h.sockets.len())
-                    .sum::<usize>(),
+                sockets = handed.sockets(),
                 took_ms = started.elapsed().as_millis() as u64,
                 "took the sockets the running kxp handed over"
             );
@@ -411,11 +407,7 @@ impl ReleaseListener {
         } else if !handed.workers.is_empty() {
             tracing::info!(
                 workers = handed.workers.len(),
-                sockets = handed
-                    .workers
-                    .iter()
-                    .map(|h| h.sockets.len())
-                    .sum::<usize>(),
+                sockets = handed.sockets(),
                 "handed the sockets over to the newer kxp"
             );
         }
