@@ -159,7 +159,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         .as_ref()
         .is_some_and(handover::ReleaseListener::asked);
     let handed = shutdown(&dp_cfg, admin, dp, hc, server, metrics_server, hand_over);
-    if release.is_some_and(|r| r.finish(&handed)) {
+    let stand_by = release.is_some_and(|r| r.finish(&handed));
+    // The successor has its own references to the sockets now: this kxp's go, so that
+    // one that cannot take them up can bind new sockets on the same queues.
+    drop(handed);
+    if stand_by {
         handover::stand_by("released this node to a newer kxp");
     }
     Ok(())

@@ -877,6 +877,19 @@ impl Dataplane {
             mut tables,
             files,
         } = prepared;
+        // Each interface queue goes to worker `queue % workers`: sockets handed over by a
+        // kxp with another worker count would sit on the wrong workers.
+        let handed = if handed.is_empty() || handed.len() == cfg.workers {
+            handed
+        } else {
+            tracing::warn!(
+                "the previous kxp handed over the sockets of {} worker(s), this one runs {}: \
+                 they are closed and opened anew",
+                handed.len(),
+                cfg.workers
+            );
+            Vec::new()
+        };
         let handed_ifindexes: HashSet<u32> = handed
             .iter()
             .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))

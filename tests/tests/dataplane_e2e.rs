@@ -3028,6 +3028,53 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
     assert_eq!(failed, 0, "{}", lab.log());
 }
 
+/// A hand-over to a kxp that cannot take the sockets up falls back to opening its own,
+/// said in the log. Here a pod's veth was given a jumbo MTU after the running kxp
+/// started: the new kxp needs multi-buffer sockets (`XDP_USE_SG`), which the handed ones
+/// are not. The running kxp's sockets are closed, and the connections carry on as at a
+/// restart (no TCP message lost), the Services answer.
+#[test]
+fn a_successor_that_cannot_take_the_sockets_up_opens_its_own() {
+    let mut lab = Lab::new(Opts {
+        prefix: "kxe66",
+        kxp_env: &[("KXP_GENERATION", "1")],
+        ..Default::default()
+    });
+    let echo = Echoer::start(&lab.client, vip(7));
+    std::thread::sleep(Duration::from_millis(600));
+    let out = in_ns(&lab.node, &["ip", "link", "set", "n-web1", "mtu", "9000"]).unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let log_path = lab.dir.join("kxp-newer.log");
+    let env = vec![("KXP_GENERATION".to_string(), "2".to_string())];
+    let newer =
+        KxpProcess::spawn_exe_env(&kxp_bin(), &lab.node, &lab.args, &env, &log_path).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !newer.log_text().contains("start-up:") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let log = echo.finish();
+    let new_text = newer.log_text();
+    assert!(log.error.is_none(), "TCP: {:?}\n{new_text}", log.error);
+    for line in [
+        "took the sockets the running kxp handed over",
+        "cannot be taken up",
+        "opening new ones",
+        "start-up:",
+    ] {
+        assert!(
+            new_text.contains(line),
+            "{line:?} in\n{new_text}\nthe running kxp's:\n{}",
+            lab.log()
+        );
+    }
+    let old = lab.kxp.as_mut().unwrap();
+    assert_eq!(old.terminate(), Some(0), "{}", old.log_text());
+    lab.kxp = Some(newer);
+    let (_, _, failed) = lab.http_spread(vip(80), 5);
+    assert_eq!(failed, 0, "{}", lab.log());
+}
+
 /// `systemctl reload kxp` (deploy/kxp.service: `ExecReload=/bin/kill -HUP $MAINPID`,
 /// `Type=notify`, `NotifyAccess=all`): on SIGHUP the running kxp starts the binary it was
 /// started as beside itself, with the next generation, which takes the node over on the
