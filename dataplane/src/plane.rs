@@ -295,6 +295,22 @@ impl StartTimes {
     }
 }
 
+/// The sockets a previous kxp handed over, if this one can take them up by worker: each
+/// interface queue goes to worker `queue % workers`, so sockets handed over by a kxp with
+/// another worker count would sit on the wrong workers (closed, and opened anew).
+fn usable(cfg: &DataplaneConfig, handed: Vec<crate::xsk::Handed>) -> Vec<crate::xsk::Handed> {
+    if handed.is_empty() || handed.len() == cfg.workers {
+        return handed;
+    }
+    tracing::warn!(
+        "the previous kxp handed over the sockets of {} worker(s), this one runs {}: they \
+         are closed and opened anew",
+        handed.len(),
+        cfg.workers
+    );
+    Vec::new()
+}
+
 /// What a dataplane hands the next kxp ([`Dataplane::hand_over`]).
 #[derive(Debug, Default)]
 pub struct HandedOver {
@@ -877,19 +893,7 @@ impl Dataplane {
             mut tables,
             files,
         } = prepared;
-        // Each interface queue goes to worker `queue % workers`: sockets handed over by a
-        // kxp with another worker count would sit on the wrong workers.
-        let handed = if handed.is_empty() || handed.len() == cfg.workers {
-            handed
-        } else {
-            tracing::warn!(
-                "the previous kxp handed over the sockets of {} worker(s), this one runs {}: \
-                 they are closed and opened anew",
-                handed.len(),
-                cfg.workers
-            );
-            Vec::new()
-        };
+        let handed = usable(cfg, handed);
         let handed_ifindexes: HashSet<u32> = handed
             .iter()
             .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))
