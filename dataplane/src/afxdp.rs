@@ -409,6 +409,8 @@ unsafe trait Plain {}
 unsafe impl Plain for libc::xdp_mmap_offsets {}
 // SAFETY: a struct of u64s.
 unsafe impl Plain for libc::xdp_statistics {}
+// SAFETY: a struct of one u32.
+unsafe impl Plain for libc::xdp_options {}
 
 fn getopt<T: Plain>(fd: RawFd, opt: libc::c_int) -> io::Result<T> {
     // SAFETY: all-zero bytes are a valid `T` (`Plain`).
@@ -595,6 +597,39 @@ impl Socket {
             };
         }
         Ok(())
+    }
+
+    /// Whether the socket is bound in zero-copy mode (`XDP_OPTIONS`), else copy mode.
+    pub fn zero_copy(&self) -> io::Result<bool> {
+        let o: libc::xdp_options = getopt(self.fd.as_raw_fd(), libc::XDP_OPTIONS)?;
+        Ok(o.flags & libc::XDP_OPTIONS_ZEROCOPY != 0)
+    }
+
+    /// Lets one `sendto()` in copy mode transmit up to `frames` descriptors of the TX ring
+    /// (`XDP_MAX_TX_SKB_BUDGET`, Linux 6.17) instead of the kernel's default 32: fewer
+    /// system calls per packet on the copy-mode TX path. The kernel accepts 32 up to the
+    /// TX ring's size. Errors: ENOPROTOOPT on a kernel without the option (the default
+    /// then stays), EACCES for a value out of range.
+    pub fn set_tx_budget(&self, frames: u32) -> io::Result<()> {
+        const XDP_MAX_TX_SKB_BUDGET: libc::c_int = 9;
+        setopt(self.fd.as_raw_fd(), XDP_MAX_TX_SKB_BUDGET, &frames)
+    }
+
+    /// A zero-length non-blocking `recvfrom`: with busy polling, this is what makes the
+    /// kernel run the device's receive processing for us.
+    pub fn kick_rx(&self) {
+        // SAFETY: a zero-length receive with null buffer and address pointers is valid
+        // for any socket and writes nothing.
+        unsafe {
+            libc::recvfrom(
+                self.fd.as_raw_fd(),
+                std::ptr::null_mut(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+        }
     }
 
     /// Takes completed TX descriptors' addresses off the completion ring.

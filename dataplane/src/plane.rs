@@ -1452,22 +1452,26 @@ impl LinkCtl {
     /// Before the interfaces are attached on sockets handed over: the interfaces of
     /// `handed` there now that this kxp attaches to are where the workers transmit.
     fn publish_handed(&self, links: &[LinkInfo], handed: &HashSet<u32>) {
-        let list: Vec<(u32, String)> = links
-            .iter()
-            .filter(|l| handed.contains(&l.ifindex) && self.wanted_name(&l.name))
-            .map(|l| (l.ifindex, l.name.clone()))
-            .collect();
-        self.fib
-            .set_attached(&list.iter().map(|(i, _)| *i).collect::<Vec<_>>());
-        self.shared.attached.store(Arc::new(list));
+        self.publish_list(
+            links
+                .iter()
+                .filter(|l| handed.contains(&l.ifindex) && self.wanted_name(&l.name))
+                .map(|l| (l.ifindex, l.name.clone()))
+                .collect(),
+        );
     }
 
     fn publish_attached(&self, prog: &Programming) {
-        let list: Vec<(u32, String)> = prog
-            .steering
-            .iter()
-            .map(|s| (s.ifindex(), s.ifname().unwrap_or_default().to_string()))
-            .collect();
+        self.publish_list(
+            prog.steering
+                .iter()
+                .map(|s| (s.ifindex(), s.ifname().unwrap_or_default().to_string()))
+                .collect(),
+        );
+    }
+
+    /// Where the workers transmit: `list` (ifindex, name), to the FIB mirror and to them.
+    fn publish_list(&self, list: Vec<(u32, String)>) {
         self.fib
             .set_attached(&list.iter().map(|(i, _)| *i).collect::<Vec<_>>());
         self.shared.attached.store(Arc::new(list));

@@ -91,23 +91,6 @@ impl Wake {
     }
 }
 
-/// A zero-length non-blocking `recvfrom` on an AF_XDP socket: with busy polling, this is
-/// what makes the kernel run the device's receive processing for us.
-pub fn kick_rx(fd: RawFd) {
-    // SAFETY: a zero-length receive with null buffer and address pointers is valid for
-    // any socket and writes nothing.
-    unsafe {
-        libc::recvfrom(
-            fd,
-            std::ptr::null_mut(),
-            0,
-            libc::MSG_DONTWAIT,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
-    }
-}
-
 /// Asks the processor to bring the cache line holding `line` into its caches, without
 /// waiting for it: a hint, which neither reads memory as the program sees it nor faults,
 /// whatever the address (so a raw pointer, as [`conntrack::ConnTable::warm`] hands out).
@@ -190,58 +173,6 @@ pub fn affinity(tid: libc::pid_t) -> io::Result<Vec<usize>> {
     Ok((0..libc::CPU_SETSIZE as usize)
         .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
         .collect())
-}
-
-/// Whether the AF_XDP socket `fd` is bound in zero-copy mode (`XDP_OPTIONS`,
-/// `XDP_OPTIONS_ZEROCOPY`), else copy mode.
-pub fn xsk_zero_copy(fd: RawFd) -> io::Result<bool> {
-    const SOL_XDP: libc::c_int = 283;
-    const XDP_OPTIONS: libc::c_int = 8;
-    const XDP_OPTIONS_ZEROCOPY: u32 = 1;
-    let mut flags: u32 = 0;
-    let mut len = std::mem::size_of::<u32>() as libc::socklen_t;
-    // SAFETY: `flags` is a writable u32 (struct xdp_options has one u32 field) and `len`
-    // holds its size; the kernel writes at most `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd,
-            SOL_XDP,
-            XDP_OPTIONS,
-            (&raw mut flags).cast::<libc::c_void>(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(flags & XDP_OPTIONS_ZEROCOPY != 0)
-}
-
-/// Lets one `sendto()` on a copy-mode AF_XDP socket transmit up to `frames` descriptors
-/// of its TX ring (setsockopt `XDP_MAX_TX_SKB_BUDGET`, Linux 6.17) instead of the
-/// kernel's default 32: fewer system calls per packet on the copy-mode TX path, where
-/// every sendto() is a kernel entry for at most that many packets. The kernel accepts 32
-/// up to the TX ring's size. Errors: ENOPROTOOPT on a kernel without the option (the
-/// default, 32, then stays), EACCES for a value out of range or a socket without TX ring.
-pub fn set_xsk_tx_budget(fd: RawFd, frames: u32) -> io::Result<()> {
-    const SOL_XDP: libc::c_int = 283;
-    const XDP_MAX_TX_SKB_BUDGET: libc::c_int = 9;
-    // SAFETY: the option value is one u32, `frames`, read by the kernel for
-    // `size_of::<u32>()` bytes; `fd` is only a number to the kernel (EBADF/ENOTSOCK if
-    // it is not an AF_XDP socket).
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            SOL_XDP,
-            XDP_MAX_TX_SKB_BUDGET,
-            (&raw const frames).cast::<libc::c_void>(),
-            std::mem::size_of::<u32>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Backs `[addr, addr + len)` (rounded inwards to whole pages) with transparent huge

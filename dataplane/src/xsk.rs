@@ -539,12 +539,12 @@ impl<'id> WorkerIo<'id> {
                 source,
             })?;
         }
-        let zero_copy = crate::sys::xsk_zero_copy(fd).unwrap_or(false);
+        let zero_copy = sock.zero_copy().unwrap_or(false);
         let mut tx_budget = 0;
         if !zero_copy {
             // Copy mode: one sendto() may send the whole TX ring (Linux 6.17; older
             // kernels keep 32 per call, and `flush_port` kicks again).
-            tx_budget = match crate::sys::set_xsk_tx_budget(fd, self.ring_size as u32) {
+            tx_budget = match sock.set_tx_budget(self.ring_size as u32) {
                 Ok(()) => self.ring_size as u32,
                 Err(e) => {
                     tracing::debug!(interface = %ifname, error = %e, "the TX budget per sendto stays the kernel's default");
@@ -1107,7 +1107,7 @@ impl<'id> WorkerIo<'id> {
     /// which makes the kernel run the devices' receive processing on this CPU now.
     pub fn busy_poll_kick(&self) {
         for p in &self.ports {
-            crate::sys::kick_rx(p.sock.fd().as_raw_fd());
+            p.sock.kick_rx();
         }
     }
 
