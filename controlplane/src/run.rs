@@ -84,6 +84,9 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         return Ok(());
     }
     let stop = prepare_process(&cfg)?;
+    // Off the workers' CPUs from here: a running kxp's workers may use them while this
+    // one reads the lists and prepares.
+    dataplane::plane::keep_off_workers_cpus_ahead(&dp_cfg);
     // A kxp running beside this one (a rolling update with a surge): this one announces
     // itself as its successor; it forwards until this one has the cluster's lists.
     let generation = handover::generation();
@@ -114,8 +117,17 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         None => (false, Default::default()),
     };
     let paused_at = handed.stopped_ns;
-    let (metrics, health, server) = serve_health(&serving, resync)?;
+    let received_at = dataplane::sys::monotonic_ns();
+    // On sockets handed over, forwarding waits for the dataplane: /healthz is served
+    // once it forwards again.
+    let handed_over = !handed.workers.is_empty();
+    let (metrics, health) = health_state(resync);
+    let early = (!handed_over)
+        .then(|| serve_health(&serving, &health))
+        .transpose()?
+        .flatten();
     let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed.workers)?;
+    let started_at = dataplane::sys::monotonic_ns();
     let release = dp_cfg
         .state_dir
         .as_deref()
@@ -127,7 +139,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let (mut hc, mut localnp) = first_sync(first, &input, &mut dp, &health, &cfg)?;
     // The workers forward from the first sync's publication on; on sockets handed over,
     // the interfaces' own program instances are attached from then.
-    handover::log_pause(paused_at, dp.first_published_ns());
+    handover::log_pause(paused_at, received_at, started_at, dp.first_published_ns());
+    let server = match handed_over {
+        true => serve_health(&serving, &health)?,
+        false => early,
+    };
     dp.attach_interfaces()?;
     take_over_interfaces(&dp, listing, first_started.elapsed());
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
@@ -155,15 +171,13 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // The localhost NodePorts' sockets go first: a successor binds them at its first
     // sync, and this kxp stands by after releasing the node.
     drop(localnp);
-    let hand_over = release
-        .as_ref()
-        .is_some_and(handover::ReleaseListener::asked);
-    let handed = shutdown(&dp_cfg, admin, dp, hc, server, metrics_server, hand_over);
-    let stand_by = release.is_some_and(|r| r.finish(&handed));
-    // The successor has its own references to the sockets now: this kxp's go, so that
-    // one that cannot take them up can bind new sockets on the same queues.
-    drop(handed);
-    if stand_by {
+    let servers = Servers {
+        admin,
+        hc,
+        health: server,
+        metrics: metrics_server,
+    };
+    if shutdown(&dp_cfg, dp, servers, release) {
         handover::stand_by("released this node to a newer kxp");
     }
     Ok(())
@@ -430,20 +444,13 @@ fn read_state(
     Ok((tracker, listed, listing))
 }
 
-/// Sets up the metrics and kube-proxy's health (a change waiting longer than twice
-/// `resync`, syncPeriod, is unhealthy), and serves /healthz.
+/// Serves /healthz and /livez.
 ///
 /// # Errors
 /// /healthz's address cannot be bound, with bindAddressHardFail.
-fn serve_health(
-    serving: &Serving,
-    resync: Duration,
-) -> anyhow::Result<(Arc<Metrics>, Arc<Health>, Option<HealthServer>)> {
-    let metrics = Arc::new(crate::metrics::Metrics::new());
-    let health = Arc::new(Health::with_timeout(resync * 2));
-    health.set_metrics(metrics.clone());
+fn serve_health(serving: &Serving, health: &Arc<Health>) -> anyhow::Result<Option<HealthServer>> {
     let healthz = serving.healthz;
-    let server = healthz
+    healthz
         .map(|a| HealthServer::start_or_retry(a, health.clone(), serving.hard_fail))
         .transpose()
         .with_context(|| {
@@ -451,8 +458,16 @@ fn serve_health(
                 "cannot serve /healthz on {}; give --healthz-bind-address ADDR:PORT",
                 healthz.map_or_else(String::new, |a| a.to_string())
             )
-        })?;
-    Ok((metrics, health, server))
+        })
+}
+
+/// The metrics and kube-proxy's health (a change waiting longer than twice `resync`,
+/// syncPeriod, is unhealthy).
+fn health_state(resync: Duration) -> (Arc<Metrics>, Arc<Health>) {
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let health = Arc::new(Health::with_timeout(resync * 2));
+    health.set_metrics(metrics.clone());
+    (metrics, health)
 }
 
 /// Starts the dataplane, empty, and serves its admin socket.
@@ -657,18 +672,27 @@ fn log_running(dp_cfg: &DataplaneConfig, dp: &Dataplane, server: Option<&HealthS
     );
 }
 
-/// Stops, once a signal ended the sync loop: logs the totals and what stays for the next
-/// kxp, then stops the admin socket, the dataplane, the Services' health servers, and
-/// the /healthz and /metrics servers, in this order.
+/// What kxp serves beside the dataplane.
+struct Servers {
+    admin: Option<AdminServer>,
+    hc: ServiceHealthServers,
+    health: Option<HealthServer>,
+    metrics: Option<MetricsServer>,
+}
+
+/// Stops, once a signal or a successor ended the sync loop: logs the totals and what
+/// stays for the next kxp, then stops the admin socket, the dataplane, the Services'
+/// health servers, and the /healthz and /metrics servers, in this order. A successor
+/// that asked for the node (`release`) gets the dataplane's sockets as soon as its
+/// workers have stopped (what else stops comes after: forwarding waits for them), with
+/// the Services' health servers stopped before, so that it can bind their ports. Returns
+/// whether this kxp should stand by (see [`handover::ReleaseListener::finish`]).
 fn shutdown(
     dp_cfg: &DataplaneConfig,
-    admin: Option<AdminServer>,
     dp: Dataplane,
-    hc: ServiceHealthServers,
-    server: Option<HealthServer>,
-    metrics_server: Option<MetricsServer>,
-    hand_over: bool,
-) -> dataplane::plane::HandedOver {
+    servers: Servers,
+    release: Option<handover::ReleaseListener>,
+) -> bool {
     tracing::info!("{}", totals_line(&dp));
     match &dp_cfg.state_dir {
         Some(dir) => tracing::info!(
@@ -677,22 +701,36 @@ fn shutdown(
         ),
         None => tracing::info!("stopping: detaching from {}", dp_cfg.interfaces.join(", ")),
     }
+    let Servers {
+        admin,
+        hc,
+        health,
+        metrics,
+    } = servers;
     drop(admin);
-    // A successor asked for the node: the sockets go to it (see run/handover.rs).
-    let handed = if hand_over {
-        dp.hand_over()
+    let hand_over = release
+        .as_ref()
+        .is_some_and(handover::ReleaseListener::asked);
+    let stand_by = if hand_over {
+        hc.stop();
+        let handed = dp.hand_over();
+        let stand_by = release.is_some_and(|r| r.finish(&handed));
+        // The successor has its own references to the sockets now: this kxp's go, so
+        // that one that cannot take them up can bind new sockets on the same queues.
+        drop(handed);
+        stand_by
     } else {
         dp.stop();
-        Default::default()
+        hc.stop();
+        release.is_some_and(|r| r.finish(&Default::default()))
     };
-    hc.stop();
-    if let Some(s) = server {
+    if let Some(s) = health {
         s.stop();
     }
-    if let Some(s) = metrics_server {
+    if let Some(s) = metrics {
         s.stop();
     }
-    handed
+    stand_by
 }
 
 /// The dataplane's configuration from the command line and the file (no side effect but

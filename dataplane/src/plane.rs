@@ -230,18 +230,49 @@ fn other_cpus(cpus: &[usize]) -> std::io::Result<Vec<usize>> {
 /// the CPU from its poll loop for a time slice, a standing queue of milliseconds in its
 /// rings. Nothing is moved when the workers take every CPU the process may use.
 fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
+    let Some((moved, failed, rest)) = move_off_worker_cpus(cpus, worker_tids) else {
+        return;
+    };
+    tracing::info!(
+        "workers pinned to CPUs {cpus:?}; kxp's {moved} other thread(s) run on CPUs {rest:?}{}",
+        if failed > 0 {
+            format!(" ({failed} could not be moved)")
+        } else {
+            String::new()
+        }
+    );
+}
+
+/// Before the dataplane starts: moves kxp's threads (and so those started later) off the
+/// CPUs its workers are pinned to (`cfg.cpus`), where a running kxp's workers may be
+/// forwarding while this one prepares to take the node over: its lists, tables and
+/// mirror are built beside them, not on their CPUs.
+pub fn keep_off_workers_cpus_ahead(cfg: &DataplaneConfig) {
+    if let Some(cpus) = &cfg.cpus
+        && let Some((moved, _, rest)) = move_off_worker_cpus(cpus, &[])
+    {
+        tracing::debug!("kxp's {moved} thread(s) run on CPUs {rest:?}, off the workers' {cpus:?}");
+    }
+}
+
+/// See [`keep_off_worker_cpus`]: (threads moved, threads that could not be, the CPUs
+/// they run on).
+fn move_off_worker_cpus(
+    cpus: &[usize],
+    worker_tids: &[libc::pid_t],
+) -> Option<(usize, usize, Vec<usize>)> {
     let rest = match other_cpus(cpus) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!("cannot read the CPUs kxp may use: {e}");
-            return;
+            return None;
         }
     };
     if rest.is_empty() {
         tracing::info!(
             "the workers take every CPU kxp may use ({cpus:?}): its other threads share them"
         );
-        return;
+        return None;
     }
     let mut moved = 0;
     let mut failed = 0;
@@ -259,14 +290,7 @@ fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
             }
         }
     }
-    tracing::info!(
-        "workers pinned to CPUs {cpus:?}; kxp's {moved} other thread(s) run on CPUs {rest:?}{}",
-        if failed > 0 {
-            format!(" ({failed} could not be moved)")
-        } else {
-            String::new()
-        }
-    );
+    Some((moved, failed, rest))
 }
 
 /// How long each part of [`Dataplane::start`] took (the log's start-up line).
@@ -327,6 +351,15 @@ impl HandedOver {
     }
 }
 
+/// Started on sockets handed over, what is left for after the first publication, out of
+/// forwarding's pause ([`Dataplane::attach_interfaces`]): the previous kxp's routes and
+/// rules taken up, and kxp's other threads moved off the workers' CPUs once they run.
+#[derive(Debug)]
+struct AfterFirst {
+    cfg: DataplaneConfig,
+    started: std::sync::mpsc::Receiver<libc::pid_t>,
+}
+
 /// A dataplane's start up to where it touches the node ([`Dataplane::prepare`]).
 #[derive(Debug)]
 pub struct Prepared {
@@ -337,6 +370,9 @@ pub struct Prepared {
     shared: Arc<Shared>,
     tables: Vec<conntrack::ConnTable>,
     files: Option<crate::persistence::PreparedFiles>,
+    /// Derived from the configuration and the interfaces' MTUs (read from sysfs: 8 ms
+    /// with 110 pod veths, out of a hand-over's pause).
+    settings: start::Settings,
 }
 
 impl Prepared {
@@ -366,6 +402,8 @@ pub struct Dataplane {
     handed: Option<HashSet<u32>>,
     /// See [`Dataplane::first_published_ns`].
     first_published_ns: u64,
+    /// Started on sockets handed over: what is done after the first publication.
+    after_first: Option<AfterFirst>,
     /// Last: removed once every socket on it is closed.
     service: Option<ServiceDevice>,
 }
@@ -871,6 +909,7 @@ impl Dataplane {
             shared,
             tables,
             files,
+            settings: start::Settings::of(cfg),
         })
     }
 
@@ -892,13 +931,13 @@ impl Dataplane {
             shared,
             mut tables,
             files,
+            settings,
         } = prepared;
         let handed = usable(cfg, handed);
         let handed_ifindexes: HashSet<u32> = handed
             .iter()
             .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))
             .collect();
-        let settings = start::Settings::of(cfg);
         let locked = start::lock_state(cfg)?;
         let mut lap = Instant::now();
         let service =
@@ -913,7 +952,13 @@ impl Dataplane {
         let mut service_prog = start::load_steering(lap, settings.keep)?;
         times.lap("steering program", &mut lap);
         start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
-        let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, &service)?;
+        // On sockets handed over, the previous kxp's routes and rules go on carrying the
+        // node's traffic until the first publication: they are taken up after it, out of
+        // forwarding's pause ([`Dataplane::attach_interfaces`]).
+        let node_traffic = handed_ifindexes
+            .is_empty()
+            .then(|| start::node_traffic(cfg, &service))
+            .transpose()?;
 
         let (mut persistence, node) = start::restore_state(cfg, locked, files, &mut tables)?;
         times.lap("state restore", &mut lap);
@@ -927,15 +972,9 @@ impl Dataplane {
         };
         let (workers, started) =
             kit.parts(rxs, tables, &mut service_prog, &mut persistence, handed)?;
+        let mut started = Some(started);
         let taken_over = start::steer_service_device(&mut service_prog, &service, &settings)?;
-        let prog = Programming::at_start(
-            cfg,
-            taken_over,
-            service_prog,
-            routes,
-            nodeport_rules,
-            kernel_policy,
-        );
+        let prog = Programming::at_start(cfg, taken_over, service_prog, node_traffic);
         let links = LinkCtl::at_start(cfg, &settings, &service, &shared, &fib, prog);
         let mut dp = Dataplane {
             shared: shared.clone(),
@@ -948,6 +987,7 @@ impl Dataplane {
             link_thread: None,
             link_stop: Arc::new(AtomicBool::new(false)),
             handed: None,
+            after_first: None,
             first_published_ns: 0,
             service: Some(service),
         };
@@ -971,9 +1011,15 @@ impl Dataplane {
             // interfaces that match until then.
             links.publish_handed(&dp.fib.view().links(), &handed_ifindexes);
             dp.handed = Some(handed_ifindexes);
+            dp.after_first = started.take().map(|started| AfterFirst {
+                cfg: cfg.clone(),
+                started,
+            });
         }
         dp.follow_links(cfg, links)?;
-        start::keep_others_off(cfg, &started);
+        if let Some(started) = started {
+            start::keep_others_off(cfg, &started);
+        }
         Ok(dp)
     }
 
@@ -988,7 +1034,30 @@ impl Dataplane {
         if self.handed.is_none() {
             return Ok(());
         }
+        self.take_up_node_traffic()?;
         self.attach_now()
+    }
+
+    /// Started on sockets handed over: takes up the routes and rules of the node's own
+    /// traffic that the previous kxp kept, and brings them in line with what is
+    /// published.
+    fn take_up_node_traffic(&mut self) -> Result<(), DataplaneError> {
+        let (Some(after), Some(service)) = (self.after_first.take(), self.service.as_ref())
+        else {
+            return Ok(());
+        };
+        let cfg = &after.cfg;
+        start::keep_others_off(cfg, &after.started);
+        let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, service)?;
+        let mut prog = self.links.lock();
+        prog.routes = Some(routes);
+        prog.nodeport_rules = Some(nodeport_rules);
+        prog.kernel_policy = kernel_policy;
+        let (local, cidrs) = (
+            prog.wanted.local.clone(),
+            prog.wanted.service_cidrs.clone(),
+        );
+        prog.sync_node_traffic(&local, &cidrs).map_or(Ok(()), Err)
     }
 
     /// Attaches to every interface there now that matches (those that come later are
@@ -1216,7 +1285,17 @@ impl Dataplane {
     pub fn hand_over(mut self) -> HandedOver {
         self.shared.hand_over.asked.store(true, Ordering::Relaxed);
         let keep = self.links.keep;
-        self.shutdown(keep);
+        self.stop_programming(keep);
+        self.shared.stop.store(true, Ordering::Relaxed);
+        // Each worker's sockets as soon as it has handed them over: its teardown, and the
+        // rest of the shutdown, go on in the background (`drop` below).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.shared.hand_over.answered.load(Ordering::Acquire) < self.threads.len()
+            && !self.threads.iter().all(JoinHandle::is_finished)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_micros(50));
+        }
         let mut handed = std::mem::take(
             &mut *self
                 .shared
@@ -1250,6 +1329,31 @@ impl Dataplane {
     }
 
     fn shutdown(&mut self, keep: bool) {
+        self.stop_programming(keep);
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+        // The workers' references are gone; the holder's go with it, in parallel. (When
+        // the sockets were handed over, they live on: the holder goes later, with the
+        // last reference to the workers' shared state.)
+        if let Some(h) = &self.shared.holder
+            && !self.shared.hand_over.asked.load(Ordering::Relaxed)
+            && !h.finish(Duration::from_secs(10))
+        {
+            tracing::warn!("the socket holder did not exit within 10 s: killed");
+        }
+        // The workers' sockets are closed: the service device can go (or stay).
+        if let Some(mut dev) = self.service.take()
+            && keep
+        {
+            dev.keep();
+        }
+    }
+
+    /// Stops following the links, and keeps (`keep`) or removes the programs, routes and
+    /// rules: the first part of a stop, before the workers'.
+    fn stop_programming(&mut self, keep: bool) {
         self.link_stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.link_thread.take() {
             let _ = h.join();
@@ -1287,25 +1391,6 @@ impl Dataplane {
             for (path, value) in prog.restore.drain(..) {
                 let _ = std::fs::write(&path, value);
             }
-        }
-        self.shared.stop.store(true, Ordering::Relaxed);
-        for h in self.threads.drain(..) {
-            let _ = h.join();
-        }
-        // The workers' references are gone; the holder's go with it, in parallel. (When
-        // the sockets were handed over, they live on: the holder goes later, with the
-        // last reference to the workers' shared state.)
-        if let Some(h) = &self.shared.holder
-            && !self.shared.hand_over.asked.load(Ordering::Relaxed)
-            && !h.finish(Duration::from_secs(10))
-        {
-            tracing::warn!("the socket holder did not exit within 10 s: killed");
-        }
-        // The workers' sockets are closed: the service device can go (or stay).
-        if let Some(mut dev) = self.service.take()
-            && keep
-        {
-            dev.keep();
         }
     }
 }

@@ -362,6 +362,10 @@ pub struct Shared {
 pub struct HandOver {
     pub asked: AtomicBool,
     pub handed: std::sync::Mutex<Vec<(usize, crate::xsk::Handed)>>,
+    /// Workers that have handed their sockets over (or failed to): the hand-over waits
+    /// for these, not for the workers' ends (their teardown, the rings unmapped, comes
+    /// after).
+    pub answered: std::sync::atomic::AtomicUsize,
     /// When the last worker stopped forwarding (`CLOCK_MONOTONIC`, ns): the hand-over's
     /// pause starts there.
     pub stopped_ns: AtomicU64,
@@ -834,6 +838,9 @@ impl<'id> Worker<'id> {
                 .push((id, h)),
             Err(e) => tracing::warn!("worker {id}: cannot hand its sockets over: {e}"),
         }
+        shared.hand_over.answered.fetch_add(1, Ordering::Release);
+        // The rest of this worker (its rings unmapped, its table freed) goes after.
+        drop(self);
     }
 
     /// A new snapshot: the connection table's totals of endpoints no Service has any

@@ -392,14 +392,24 @@ impl ReleaseListener {
     /// should stand by: one asked and no signal came.
     pub(crate) fn finish(mut self, handed: &HandedOver) -> bool {
         self.done.store(true, Ordering::Relaxed);
+        // The successor first: forwarding waits for the sockets; the listener's thread
+        // and its socket file after.
+        let asking = lock(&self.state).asking.take();
+        let asked = asking.is_some();
+        if let Some(s) = asking {
+            release_to(s, handed);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.path);
-        let asking = lock(&self.state).asking.take();
-        let Some(mut s) = asking else {
-            return false;
-        };
+        asked && !self.signalled.load(Ordering::Relaxed)
+    }
+}
+
+/// Tells the successor that asked (on `s`) that the node is its own, and hands it the
+/// sockets `handed`.
+fn release_to(mut s: UnixStream, handed: &HandedOver) {
         if let Err(e) = writeln!(s, "released") {
             tracing::warn!("cannot tell the newer kxp that the node is released: {e}");
         } else if let Err(e) = send_sockets(&s, handed) {
@@ -408,11 +418,10 @@ impl ReleaseListener {
             tracing::info!(
                 workers = handed.workers.len(),
                 sockets = handed.sockets(),
+                sent_us = (dataplane::sys::monotonic_ns() - handed.stopped_ns) / 1000,
                 "handed the sockets over to the newer kxp"
             );
         }
-        !self.signalled.load(Ordering::Relaxed)
-    }
 }
 
 /// Serves announcements until `done`: takes the first from a newer generation than
@@ -558,13 +567,17 @@ fn decide(line: &str, ours: u64) -> Result<u64, Refusal> {
 
 /// Once the first sync is published at `resumed_ns` (the workers forward from then on):
 /// how long forwarding paused since the previous kxp's workers stopped at `stopped_ns`
-/// (`CLOCK_MONOTONIC`, shared by the processes of a node; 0: no hand-over).
-pub(crate) fn log_pause(stopped_ns: u64, resumed_ns: u64) {
+/// (`CLOCK_MONOTONIC`, shared by the processes of a node; 0: no hand-over), and when,
+/// within the pause, the sockets arrived and the dataplane had started.
+pub(crate) fn log_pause(stopped_ns: u64, received_ns: u64, started_ns: u64, resumed_ns: u64) {
     if stopped_ns == 0 || resumed_ns == 0 {
         return;
     }
+    let ms = |t: u64| t.saturating_sub(stopped_ns) as f64 / 1e6;
     tracing::info!(
-        paused_ms = resumed_ns.saturating_sub(stopped_ns) as f64 / 1e6,
+        paused_ms = ms(resumed_ns),
+        sockets_in_ms = ms(received_ns),
+        started_ms = ms(started_ns),
         "hand-over: forwarding resumed after this long since the previous kxp's workers stopped"
     );
 }

@@ -84,6 +84,7 @@ fn check_interfaces(cfg: &DataplaneConfig) -> Result<(), DataplaneError> {
 }
 
 /// What start-up derives from the settings before it touches the system.
+#[derive(Debug)]
 pub(super) struct Settings {
     /// The sockets' settings, multi-buffer turned on if an interface needs it.
     pub(super) xsk: XskConfig,
@@ -509,16 +510,18 @@ impl Programming {
         cfg: &DataplaneConfig,
         taken_over: bool,
         service_prog: Steering,
-        routes: Routes,
-        nodeport_rules: NodePortRules,
-        kernel_policy: Option<KernelPolicy>,
+        node_traffic: Option<(Routes, NodePortRules, Option<KernelPolicy>)>,
     ) -> Programming {
+        let (routes, nodeport_rules, kernel_policy) = match node_traffic {
+            Some((r, n, k)) => (Some(r), Some(n), k),
+            None => (None, None, None),
+        };
         Programming {
             taken_over,
             needs_full: true,
             service: Some(service_prog),
-            routes: Some(routes),
-            nodeport_rules: Some(nodeport_rules),
+            routes,
+            nodeport_rules,
             kernel_policy,
             snat: cfg.snat_ports,
             ..Programming::default()

@@ -52,6 +52,15 @@ pub const INITIAL_SET: u32 = 4096;
 /// Keys per batched update when a set is filled.
 const BATCH: usize = 4096;
 
+/// Why a growing set is made anew (see [`SyncedMap::grow`]).
+#[derive(Debug, Clone, Copy)]
+enum Grow {
+    /// Its keys no longer fit.
+    Full,
+    /// Taken up from a previous kxp: what it holds is not known.
+    TakenUp,
+}
+
 impl<K: MapKey> SyncedMap<K> {
     /// A set of fixed size. `taken_up`: a previous kxp filled it (its program taken up):
     /// its keys are read now, and the first [`Self::sync`] deletes those no longer
@@ -129,7 +138,7 @@ impl<K: MapKey> SyncedMap<K> {
         if let Some(previous) = self.previous.take() {
             if self.outer.is_some() {
                 // A new map, filled and swapped in whole.
-                return self.grow(want.clone()).inspect_err(|_| {
+                return self.grow(want.clone(), Grow::TakenUp).inspect_err(|_| {
                     self.previous = Some(previous);
                 });
             }
@@ -148,7 +157,7 @@ impl<K: MapKey> SyncedMap<K> {
             }
         }
         if want.len() > capacity && self.outer.is_some() {
-            return self.grow(want.clone());
+            return self.grow(want.clone(), Grow::Full);
         }
         if want.len() > capacity {
             return Err(XdpError::MapFull {
@@ -215,7 +224,7 @@ impl<K: MapKey> SyncedMap<K> {
                 next.remove(k);
             }
             next.extend(add.iter().cloned());
-            return self.grow(next);
+            return self.grow(next, Grow::Full);
         }
         if self.installed.len() - gone + fresh > capacity {
             return Err(XdpError::MapFull {
@@ -257,7 +266,7 @@ impl<K: MapKey> SyncedMap<K> {
     /// Makes the set `next` in a new inner map twice the size it needs, and swaps it in
     /// for the current one: the program reads the old set until the swap, the new one
     /// after, never a half-filled one.
-    fn grow(&mut self, next: HashSet<K>) -> Result<SyncStats, XdpError> {
+    fn grow(&mut self, next: HashSet<K>, why: Grow) -> Result<SyncStats, XdpError> {
         let Some((outer, key_size)) = &self.outer else {
             unreachable!("grow is called for growing sets only");
         };
@@ -274,14 +283,23 @@ impl<K: MapKey> SyncedMap<K> {
             removed: self.installed.len() - kept,
             unchanged: kept,
         };
-        tracing::info!(
-            map = self.name,
-            entries = next.len(),
-            size,
-            "steering set grown: {} keys in a map of {size} (was {})",
-            next.len(),
-            self.map.max_entries()
-        );
+        match why {
+            Grow::Full => tracing::info!(
+                map = self.name,
+                entries = next.len(),
+                size,
+                "steering set grown: {} keys in a map of {size} (was {})",
+                next.len(),
+                self.map.max_entries()
+            ),
+            Grow::TakenUp => tracing::info!(
+                map = self.name,
+                entries = next.len(),
+                size,
+                "steering set of the previous kxp made anew: {} keys in a map of {size}",
+                next.len()
+            ),
+        }
         self.map = map;
         self.installed = next;
         Ok(stats)

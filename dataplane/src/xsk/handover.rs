@@ -210,7 +210,7 @@ impl WorkerIo<'_> {
     /// descriptors of them) and what userspace holds are returned, and this process's
     /// mappings and descriptors closed. Every [`Frame`](super::Frame) should have been
     /// given back first (the type system makes sure none outlives `self`).
-    pub fn hand_over(mut self) -> Result<Handed, XskError> {
+    pub fn hand_over(&mut self) -> Result<Handed, XskError> {
         for i in 0..self.ports.len() {
             self.flush_port(i);
         }
