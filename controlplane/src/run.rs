@@ -103,14 +103,31 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     // Started empty (nothing is redirected yet); the first sync follows once the node's
     // addresses and the host's are known (generation 2). What touches nothing of the node
     // is done while the running kxp, if any, still forwards.
-    let prepared = Dataplane::prepare(&dp_cfg, Snapshot::empty(0, Default::default()))?;
+    let mut prepared = Dataplane::prepare(&dp_cfg, Snapshot::empty(0, Default::default()))?;
     // The first sync's translation too: at 100,000 Services it is most of the first sync.
     find_host_addresses(&mut settings, &mut tracker, &prepared.local_addrs());
     let translating = Instant::now();
     let first = tracker.sync(FIRST_GENERATION);
     let translated = translating.elapsed();
     let (released, handed) = match successor {
-        Some(s) => {
+        Some(mut s) => {
+            // The running kxp's program, service device and sockets taken up ahead,
+            // while it still forwards.
+            prepared.take_up_ahead(&dp_cfg);
+            match s.premap() {
+                Ok(p) => prepared.set_premapped(p),
+                Err(e) => tracing::warn!(
+                    "the sockets the running kxp lent did not arrive whole ({e}); asking \
+                     for the node all the same"
+                ),
+            }
+            // This thread only waits until the running kxp's workers have stopped; from
+            // then on their CPUs are idle until this kxp's workers start.
+            dataplane::plane::use_workers_cpus_until_they_start();
+            // Room for the sockets that arrive in the pause (twice what was lent).
+            if let Err(e) = dataplane::sys::reserve_fds(2 * prepared.premapped_sockets() + 256) {
+                tracing::debug!("cannot grow the descriptor table ahead: {e}");
+            }
             let (asked, handed) = s.ask_release();
             (matches!(asked, handover::Asked::Released(_)), handed)
         }
@@ -128,10 +145,11 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         .flatten();
     let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed.workers)?;
     let started_at = dataplane::sys::monotonic_ns();
-    let release = dp_cfg
-        .state_dir
-        .as_deref()
-        .and_then(|dir| handover::ReleaseListener::start(dir, generation, stop.clone()));
+    let release = dp_cfg.state_dir.as_deref().and_then(|dir| {
+        let shared = dp.shared.clone();
+        let lender: handover::Lender = Arc::new(move || shared.lend(Duration::from_secs(2)));
+        handover::ReleaseListener::start(dir, generation, stop.clone(), Some(lender))
+    });
     // (The first sync's time counts its translation, done above.)
     let first_started = Instant::now()
         .checked_sub(translated)
@@ -684,8 +702,8 @@ struct Servers {
 /// stays for the next kxp, then stops the admin socket, the dataplane, the Services'
 /// health servers, and the /healthz and /metrics servers, in this order. A successor
 /// that asked for the node (`release`) gets the dataplane's sockets as soon as its
-/// workers have stopped (what else stops comes after: forwarding waits for them), with
-/// the Services' health servers stopped before, so that it can bind their ports. Returns
+/// workers have stopped (the rest of the dataplane stops after: forwarding waits for
+/// them), with every server stopped before, so that it can bind their ports. Returns
 /// whether this kxp should stand by (see [`handover::ReleaseListener::finish`]).
 fn shutdown(
     dp_cfg: &DataplaneConfig,
@@ -711,8 +729,19 @@ fn shutdown(
     let hand_over = release
         .as_ref()
         .is_some_and(handover::ReleaseListener::asked);
-    let stand_by = if hand_over {
+    let stop_servers = |health: Option<HealthServer>, metrics: Option<MetricsServer>| {
+        if let Some(s) = health {
+            s.stop();
+        }
+        if let Some(s) = metrics {
+            s.stop();
+        }
+    };
+    if hand_over {
+        // Their ports are free before the successor binds them, just after forwarding
+        // resumes.
         hc.stop();
+        stop_servers(health, metrics);
         let handed = dp.hand_over();
         let stand_by = release.is_some_and(|r| r.finish(&handed));
         // The successor has its own references to the sockets now: this kxp's go, so
@@ -722,15 +751,9 @@ fn shutdown(
     } else {
         dp.stop();
         hc.stop();
+        stop_servers(health, metrics);
         release.is_some_and(|r| r.finish(&Default::default()))
-    };
-    if let Some(s) = health {
-        s.stop();
     }
-    if let Some(s) = metrics {
-        s.stop();
-    }
-    stand_by
 }
 
 /// The dataplane's configuration from the command line and the file (no side effect but

@@ -144,6 +144,11 @@ impl Area {
     }
 
     /// The memfd, to hand the area over.
+    /// The identity of the memfd (device, inode), to tell the same UMEM from another.
+    pub fn identity(&self) -> io::Result<(u64, u64)> {
+        identity(self.memfd.as_fd())
+    }
+
     pub fn memfd(&self) -> BorrowedFd<'_> {
         self.memfd.as_fd()
     }
@@ -265,18 +270,25 @@ impl<T: Copy> Ring<T> {
             map: NonNull::new(p).expect("mmap returned no null"),
             map_len,
         };
+        r.sync_caches(producer);
+        Ok(r)
+    }
+
+    /// Sets the cached indices from the live ones (`producer` says which side this
+    /// process is): at the mapping, and again when the rings were mapped ahead of a
+    /// hand-over while another process still used them.
+    fn sync_caches(&mut self, producer: bool) {
         let (prod, cons) = (
-            r.prod().load(Ordering::Acquire),
-            r.cons().load(Ordering::Acquire),
+            self.prod().load(Ordering::Acquire),
+            self.cons().load(Ordering::Acquire),
         );
-        r.cached_prod = prod;
+        self.cached_prod = prod;
         // A producer's cached consumer runs a ring ahead: free = cached_cons - cached_prod.
-        r.cached_cons = if producer {
-            cons.wrapping_add(size)
+        self.cached_cons = if producer {
+            cons.wrapping_add(self.size)
         } else {
             cons
         };
-        Ok(r)
     }
 
     fn prod(&self) -> &AtomicU32 {
@@ -538,6 +550,16 @@ impl Socket {
         self.fd.as_fd()
     }
 
+    /// Takes the rings up where they are now: for a socket mapped ahead of a hand-over
+    /// ([`Socket::adopt`] while the other process still used it), once that process has
+    /// stopped (a syscall in between, so that its last index stores are seen).
+    pub fn resync(&mut self) {
+        self.rx.sync_caches(false);
+        self.tx.sync_caches(true);
+        self.fill.sync_caches(true);
+        self.comp.sync_caches(false);
+    }
+
     /// Entries of each ring.
     pub fn ring_size(&self) -> u32 {
         self.rx.size
@@ -678,4 +700,19 @@ impl Socket {
             tx_ring_empty_descs: s.tx_ring_empty_descs,
         })
     }
+}
+
+/// The (device, inode) of a descriptor: the same for every descriptor of one socket or
+/// one memfd, in any process, while it lives.
+///
+/// # Errors
+/// `fstat` fails.
+pub fn identity(fd: BorrowedFd<'_>) -> io::Result<(u64, u64)> {
+    // SAFETY: `st` is written by the kernel; the fd is only a number to it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((st.st_dev, st.st_ino))
 }

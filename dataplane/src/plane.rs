@@ -248,10 +248,26 @@ fn keep_off_worker_cpus(cpus: &[usize], worker_tids: &[libc::pid_t]) {
 /// forwarding while this one prepares to take the node over: its lists, tables and
 /// mirror are built beside them, not on their CPUs.
 pub fn keep_off_workers_cpus_ahead(cfg: &DataplaneConfig) {
+    if let Ok(all) = crate::sys::allowed_cpus() {
+        let _ = ALL_CPUS.set(all);
+    }
     if let Some(cpus) = &cfg.cpus
         && let Some((moved, _, rest)) = move_off_worker_cpus(cpus, &[])
     {
         tracing::debug!("kxp's {moved} thread(s) run on CPUs {rest:?}, off the workers' {cpus:?}");
+    }
+}
+
+/// The CPUs kxp was allowed before [`keep_off_workers_cpus_ahead`].
+static ALL_CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+
+/// At a hand-over, once the running kxp's workers have stopped: lets the calling thread
+/// run on the workers' CPUs too (they are idle until this kxp's workers start), for the
+/// start that forwarding waits for. Its threads are moved off them again after the
+/// first publication ([`Dataplane::attach_interfaces`]).
+pub fn use_workers_cpus_until_they_start() {
+    if let Some(all) = ALL_CPUS.get() {
+        let _ = crate::sys::set_affinity(0, all);
     }
 }
 
@@ -373,9 +389,45 @@ pub struct Prepared {
     /// Derived from the configuration and the interfaces' MTUs (read from sysfs: 8 ms
     /// with 110 pod veths, out of a hand-over's pause).
     settings: start::Settings,
+    /// The running kxp's sockets, lent and mapped ahead of a hand-over.
+    premapped: crate::xsk::Premapped,
+    /// Its steering program and service device, taken up ahead of a hand-over
+    /// ([`Prepared::take_up_ahead`]).
+    steering: Option<crate::xdp::Steering>,
+    service: Option<ServiceDevice>,
 }
 
 impl Prepared {
+    /// Ahead of a hand-over: the running kxp's sockets, lent and mapped
+    /// ([`crate::xsk::Premapped`]); those handed over at the hand-over are taken up
+    /// without a mapping.
+    pub fn set_premapped(&mut self, premapped: crate::xsk::Premapped) {
+        self.premapped = premapped;
+    }
+
+    /// Ahead of a hand-over, while the running kxp still forwards (with a state
+    /// directory): takes up the steering program it pinned (or loads this build's, the
+    /// kernel verifying it now) and its service device (if it is as this kxp makes it),
+    /// changing nothing the running kxp uses. At the hand-over they are not looked for.
+    pub fn take_up_ahead(&mut self, cfg: &DataplaneConfig) {
+        if !self.settings.keep {
+            return;
+        }
+        match start::load_steering(Instant::now(), true) {
+            Ok(s) => self.steering = Some(s),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot take the steering program up ahead of the hand-over: at the hand-over then"
+            ),
+        }
+        self.service = ServiceDevice::existing(&cfg.service_device, cfg.workers as u32);
+    }
+
+    /// Sockets mapped ahead ([`Prepared::set_premapped`]).
+    pub fn premapped_sockets(&self) -> usize {
+        self.premapped.sockets()
+    }
+
     /// The node's local addresses, as the FIB mirror has them now.
     pub fn local_addrs(&self) -> Vec<IpAddr> {
         self.fib.view().local_addrs()
@@ -910,6 +962,9 @@ impl Dataplane {
             tables,
             files,
             settings: start::Settings::of(cfg),
+            premapped: crate::xsk::Premapped::default(),
+            steering: None,
+            service: None,
         })
     }
 
@@ -932,16 +987,31 @@ impl Dataplane {
             mut tables,
             files,
             settings,
+            premapped,
+            steering,
+            service,
         } = prepared;
         let handed = usable(cfg, handed);
+        // Nothing to take up: the mappings ahead go (their sockets' references with them,
+        // before new sockets are bound to the same queues).
+        let premapped = if handed.is_empty() {
+            crate::xsk::Premapped::default()
+        } else {
+            premapped
+        };
         let handed_ifindexes: HashSet<u32> = handed
             .iter()
             .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))
             .collect();
         let locked = start::lock_state(cfg)?;
         let mut lap = Instant::now();
-        let service =
-            ServiceDevice::create(&cfg.service_device, cfg.workers as u32, settings.keep)?;
+        let service = match service {
+            Some(mut s) => {
+                s.own();
+                s
+            }
+            None => ServiceDevice::create(&cfg.service_device, cfg.workers as u32, settings.keep)?,
+        };
         times.lap("service device", &mut lap);
 
         // The node's own traffic: a program on the service device's kxp side, and
@@ -949,7 +1019,10 @@ impl Dataplane {
         // The steering program is loaded (and verified) once, here: every interface
         // attached later shares it and its maps (see crate::xdp).
         lap = Instant::now();
-        let mut service_prog = start::load_steering(lap, settings.keep)?;
+        let mut service_prog = match steering {
+            Some(s) => s,
+            None => start::load_steering(lap, settings.keep)?,
+        };
         times.lap("steering program", &mut lap);
         start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
         // On sockets handed over, the previous kxp's routes and rules go on carrying the
@@ -970,8 +1043,14 @@ impl Dataplane {
             shared: &shared,
             node: &node,
         };
-        let (workers, started) =
-            kit.parts(rxs, tables, &mut service_prog, &mut persistence, handed)?;
+        let (workers, started) = kit.parts(
+            rxs,
+            tables,
+            &mut service_prog,
+            &mut persistence,
+            handed,
+            premapped,
+        )?;
         let mut started = Some(started);
         let taken_over = start::steer_service_device(&mut service_prog, &service, &settings)?;
         let prog = Programming::at_start(cfg, taken_over, service_prog, node_traffic);
@@ -1042,8 +1121,7 @@ impl Dataplane {
     /// traffic that the previous kxp kept, and brings them in line with what is
     /// published.
     fn take_up_node_traffic(&mut self) -> Result<(), DataplaneError> {
-        let (Some(after), Some(service)) = (self.after_first.take(), self.service.as_ref())
-        else {
+        let (Some(after), Some(service)) = (self.after_first.take(), self.service.as_ref()) else {
             return Ok(());
         };
         let cfg = &after.cfg;
@@ -1053,10 +1131,7 @@ impl Dataplane {
         prog.routes = Some(routes);
         prog.nodeport_rules = Some(nodeport_rules);
         prog.kernel_policy = kernel_policy;
-        let (local, cidrs) = (
-            prog.wanted.local.clone(),
-            prog.wanted.service_cidrs.clone(),
-        );
+        let (local, cidrs) = (prog.wanted.local.clone(), prog.wanted.service_cidrs.clone());
         prog.sync_node_traffic(&local, &cidrs).map_or(Ok(()), Err)
     }
 
@@ -1315,7 +1390,11 @@ impl Dataplane {
         drop(self.persistence.take());
         let _ = std::thread::Builder::new()
             .name("kxp-handed".into())
-            .spawn(move || drop(self));
+            .spawn(move || {
+                // Behind the next kxp's start, which wants the CPUs now.
+                let _ = crate::sys::set_nice(0, 19);
+                drop(self);
+            });
         handed
     }
 

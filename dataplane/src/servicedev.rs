@@ -264,6 +264,25 @@ impl ServiceDevice {
         self.keep = true;
     }
 
+    /// The pair a running kxp uses, taken up ahead of a hand-over without changing it:
+    /// only if it is there as this kxp would make it (see [`ServiceDevice::create`]); kept
+    /// when this value goes, until [`ServiceDevice::own`].
+    pub fn existing(host: &str, queues: u32) -> Option<ServiceDevice> {
+        let dp = format!("{host}{DP_SUFFIX}");
+        if host.is_empty() || dp.len() >= libc::IFNAMSIZ {
+            return None;
+        }
+        let mut dev = ServiceDevice::adopt(host, &dp, queues.max(1))?;
+        dev.keep = true;
+        Some(dev)
+    }
+
+    /// Once this kxp forwards: the pair is its own (removed when this value goes, unless
+    /// kept again).
+    pub fn own(&mut self) {
+        self.keep = false;
+    }
+
     /// The node's own connections to its NodePorts come back to it through the pair
     /// with a node address as source: accept them (`accept_local`) on both ends, kxp's
     /// own devices. Set over netlink (`IFLA_INET_CONF`, `CAP_NET_ADMIN`), not through

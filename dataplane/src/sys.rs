@@ -153,6 +153,25 @@ pub fn set_nice(tid: libc::pid_t, nice: i32) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes room in the process's descriptor table for `extra` more descriptors now: a
+/// table that must grow while several threads share it waits for an RCU grace period
+/// (milliseconds on a busy node), which must not happen in a hand-over's pause, when the
+/// sockets arrive. (The table never shrinks.)
+pub fn reserve_fds(extra: usize) -> io::Result<()> {
+    let open = std::fs::read_dir("/proc/self/fd")?.count();
+    let at = libc::c_int::try_from(open + extra + 64)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too many descriptors"))?;
+    // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor for fd 0 (or fails), numbered `at`
+    // or above; it is closed at once and used for nothing else.
+    let fd = unsafe { libc::fcntl(0, libc::F_DUPFD_CLOEXEC, at) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just made by this function and is not used after.
+    unsafe { libc::close(fd) };
+    Ok(())
+}
+
 /// The CPUs the calling thread may run on.
 pub fn allowed_cpus() -> io::Result<Vec<usize>> {
     affinity(0)
@@ -650,6 +669,13 @@ pub fn set_cloexec(fd: std::os::fd::BorrowedFd<'_>, close: bool) -> io::Result<(
     Ok(())
 }
 
+/// The most descriptors one message carries (the kernel's `SCM_MAX_FD`).
+pub const MAX_FDS_PER_MESSAGE: usize = 253;
+
+/// Room for the control message of [`MAX_FDS_PER_MESSAGE`] descriptors, 8-aligned as
+/// cmsghdr wants (CMSG_SPACE(253 * 4) = 1032 bytes).
+type Control = [u64; 130];
+
 /// Sends `data` as one message on the Unix socket `sock`, with a copy of `fd` attached
 /// (SCM_RIGHTS) when given; with `wait` false, a full socket is an error
 /// (`WouldBlock`) instead of a wait.
@@ -659,9 +685,25 @@ pub fn send_with_fd(
     fd: Option<std::os::fd::BorrowedFd<'_>>,
     wait: bool,
 ) -> io::Result<()> {
+    send_with_fds(sock, data, fd.as_slice(), wait)
+}
+
+/// As [`send_with_fd`], with copies of up to [`MAX_FDS_PER_MESSAGE`] descriptors `fds`
+/// attached to the one message.
+pub fn send_with_fds(
+    sock: std::os::fd::BorrowedFd<'_>,
+    data: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+    wait: bool,
+) -> io::Result<()> {
+    if fds.len() > MAX_FDS_PER_MESSAGE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} descriptors in one message", fds.len()),
+        ));
+    }
     let flags = libc::MSG_NOSIGNAL | if wait { 0 } else { libc::MSG_DONTWAIT };
-    // Room for one descriptor's control message, aligned as cmsghdr wants.
-    let mut control = [0u64; 4];
+    let mut control: Control = [0; 130];
     let mut iov = libc::iovec {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
@@ -670,21 +712,24 @@ pub fn send_with_fd(
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    if let Some(fd) = fd {
-        let raw = fd.as_raw_fd();
+    if !fds.is_empty() {
+        let bytes = (fds.len() * std::mem::size_of::<libc::c_int>()) as u32;
         // SAFETY: CMSG_SPACE only computes a size.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) };
+        let space = unsafe { libc::CMSG_SPACE(bytes) };
         msg.msg_control = control.as_mut_ptr().cast();
         msg.msg_controllen = space as usize;
-        // SAFETY: msg_control points to `control` (32 bytes, 8-aligned), at least
-        // CMSG_SPACE(4) = 24 bytes, so CMSG_FIRSTHDR returns a header inside it, and
-        // CMSG_DATA of that header has room for the one int written.
+        // SAFETY: msg_control points to `control` (1040 bytes, 8-aligned), at least
+        // CMSG_SPACE(253 * 4) = 1032 bytes, so CMSG_FIRSTHDR returns a header inside it,
+        // and CMSG_DATA of that header has room for the `fds.len()` ints written.
         unsafe {
             let c = libc::CMSG_FIRSTHDR(&msg);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as usize;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), raw);
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+            let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+            }
         }
     }
     loop {
@@ -702,13 +747,24 @@ pub fn send_with_fd(
 }
 
 /// Receives one message of up to `buf.len()` bytes from the Unix socket `sock`, and the
-/// descriptor attached to it, if any (made close-on-exec). 0 bytes: the peer is gone.
+/// descriptor attached to it, if any (made close-on-exec; any other attached is
+/// closed). 0 bytes: the peer is gone.
 pub fn recv_with_fd(
     sock: std::os::fd::BorrowedFd<'_>,
     buf: &mut [u8],
 ) -> io::Result<(usize, Option<std::os::fd::OwnedFd>)> {
+    let (n, fds) = recv_with_fds(sock, buf)?;
+    Ok((n, fds.into_iter().next()))
+}
+
+/// As [`recv_with_fd`], with every descriptor attached (up to
+/// [`MAX_FDS_PER_MESSAGE`]), in order.
+pub fn recv_with_fds(
+    sock: std::os::fd::BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
     use std::os::fd::FromRawFd as _;
-    let mut control = [0u64; 4];
+    let mut control: Control = [0; 130];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -731,7 +787,7 @@ pub fn recv_with_fd(
             return Err(e);
         }
     };
-    let mut fd = None;
+    let mut fds = Vec::new();
     // SAFETY: after recvmsg, msg_control/msg_controllen describe the control messages
     // the kernel wrote into `control`; CMSG_FIRSTHDR/CMSG_NXTHDR stay within them, and
     // an SCM_RIGHTS message's data holds the descriptors the kernel installed in this
@@ -745,17 +801,13 @@ pub fn recv_with_fd(
                     / std::mem::size_of::<libc::c_int>();
                 for i in 0..count {
                     let raw = std::ptr::read_unaligned(data.add(i));
-                    let owned = std::os::fd::OwnedFd::from_raw_fd(raw);
-                    // One is expected; any other is closed here.
-                    if fd.is_none() {
-                        fd = Some(owned);
-                    }
+                    fds.push(std::os::fd::OwnedFd::from_raw_fd(raw));
                 }
             }
             c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
-    Ok((n, fd))
+    Ok((n, fds))
 }
 
 /// Gives the calling thread a descriptor table of its own (`unshare(CLONE_FILES)`): a

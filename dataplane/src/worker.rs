@@ -107,6 +107,9 @@ pub enum Command {
         ifindex: u32,
         reply: crossbeam::channel::Sender<bool>,
     },
+    /// Send back copies of the UMEM's and the sockets' descriptors, for a newer kxp to
+    /// map ahead of a hand-over (see [`crate::xsk::Lent`]); forwarding goes on.
+    Lend(crossbeam::channel::Sender<Result<crate::xsk::Lent, crate::xsk::XskError>>),
 }
 
 /// Per (endpoint, protocol): its flows now, and the packets and bytes of its flows.
@@ -279,6 +282,7 @@ impl std::fmt::Debug for Command {
             Command::EndpointCounts(_) => f.write_str("EndpointCounts"),
             Command::AddPort { ifname, queue, .. } => write!(f, "AddPort({ifname}, {queue})"),
             Command::RemovePort { ifindex, .. } => write!(f, "RemovePort({ifindex})"),
+            Command::Lend(_) => f.write_str("Lend"),
         }
     }
 }
@@ -443,6 +447,17 @@ impl Shared {
             .into_iter()
             .filter_map(|r| r.recv_timeout(timeout).ok())
             .collect()
+    }
+
+    /// Every worker's UMEM and sockets, lent for a newer kxp to map ahead of a hand-over
+    /// ([`Command::Lend`]), in worker order; `None` if a worker did not answer within
+    /// `timeout` or could not lend them.
+    pub fn lend(&self, timeout: std::time::Duration) -> Option<Vec<crate::xsk::Lent>> {
+        let lent = self.ask_all(Command::Lend, timeout);
+        if lent.len() != self.commands.len() {
+            return None;
+        }
+        lent.into_iter().collect::<Result<_, _>>().ok()
     }
 
     /// The flows of every worker that `filter` accepts (or, with `delete`, removes them):
@@ -839,7 +854,14 @@ impl<'id> Worker<'id> {
             Err(e) => tracing::warn!("worker {id}: cannot hand its sockets over: {e}"),
         }
         shared.hand_over.answered.fetch_add(1, Ordering::Release);
-        // The rest of this worker (its rings unmapped, its table freed) goes after.
+        // The rest of this worker (its rings unmapped, its table freed) goes after, off
+        // this CPU (where the next kxp starts now: where kxp's other threads run) and at
+        // the lowest priority. Not SCHED_IDLE: it may hold a lock (a log line's) that
+        // another thread waits for, and the next worker takes this CPU whole.
+        if let Ok(rest) = crate::sys::affinity(std::process::id() as libc::pid_t) {
+            let _ = crate::sys::set_affinity(0, &rest);
+        }
+        let _ = crate::sys::set_nice(0, 19);
         drop(self);
     }
 
@@ -1149,6 +1171,9 @@ impl<'id> Worker<'id> {
                     })
                     .collect();
                 let _ = reply.send(m);
+            }
+            Command::Lend(reply) => {
+                let _ = reply.send(self.io.lend());
             }
             Command::SocketStats(reply) => {
                 let v = (0..self.io.port_count())

@@ -37,7 +37,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use crate::afxdp::{Area, Bind, Desc, Socket, XDP_HEADROOM};
 
 mod handover;
-pub use handover::{Handed, HandedPort, HandedState};
+pub use handover::{Handed, HandedPort, HandedState, Lent, LentGeometry, Premapped};
 
 /// A packet owned by userspace: a UMEM frame, or (for a packet larger than one frame,
 /// received as several with `XDP_USE_SG`, or built for a large MTU) a heap buffer that
@@ -1391,11 +1391,15 @@ mod tests {
             let cfg = XskConfig::default();
             let total = cfg.frames as usize;
             let ifindex = crate::xdp::ifindex_of("pod").unwrap();
-            let handed = Sockets::open(&cfg, &["anchor".to_string()], 0)
+            // The rings are mapped ahead by the next process (lent while this one goes on
+            // sending), and taken up where they are at the hand-over.
+            let (handed, mut premapped) = Sockets::open(&cfg, &["anchor".to_string()], 0)
                 .unwrap()
                 .with(|mut io| {
                     io.add_port("pod", ifindex, 0).unwrap();
                     io.flush();
+                    let (premapped, failed) = Premapped::map(vec![io.lend().unwrap()]);
+                    assert_eq!((premapped.sockets(), failed), (2, 0));
                     for i in 0..200 {
                         let f = io.frame_from(&frame).unwrap();
                         assert!(io.send(1, f));
@@ -1404,7 +1408,7 @@ mod tests {
                         }
                     }
                     assert_eq!(io.accounted(), total);
-                    io.hand_over().unwrap()
+                    (io.hand_over().unwrap(), premapped)
                 });
             assert_eq!(handed.sockets.len(), 2);
             let state = handed.state.clone();
@@ -1423,12 +1427,16 @@ mod tests {
                 ring_size: 2048,
                 ..cfg.clone()
             };
-            let e = Sockets::adopt(&other, copy).unwrap_err().to_string();
+            let e = Sockets::adopt(&other, copy, &mut Premapped::default())
+                .unwrap_err()
+                .to_string();
             assert!(
                 e.contains("rings of 4096") && e.contains("rings of 2048"),
                 "{e}"
             );
-            Sockets::adopt(&cfg, handed).unwrap().with(|mut io| {
+            let sockets = Sockets::adopt(&cfg, handed, &mut premapped).unwrap();
+            assert_eq!(premapped.sockets(), 0, "every socket mapped ahead taken up");
+            sockets.with(|mut io| {
                 assert_eq!(io.port_count(), 2);
                 assert_eq!(io.port_at(ifindex, 0), Some(1));
                 assert_eq!(io.accounted(), total, "every frame accounted for");

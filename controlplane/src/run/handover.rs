@@ -8,15 +8,24 @@
 //!    `intend 1 GENERATION`. The running kxp accepts it (`ok`) only if the generation is
 //!    newer than its own (`KXP_GENERATION`: the DaemonSet's `pod-template-generation`
 //!    label). So an old pod restarted by the kubelet never takes the node back.
-//! 2. Once the new kxp has the lists (which take the longest), it asks: `release`. The
-//!    running kxp stops as at SIGTERM: steering, service device and state files kept, the
-//!    state directory unlocked; but its sockets are not closed. It answers `released`,
+//!    A new kxp that takes a loan of the sockets says so: `intend 1 GENERATION lend`; a
+//!    running kxp that makes one answers `ok lend` (either side without it: `ok`, and no
+//!    loan, as before).
+//! 2. Once the new kxp has the lists (which take the longest), it takes up the pinned
+//!    program and the service device, then asks for the loan: `lend`. The running kxp
+//!    answers `lent N` and, for each of its N workers, the UMEM's memfd with its
+//!    geometry and every socket (copies of its descriptors), and goes on forwarding; the
+//!    new kxp maps them ([`Premapped`]).
+//! 3. It then asks: `release`. The running kxp stops as at SIGTERM: steering, service
+//!    device and state files kept, the state directory unlocked; but its sockets are not
+//!    closed. It answers `released`,
 //!    then `sockets N` and, for each of its N workers, the UMEM's memfd with what
 //!    userspace held of its frames, and every socket (SCM_RIGHTS, one descriptor per
 //!    message; see dataplane::xsk::Handed), and stands by until it is stopped. The new kxp
 //!    takes the state directory and the steering program over as at a restart (see
 //!    docs/operations.md), and the sockets up where the running one left their rings,
 //!    instead of opening new ones (those it cannot take up, it closes and opens anew).
+//!    Those it mapped ahead are taken up with no mapping, their rings where they are now.
 //!
 //! A running kxp told to stop (SIGTERM: the DaemonSet deleting the old pod, perhaps
 //! because the new one looked ready) while a successor is announced goes on forwarding
@@ -26,6 +35,7 @@
 //! protocol, the new kxp waits for the state directory's lock as at a restart.
 
 use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,7 +44,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use dataplane::plane::HandedOver;
-use dataplane::xsk::{Handed, HandedState};
+use dataplane::xsk::{Handed, HandedState, Lent, LentGeometry, Premapped};
+
+/// What lends the dataplane's sockets ahead of a hand-over (see [`send_lent`]): `None`
+/// if they cannot be.
+pub(crate) type Lender = Arc<dyn Fn() -> Option<Vec<Lent>> + Send + Sync>;
 
 /// The protocol's version: a kxp that speaks another answers `refused`.
 const VERSION: u32 = 1;
@@ -62,6 +76,8 @@ pub(crate) fn generation() -> Option<u64> {
 pub(crate) struct Successor {
     stream: UnixStream,
     generation: u64,
+    /// The running kxp lends its sockets ahead of the release (it answered `ok lend`).
+    lends: bool,
 }
 
 /// What asking the running kxp for the node gave.
@@ -98,15 +114,19 @@ impl Successor {
         };
         let answer = stream
             .set_read_timeout(Some(ANSWER_WAIT))
-            .and_then(|()| writeln!(stream, "intend {VERSION} {generation}"))
+            .and_then(|()| writeln!(stream, "intend {VERSION} {generation} {LEND}"))
             .and_then(|()| read_line(&stream));
         match answer {
-            Ok(a) if a == "ok" => {
+            Ok(a) if a == "ok" || a == format!("ok {LEND}") => {
                 tracing::info!(
                     "a kxp runs on this node: announced as its successor (generation \
                      {generation}); it forwards until this one has the cluster's lists"
                 );
-                Announced::Successor(Successor { stream, generation })
+                Announced::Successor(Successor {
+                    stream,
+                    generation,
+                    lends: a.ends_with(LEND),
+                })
             }
             Ok(a) if a.starts_with(OUTRANKED) => Announced::Outranked(a),
             Ok(a) => {
@@ -120,10 +140,38 @@ impl Successor {
         }
     }
 
+    /// Ahead of the release, while the running kxp still forwards: asks it to lend its
+    /// workers' UMEMs and sockets, and maps them ([`Premapped`]), so that taking them up
+    /// at the hand-over costs no mapping. Nothing if it does not lend them. Logs what
+    /// came of it.
+    ///
+    /// # Errors
+    /// The loan did not arrive whole: the connection is out of step, this kxp must not
+    /// ask for the node on it.
+    pub(crate) fn premap(&mut self) -> Result<Premapped, String> {
+        if !self.lends {
+            return Ok(Premapped::default());
+        }
+        let started = Instant::now();
+        writeln!(self.stream, "{LEND}").map_err(|e| e.to_string())?;
+        let lent = receive_lent(&self.stream)?;
+        let workers = lent.len();
+        let (premapped, failed) = Premapped::map(lent);
+        tracing::info!(
+            workers,
+            sockets = premapped.sockets(),
+            not_mapped = failed,
+            took_ms = started.elapsed().as_millis() as u64,
+            "mapped the running kxp's sockets ahead of the hand-over (it goes on forwarding)"
+        );
+        Ok(premapped)
+    }
+
     /// Asks the running kxp for the node and waits until it has released it, then takes
     /// the sockets it hands over (none from a kxp that hands none). Logs what came of it.
     pub(crate) fn ask_release(self) -> (Asked, HandedOver) {
         let stream = self.stream.try_clone();
+        let batched = self.lends;
         let asked = self.ask();
         if !matches!(asked, Asked::Released(_)) {
             return (asked, HandedOver::default());
@@ -131,7 +179,7 @@ impl Successor {
         let started = Instant::now();
         let handed = match stream
             .map_err(|e| e.to_string())
-            .and_then(|s| receive_sockets(&s))
+            .and_then(|s| receive_sockets(&s, batched))
         {
             Ok(h) => h,
             Err(e) => {
@@ -177,9 +225,120 @@ impl Successor {
 }
 
 /// The kinds of the messages that carry descriptors, after `sockets N`: a worker's
-/// UMEM (with its state after the header), and one of its sockets.
+/// UMEM (with its state after the header), and one of its sockets; after `lent N`, a
+/// worker's UMEM with its geometry after the header.
 const MSG_WORKER: u32 = 1;
 const MSG_SOCKET: u32 = 2;
+const MSG_LENT: u32 = 3;
+/// Sockets in a batch (the header's length is how many descriptors it carries), between
+/// two kxp that lend (this protocol's later form): one message instead of one each.
+const MSG_SOCKETS: u32 = 4;
+/// The word of the loan ahead of the release: in the announcement (the new kxp takes
+/// one), its answer (the running kxp makes one) and the request.
+const LEND: &str = "lend";
+
+/// A message's header: its kind and the length of what follows.
+fn header(kind: u32, len: usize) -> [u8; 8] {
+    let mut h = [0u8; 8];
+    h[..4].copy_from_slice(&kind.to_le_bytes());
+    h[4..].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+/// Sends copies of `fds` on `s` in batches ([`MSG_SOCKETS`]).
+fn send_batched(s: &UnixStream, fds: &[OwnedFd]) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+    for chunk in fds.chunks(dataplane::sys::MAX_FDS_PER_MESSAGE) {
+        let borrowed: Vec<_> = chunk.iter().map(AsFd::as_fd).collect();
+        dataplane::sys::send_with_fds(
+            s.as_fd(),
+            &header(MSG_SOCKETS, chunk.len()),
+            &borrowed,
+            true,
+        )?;
+    }
+    Ok(())
+}
+
+/// `n` descriptors sent by [`send_batched`].
+fn receive_batched(s: &UnixStream, n: usize) -> Result<Vec<OwnedFd>, String> {
+    use std::os::fd::AsFd;
+    let mut fds = Vec::with_capacity(n);
+    while fds.len() < n {
+        let mut h = [0u8; 8];
+        let (got, batch) =
+            dataplane::sys::recv_with_fds(s.as_fd(), &mut h).map_err(|e| e.to_string())?;
+        if got == 0 {
+            return Err("the connection closed".into());
+        }
+        let mut r = s;
+        r.read_exact(&mut h[got..]).map_err(|e| e.to_string())?;
+        let kind = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        if kind != MSG_SOCKETS || len != batch.len() || fds.len() + len > n {
+            return Err(format!(
+                "a message of kind {kind} with {} of {len} descriptors where {} sockets \
+                 were due",
+                batch.len(),
+                n - fds.len()
+            ));
+        }
+        fds.extend(batch);
+    }
+    Ok(fds)
+}
+
+/// Sends `lent` on `s` (the answer to `lend`): a line `lent N` (N workers, 0 if they
+/// could not be lent), then per worker its UMEM's memfd with its geometry, and each of
+/// its sockets, one descriptor per message.
+fn send_lent(s: &UnixStream, lent: Option<&[Lent]>) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+    let mut w = s;
+    let lent = lent.unwrap_or_default();
+    writeln!(w, "lent {}", lent.len())?;
+    for l in lent {
+        let g = l.geometry.encode();
+        dataplane::sys::send_with_fd(
+            s.as_fd(),
+            &header(MSG_LENT, g.len()),
+            Some(l.memfd.as_fd()),
+            true,
+        )?;
+        w.write_all(&g)?;
+        send_batched(s, &l.sockets)?;
+    }
+    w.flush()
+}
+
+/// What the running kxp lent ([`send_lent`]).
+fn receive_lent(s: &UnixStream) -> Result<Vec<Lent>, String> {
+    let line = read_line(s).map_err(|e| e.to_string())?;
+    let workers = match line.strip_prefix("lent ").map(str::parse::<usize>) {
+        Some(Ok(n)) if n <= 4096 => n,
+        _ => return Err(format!("not a loan of sockets: {line:?}")),
+    };
+    let mut lent = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let (len, memfd) = receive_fd(s, MSG_LENT)?;
+        if len > 64 {
+            return Err(format!("a worker's geometry of {len} bytes"));
+        }
+        let mut bytes = vec![0; len];
+        let mut r = s;
+        r.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+        let geometry = LentGeometry::decode(&bytes)?;
+        if geometry.sockets > 65_536 {
+            return Err(format!("{} sockets", geometry.sockets));
+        }
+        let sockets = receive_batched(s, geometry.sockets as usize)?;
+        lent.push(Lent {
+            memfd,
+            geometry,
+            sockets,
+        });
+    }
+    Ok(lent)
+}
 /// The most bytes of a worker's state (its free list and frame owners are a few hundred
 /// kilobytes at most).
 const MAX_STATE: usize = 64 << 20;
@@ -187,16 +346,10 @@ const MAX_STATE: usize = 64 << 20;
 /// Sends `handed` on `s` after `released`: a line `sockets N` (N workers), then per
 /// worker its UMEM's memfd with its state, and each of its sockets, one descriptor per
 /// message (SCM_RIGHTS).
-fn send_sockets(s: &UnixStream, handed: &HandedOver) -> std::io::Result<()> {
+fn send_sockets(s: &UnixStream, handed: &HandedOver, batched: bool) -> std::io::Result<()> {
     use std::os::fd::AsFd;
     let mut w = s;
     writeln!(w, "sockets {} {}", handed.workers.len(), handed.stopped_ns)?;
-    let header = |kind: u32, len: usize| {
-        let mut h = [0u8; 8];
-        h[..4].copy_from_slice(&kind.to_le_bytes());
-        h[4..].copy_from_slice(&(len as u32).to_le_bytes());
-        h
-    };
     for h in &handed.workers {
         let state = h.state.encode();
         dataplane::sys::send_with_fd(
@@ -206,6 +359,10 @@ fn send_sockets(s: &UnixStream, handed: &HandedOver) -> std::io::Result<()> {
             true,
         )?;
         w.write_all(&state)?;
+        if batched {
+            send_batched(s, &h.sockets)?;
+            continue;
+        }
         for sock in &h.sockets {
             dataplane::sys::send_with_fd(
                 s.as_fd(),
@@ -239,7 +396,7 @@ fn receive_fd(s: &UnixStream, kind: u32) -> Result<(usize, std::os::fd::OwnedFd)
 
 /// The sockets the running kxp hands over after `released` ([`send_sockets`]): none if
 /// it sends none (a kxp before this protocol closes the connection).
-fn receive_sockets(s: &UnixStream) -> Result<HandedOver, String> {
+fn receive_sockets(s: &UnixStream, batched: bool) -> Result<HandedOver, String> {
     let line = read_line(s).map_err(|e| e.to_string())?;
     if line.is_empty() {
         return Ok(HandedOver::default());
@@ -265,9 +422,13 @@ fn receive_sockets(s: &UnixStream) -> Result<HandedOver, String> {
         let mut r = s;
         r.read_exact(&mut bytes).map_err(|e| e.to_string())?;
         let state = HandedState::decode(&bytes)?;
-        let sockets = (0..state.ports.len())
-            .map(|_| receive_fd(s, MSG_SOCKET).map(|(_, fd)| fd))
-            .collect::<Result<_, _>>()?;
+        let sockets = if batched {
+            receive_batched(s, state.ports.len())?
+        } else {
+            (0..state.ports.len())
+                .map(|_| receive_fd(s, MSG_SOCKET).map(|(_, fd)| fd))
+                .collect::<Result<_, _>>()?
+        };
         handed.push(Handed {
             memfd,
             sockets,
@@ -302,6 +463,8 @@ struct State {
     announced: bool,
     /// The successor that asked for the node (answered once the dataplane stopped).
     asking: Option<UnixStream>,
+    /// It takes loans, so it takes its sockets in batches too.
+    batched: bool,
 }
 
 /// The running kxp's side: takes a newer kxp's announcement and its request.
@@ -322,6 +485,7 @@ impl ReleaseListener {
         dir: &Path,
         generation: Option<u64>,
         stop: Arc<AtomicBool>,
+        lender: Option<Lender>,
     ) -> Option<ReleaseListener> {
         let generation = generation?;
         let signalled = Arc::new(AtomicBool::new(false));
@@ -348,7 +512,7 @@ impl ReleaseListener {
         let (st, d) = (state.clone(), done.clone());
         let thread = std::thread::Builder::new()
             .name("kxp-release".into())
-            .spawn(move || listen(&listener, generation, &st, &d, &stop))
+            .spawn(move || listen(&listener, generation, &st, &d, &stop, lender.as_ref()))
             .ok()?;
         Some(ReleaseListener {
             path,
@@ -394,10 +558,13 @@ impl ReleaseListener {
         self.done.store(true, Ordering::Relaxed);
         // The successor first: forwarding waits for the sockets; the listener's thread
         // and its socket file after.
-        let asking = lock(&self.state).asking.take();
+        let (asking, batched) = {
+            let mut st = lock(&self.state);
+            (st.asking.take(), st.batched)
+        };
         let asked = asking.is_some();
         if let Some(s) = asking {
-            release_to(s, handed);
+            release_to(s, handed, batched);
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -409,19 +576,19 @@ impl ReleaseListener {
 
 /// Tells the successor that asked (on `s`) that the node is its own, and hands it the
 /// sockets `handed`.
-fn release_to(mut s: UnixStream, handed: &HandedOver) {
-        if let Err(e) = writeln!(s, "released") {
-            tracing::warn!("cannot tell the newer kxp that the node is released: {e}");
-        } else if let Err(e) = send_sockets(&s, handed) {
-            tracing::warn!("cannot hand the sockets over to the newer kxp: {e}");
-        } else if !handed.workers.is_empty() {
-            tracing::info!(
-                workers = handed.workers.len(),
-                sockets = handed.sockets(),
-                sent_us = (dataplane::sys::monotonic_ns() - handed.stopped_ns) / 1000,
-                "handed the sockets over to the newer kxp"
-            );
-        }
+fn release_to(mut s: UnixStream, handed: &HandedOver, batched: bool) {
+    if let Err(e) = writeln!(s, "released") {
+        tracing::warn!("cannot tell the newer kxp that the node is released: {e}");
+    } else if let Err(e) = send_sockets(&s, handed, batched) {
+        tracing::warn!("cannot hand the sockets over to the newer kxp: {e}");
+    } else if !handed.workers.is_empty() {
+        tracing::info!(
+            workers = handed.workers.len(),
+            sockets = handed.sockets(),
+            sent_us = (dataplane::sys::monotonic_ns() - handed.stopped_ns) / 1000,
+            "handed the sockets over to the newer kxp"
+        );
+    }
 }
 
 /// Serves announcements until `done`: takes the first from a newer generation than
@@ -433,18 +600,22 @@ fn listen(
     state: &Mutex<State>,
     done: &AtomicBool,
     stop: &AtomicBool,
+    lender: Option<&Lender>,
 ) {
     // The successor's connection until it asks, and its generation from when it is
     // taken on (every later announcement is answered against it).
     let mut pending: Option<UnixStream> = None;
     let mut successor: Option<u64> = None;
+    let mut batched = false;
     while !done.load(Ordering::Relaxed) {
         if let Ok((s, _)) = listener.accept() {
             let rank = successor.unwrap_or(ours);
-            if let Some((taken, theirs)) = answer(s, ours, rank, successor.is_some()) {
+            let (taken, lends) = (successor.is_some(), lender.is_some());
+            if let Some((taken, theirs, lent)) = answer(s, ours, rank, taken, lends) {
                 lock(state).announced = true;
                 pending = Some(taken);
                 successor = Some(theirs);
+                batched = lent;
             }
         }
         let (Some(s), Some(theirs)) = (&pending, successor) else {
@@ -453,12 +624,31 @@ fn listen(
         };
         // Its request, or its going away.
         match read_line(s) {
+            Ok(l) if l == LEND => {
+                let lent = lender.and_then(|f| f());
+                match send_lent(s, lent.as_deref()) {
+                    Ok(()) => tracing::info!(
+                        workers = lent.as_ref().map_or(0, Vec::len),
+                        sockets = lent
+                            .iter()
+                            .flatten()
+                            .map(|l| l.sockets.len())
+                            .sum::<usize>(),
+                        "lent the sockets to the newer kxp (generation {theirs}) to map \
+                         ahead; forwarding goes on"
+                    ),
+                    Err(e) => tracing::warn!("cannot lend the sockets to the newer kxp: {e}"),
+                }
+            }
             Ok(l) if l == "release" => {
                 tracing::info!(
                     "the newer kxp (generation {theirs}) asks for the node: stopping as at \
                      SIGTERM, then standing by"
                 );
-                lock(state).asking = pending.take();
+                let mut st = lock(state);
+                st.asking = pending.take();
+                st.batched = batched;
+                drop(st);
                 stop.store(true, Ordering::Relaxed);
             }
             Err(e)
@@ -477,22 +667,35 @@ fn listen(
 }
 
 /// Answers announcement connection `s` (this kxp of generation `ours`, outranking up to
-/// generation `rank`; `taken`: a successor is already announced). Returns it and its
-/// generation if it is taken as the successor.
-fn answer(mut s: UnixStream, ours: u64, rank: u64, taken: bool) -> Option<(UnixStream, u64)> {
+/// generation `rank`; `taken`: a successor is already announced; `lends`: this kxp lends
+/// its sockets ahead of the release). Returns it, its generation and whether it takes
+/// loans, if it is taken as the successor.
+fn answer(
+    mut s: UnixStream,
+    ours: u64,
+    rank: u64,
+    taken: bool,
+    lends: bool,
+) -> Option<(UnixStream, u64, bool)> {
     let _ = s.set_nonblocking(false);
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     let line = read_line(&s).unwrap_or_default();
     match decide(&line, rank) {
         Ok(theirs) if !taken => {
-            writeln!(s, "ok").ok()?;
+            // A newer kxp that takes a loan of the sockets says so after its generation.
+            let lent = lends && line.split_whitespace().skip(3).any(|w| w == LEND);
+            if lent {
+                writeln!(s, "ok {LEND}").ok()?;
+            } else {
+                writeln!(s, "ok").ok()?;
+            }
             tracing::info!(
                 "a newer kxp (generation {theirs}, this one {ours}) announced itself: it \
                  takes this node over once it has the cluster's lists"
             );
             // Polled for its request between accepts.
             let _ = s.set_read_timeout(Some(Duration::from_millis(10)));
-            Some((s, theirs))
+            Some((s, theirs, lent))
         }
         Ok(theirs) => {
             let why = format!("generation {theirs}: another successor is announced");
@@ -602,6 +805,13 @@ pub(crate) fn stand_by(why: &str) {
 mod tests {
     use super::*;
 
+    /// Asks for the loan on `s` and returns (workers, sockets) of what arrived.
+    fn receive_lent_for_test(s: &mut Successor) -> (usize, usize) {
+        writeln!(s.stream, "{LEND}").unwrap();
+        let lent = receive_lent(&s.stream).unwrap();
+        (lent.len(), lent.iter().map(|l| l.sockets.len()).sum())
+    }
+
     #[test]
     fn only_a_newer_generation_of_this_protocol_is_taken() {
         assert_eq!(decide("intend 1 8\n", 7), Ok(8));
@@ -629,14 +839,38 @@ mod tests {
             Announced::Nobody
         ));
         let stop = Arc::new(AtomicBool::new(false));
-        let l = ReleaseListener::start(&dir, Some(2), stop.clone()).unwrap();
+        // It lends two workers' descriptors ahead (any travel: the dataplane's tests map
+        // real sockets).
+        let null = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let lender: Lender = Arc::new(move || {
+            Some(
+                (0..2)
+                    .map(|_| Lent {
+                        memfd: null(),
+                        geometry: LentGeometry {
+                            frames: 2,
+                            frame_size: 2048,
+                            ring_size: 64,
+                            sockets: 3,
+                        },
+                        sockets: vec![null(), null(), null()],
+                    })
+                    .collect(),
+            )
+        });
+        let l = ReleaseListener::start(&dir, Some(2), stop.clone(), Some(lender)).unwrap();
         match Successor::announce(&dir, Some(2)) {
             Announced::Outranked(why) => assert!(why.contains("only a newer"), "{why}"),
             a => panic!("{a:?}"),
         }
-        let Announced::Successor(s) = Successor::announce(&dir, Some(3)) else {
+        let Announced::Successor(mut s) = Successor::announce(&dir, Some(3)) else {
             panic!("a newer one is taken");
         };
+        assert!(s.lends, "the running kxp lends its sockets ahead");
+        // Lent, while it forwards: six sockets arrive (/dev/null cannot be mapped), and
+        // the connection stays in step for the request below.
+        let lent = receive_lent_for_test(&mut s);
+        assert_eq!(lent, (2, 6));
         let deadline = Instant::now() + Duration::from_secs(5);
         while !lock(&l.state).announced && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));

@@ -388,12 +388,13 @@ impl WorkerKit<'_> {
         &self,
         id: usize,
         handed: Option<crate::xsk::Handed>,
+        premapped: &mut crate::xsk::Premapped,
     ) -> Result<Sockets, DataplaneError> {
         let dp = (self.service.dp_ifindex, id as u32);
         if let Some(h) = handed {
             let first = h.state.ports.first().map(|p| (p.ifindex, p.queue));
             let adopted = if first == Some(dp) {
-                Sockets::adopt(self.xsk, h).map_err(|e| e.to_string())
+                Sockets::adopt(self.xsk, h, premapped).map_err(|e| e.to_string())
             } else {
                 Err(format!(
                     "its first socket is on ifindex {:?}, not on kxp's service device queue {id}",
@@ -408,6 +409,9 @@ impl WorkerKit<'_> {
                 ),
             }
         }
+        // The sockets mapped ahead go (their references with them): new ones are bound to
+        // the same queues. (Another worker's, if any, are mapped at its take-up then.)
+        *premapped = crate::xsk::Premapped::default();
         // A socket handed over and let go a moment ago is released in the background.
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
@@ -431,6 +435,7 @@ impl WorkerKit<'_> {
         service_prog: &mut Steering,
         persistence: &mut Option<Persistence>,
         handed: Vec<crate::xsk::Handed>,
+        mut premapped: crate::xsk::Premapped,
     ) -> Result<(Vec<WorkerParts>, std::sync::mpsc::Receiver<libc::pid_t>), DataplaneError> {
         let (cfg, xsk, service) = (self.cfg, self.xsk, self.service);
         let mut handed: std::collections::HashMap<usize, crate::xsk::Handed> = handed
@@ -444,7 +449,7 @@ impl WorkerKit<'_> {
         for (id, (rx, mut table)) in rxs.into_iter().zip(tables).enumerate() {
             // A hint, no I/O: the table prefetches the flows it will evict next.
             table.set_prefetch(crate::sys::prefetch);
-            let sockets = self.sockets(id, handed.remove(&id))?;
+            let sockets = self.sockets(id, handed.remove(&id), &mut premapped)?;
             service_prog.set_socket(id as u32, sockets.fd(0))?;
             let mut engine = Engine::on_node(
                 table,

@@ -11,6 +11,7 @@
 //! worker stopped is not in it (the worker gives those back first; one it could not is
 //! lost to the UMEM, not corrupted).
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 
 use super::{Port, WorkerIo, XskConfig, XskError};
@@ -53,6 +54,121 @@ pub struct HandedPort {
     pub zero_copy: bool,
     pub tx_budget: u32,
     pub tx_pending: Vec<Desc>,
+}
+
+/// A worker's UMEM and sockets lent ahead of a hand-over, while it still forwards (copies
+/// of its descriptors): the next kxp maps them ahead ([`Premapped`]), and at the hand-over
+/// only takes the rings up where they are then.
+#[derive(Debug)]
+pub struct Lent {
+    pub memfd: OwnedFd,
+    pub geometry: LentGeometry,
+    pub sockets: Vec<OwnedFd>,
+}
+
+/// The UMEM's and the rings' sizes, which the kernel does not tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LentGeometry {
+    pub frames: u32,
+    pub frame_size: u32,
+    pub ring_size: u32,
+    /// Sockets that follow.
+    pub sockets: u32,
+}
+
+const LENT_MAGIC: u32 = 0x4b58_504c; // "KXPL"
+
+impl LentGeometry {
+    pub fn encode(&self) -> Vec<u8> {
+        [
+            LENT_MAGIC,
+            self.frames,
+            self.frame_size,
+            self.ring_size,
+            self.sockets,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
+    }
+
+    /// Reads [`LentGeometry::encode`]'s bytes back; an error says what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<LentGeometry, String> {
+        let mut r = Reader { b: bytes, at: 0 };
+        if r.u32()? != LENT_MAGIC {
+            return Err("not a kxp loan of sockets".into());
+        }
+        let g = LentGeometry {
+            frames: r.u32()?,
+            frame_size: r.u32()?,
+            ring_size: r.u32()?,
+            sockets: r.u32()?,
+        };
+        if r.at != bytes.len() {
+            return Err("trailing bytes".into());
+        }
+        Ok(g)
+    }
+}
+
+/// UMEMs and sockets lent by the running kxp, mapped ahead of the hand-over (see
+/// [`Lent`]), by their identity ([`crate::afxdp::identity`]): taking the same ones up at
+/// the hand-over costs no mapping. What the hand-over does not name is unmapped.
+#[derive(Debug, Default)]
+pub struct Premapped {
+    areas: HashMap<(u64, u64), Area>,
+    sockets: HashMap<(u64, u64), Socket>,
+}
+
+impl Premapped {
+    /// Maps what `lent` holds. What cannot be mapped is left out (the hand-over maps it
+    /// then); returns the mappings and how many sockets were left out.
+    pub fn map(lent: Vec<Lent>) -> (Premapped, usize) {
+        let mut p = Premapped::default();
+        let mut failed = 0;
+        for l in lent {
+            let g = l.geometry;
+            let len = g.frames as usize * g.frame_size as usize;
+            if let Ok(id) = crate::afxdp::identity(l.memfd.as_fd())
+                && let Ok(area) = Area::adopt(l.memfd, len, g.frame_size)
+            {
+                p.areas.insert(id, area);
+            }
+            for fd in l.sockets {
+                match crate::afxdp::identity(fd.as_fd())
+                    .and_then(|id| Socket::adopt(fd, g.ring_size).map(|s| (id, s)))
+                {
+                    Ok((id, sock)) => {
+                        p.sockets.insert(id, sock);
+                    }
+                    Err(_) => failed += 1,
+                }
+            }
+        }
+        (p, failed)
+    }
+
+    /// Sockets mapped ahead.
+    pub fn sockets(&self) -> usize {
+        self.sockets.len()
+    }
+
+    fn take_area(&mut self, memfd: &OwnedFd, len: usize) -> Option<Area> {
+        let id = crate::afxdp::identity(memfd.as_fd()).ok()?;
+        self.areas.remove(&id).filter(|a| a.len() == len)
+    }
+
+    /// The socket of `fd` mapped ahead (with ring size `ring_size`), its rings taken up
+    /// where they are now.
+    fn take_socket(&mut self, fd: &OwnedFd, ring_size: u32) -> Option<Socket> {
+        let id = crate::afxdp::identity(fd.as_fd()).ok()?;
+        let mut sock = self
+            .sockets
+            .remove(&id)
+            .filter(|s| s.ring_size() == ring_size)?;
+        sock.resync();
+        Some(sock)
+    }
 }
 
 const MAGIC: u32 = 0x4b58_5048; // "KXPH"
@@ -210,6 +326,36 @@ impl WorkerIo<'_> {
     /// descriptors of them) and what userspace holds are returned, and this process's
     /// mappings and descriptors closed. Every [`Frame`](super::Frame) should have been
     /// given back first (the type system makes sure none outlives `self`).
+    /// Copies of the UMEM's and the sockets' descriptors, for the next kxp to map ahead
+    /// of a hand-over while this worker goes on forwarding ([`Lent`]).
+    ///
+    /// # Errors
+    /// A descriptor cannot be duplicated.
+    pub fn lend(&self) -> Result<Lent, XskError> {
+        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
+            fd.try_clone_to_owned().map_err(|e| XskError::Socket {
+                ifname: String::new(),
+                queue: self.queue,
+                reason: format!("duplicating a descriptor to lend it: {e}"),
+                errno: e.raw_os_error(),
+            })
+        };
+        Ok(Lent {
+            memfd: dup(self.area.memfd())?,
+            geometry: LentGeometry {
+                frames: self.frames_total as u32,
+                frame_size: self.frame_size as u32,
+                ring_size: self.ring_size as u32,
+                sockets: self.ports.len() as u32,
+            },
+            sockets: self
+                .ports
+                .iter()
+                .map(|p| dup(p.sock.fd()))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
     pub fn hand_over(&mut self) -> Result<Handed, XskError> {
         for i in 0..self.ports.len() {
             self.flush_port(i);
@@ -263,7 +409,11 @@ impl WorkerIo<'_> {
 impl WorkerIo<'static> {
     /// The sockets and frames a previous kxp handed over (see [`WorkerIo::hand_over`]),
     /// if they were made as `cfg` makes them; their rings taken up where it left them.
-    pub(super) fn adopt(cfg: &XskConfig, h: Handed) -> Result<Self, XskError> {
+    pub(super) fn adopt(
+        cfg: &XskConfig,
+        h: Handed,
+        premapped: &mut Premapped,
+    ) -> Result<Self, XskError> {
         let bad = |m: String| XskError::Config(format!("the sockets handed over: {m}"));
         let s = &h.state;
         let flags = super::bind_flags(cfg);
@@ -299,11 +449,14 @@ impl WorkerIo<'static> {
         {
             return Err(bad("frames outside the UMEM".into()));
         }
-        let area = Area::adopt(h.memfd, len, s.frame_size).map_err(|e| XskError::Umem {
-            frames: s.frames,
-            frame_size: s.frame_size,
-            reason: e.to_string(),
-        })?;
+        let area = match premapped.take_area(&h.memfd, len) {
+            Some(a) => a,
+            None => Area::adopt(h.memfd, len, s.frame_size).map_err(|e| XskError::Umem {
+                frames: s.frames,
+                frame_size: s.frame_size,
+                reason: e.to_string(),
+            })?,
+        };
         let HandedState {
             ring_size,
             queue,
@@ -315,12 +468,15 @@ impl WorkerIo<'static> {
         let mut io = Self::with_area(cfg, area, queue, free);
         io.ring_of = ring_of;
         for (fd, p) in h.sockets.into_iter().zip(ports) {
-            let sock = Socket::adopt(fd, ring_size).map_err(|e| XskError::Socket {
-                ifname: p.ifname.clone(),
-                queue: p.queue,
-                reason: format!("taking up a socket handed over: {e}"),
-                errno: e.raw_os_error(),
-            })?;
+            let sock = match premapped.take_socket(&fd, ring_size) {
+                Some(sock) => sock,
+                None => Socket::adopt(fd, ring_size).map_err(|e| XskError::Socket {
+                    ifname: p.ifname.clone(),
+                    queue: p.queue,
+                    reason: format!("taking up a socket handed over: {e}"),
+                    errno: e.raw_os_error(),
+                })?,
+            };
             let mut port = Port::new(&p.ifname, p.ifindex, p.queue, sock, p.zero_copy);
             port.tx_budget = p.tx_budget;
             port.warm = p.warm;
@@ -349,8 +505,12 @@ impl super::Sockets {
     ///
     /// # Errors
     /// They were not made as `cfg` makes them, or cannot be taken up.
-    pub fn adopt(cfg: &XskConfig, h: Handed) -> Result<super::Sockets, XskError> {
-        WorkerIo::adopt(cfg, h).map(super::Sockets)
+    pub fn adopt(
+        cfg: &XskConfig,
+        h: Handed,
+        premapped: &mut Premapped,
+    ) -> Result<super::Sockets, XskError> {
+        WorkerIo::adopt(cfg, h, premapped).map(super::Sockets)
     }
 }
 
