@@ -84,9 +84,6 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         return Ok(());
     }
     let stop = prepare_process(&cfg)?;
-    // Off the workers' CPUs from here: a running kxp's workers may use them while this
-    // one reads the lists and prepares.
-    dataplane::plane::keep_off_workers_cpus_ahead(&dp_cfg);
     // A kxp running beside this one (a rolling update with a surge): this one announces
     // itself as its successor; it forwards until this one has the cluster's lists.
     let generation = handover::generation();
@@ -98,8 +95,6 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut input = start_source(&opts, &cfg, &settings, &stop)?;
     let (min_sync, resync) = sync_periods(Some(&cfg));
     let (mut tracker, listed, listing) = read_state(&input, &settings)?;
-    // The kxp running beside this newer one (announced above) releases the node now
-    // that the lists are in, before /healthz's port is bound.
     // Started empty (nothing is redirected yet); the first sync follows once the node's
     // addresses and the host's are known (generation 2). What touches nothing of the node
     // is done while the running kxp, if any, still forwards.
@@ -110,27 +105,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     let first = tracker.sync(FIRST_GENERATION);
     let translated = translating.elapsed();
     let (released, handed) = match successor {
-        Some(mut s) => {
-            // The running kxp's program, service device and sockets taken up ahead,
-            // while it still forwards.
-            prepared.take_up_ahead(&dp_cfg);
-            match s.premap() {
-                Ok(p) => prepared.set_premapped(p),
-                Err(e) => tracing::warn!(
-                    "the sockets the running kxp lent did not arrive whole ({e}); asking \
-                     for the node all the same"
-                ),
-            }
-            // This thread only waits until the running kxp's workers have stopped; from
-            // then on their CPUs are idle until this kxp's workers start.
-            dataplane::plane::use_workers_cpus_until_they_start();
-            // Room for the sockets that arrive in the pause (twice what was lent).
-            if let Err(e) = dataplane::sys::reserve_fds(2 * prepared.premapped_sockets() + 256) {
-                tracing::debug!("cannot grow the descriptor table ahead: {e}");
-            }
-            let (asked, handed) = s.ask_release();
-            (matches!(asked, handover::Asked::Released(_)), handed)
-        }
+        Some(s) => take_over(s, &mut prepared, &dp_cfg),
         None => (false, Default::default()),
     };
     let paused_at = handed.stopped_ns;
@@ -145,11 +120,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         .flatten();
     let (mut dp, admin) = start_dataplane(&dp_cfg, &opts, &kxp, prepared, handed.workers)?;
     let started_at = dataplane::sys::monotonic_ns();
-    let release = dp_cfg.state_dir.as_deref().and_then(|dir| {
-        let shared = dp.shared.clone();
-        let lender: handover::Lender = Arc::new(move || shared.lend(Duration::from_secs(2)));
-        handover::ReleaseListener::start(dir, generation, stop.clone(), Some(lender))
-    });
+    let release = listen_for_successor(&dp_cfg, generation, &stop, &dp);
     // (The first sync's time counts its translation, done above.)
     let first_started = Instant::now()
         .checked_sub(translated)
@@ -201,6 +172,34 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Takes the node over from the running kxp that took this one as its successor (`s`):
+/// its program, service device and sockets taken up ahead while it still forwards, then
+/// the release and the sockets it hands over. Returns whether it released the node, and
+/// the sockets.
+fn take_over(
+    mut s: handover::Successor,
+    prepared: &mut dataplane::plane::Prepared,
+    dp_cfg: &DataplaneConfig,
+) -> (bool, dataplane::plane::HandedOver) {
+    prepared.take_up_ahead(dp_cfg);
+    match s.premap() {
+        Ok(p) => prepared.set_premapped(p),
+        Err(e) => tracing::warn!(
+            "the sockets the running kxp lent did not arrive whole ({e}); asking for the \
+             node all the same"
+        ),
+    }
+    // This thread only waits until the running kxp's workers have stopped; from then on
+    // their CPUs are idle until this kxp's workers start.
+    dataplane::plane::use_workers_cpus_until_they_start();
+    // Room for the sockets that arrive in the pause (twice what was lent).
+    if let Err(e) = dataplane::sys::reserve_fds(2 * prepared.premapped_sockets() + 256) {
+        tracing::debug!("cannot grow the descriptor table ahead: {e}");
+    }
+    let (asked, handed) = s.ask_release();
+    (matches!(asked, handover::Asked::Released(_)), handed)
+}
+
 /// Announces this kxp to the one running with the same state directory (see
 /// [`handover`]): its successor, or nobody's. `Err` if that one outranks this one,
 /// which then stood by until stopped.
@@ -212,13 +211,32 @@ fn announce(
         return Ok(None);
     };
     match handover::Successor::announce(dir, generation) {
-        handover::Announced::Successor(s) => Ok(Some(s)),
+        handover::Announced::Successor(s) => {
+            // Off the workers' CPUs from here: the running kxp's workers use them while
+            // this one reads the lists and prepares.
+            dataplane::plane::keep_off_workers_cpus_ahead(dp_cfg);
+            Ok(Some(s))
+        }
         handover::Announced::Nobody => Ok(None),
         handover::Announced::Outranked(why) => {
             handover::stand_by(&format!("this node is another kxp's ({why})"));
             Err(())
         }
     }
+}
+
+/// Listens for a newer kxp (see [`handover`]), which `dp` lends its sockets to ahead of
+/// the release; `stop` is set when it asks for the node.
+fn listen_for_successor(
+    dp_cfg: &DataplaneConfig,
+    generation: Option<u64>,
+    stop: &Arc<AtomicBool>,
+    dp: &Dataplane,
+) -> Option<handover::ReleaseListener> {
+    let dir = dp_cfg.state_dir.as_deref()?;
+    let shared = dp.shared.clone();
+    let lender: handover::Lender = Arc::new(move || shared.lend(Duration::from_secs(2)));
+    handover::ReleaseListener::start(dir, generation, stop.clone(), Some(lender))
 }
 
 /// The first sync's generation: the dataplane starts with an empty snapshot, and the

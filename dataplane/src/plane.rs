@@ -351,6 +351,27 @@ fn usable(cfg: &DataplaneConfig, handed: Vec<crate::xsk::Handed>) -> Vec<crate::
     Vec::new()
 }
 
+/// The sockets handed over that this kxp can take up ([`usable`]), the sockets mapped
+/// ahead (none if nothing is to be taken up: their references go before new sockets are
+/// bound to the same queues), and the interfaces the handed sockets are on.
+fn handed_parts(
+    cfg: &DataplaneConfig,
+    handed: Vec<crate::xsk::Handed>,
+    premapped: crate::xsk::Premapped,
+) -> (Vec<crate::xsk::Handed>, crate::xsk::Premapped, HashSet<u32>) {
+    let handed = usable(cfg, handed);
+    let premapped = if handed.is_empty() {
+        crate::xsk::Premapped::default()
+    } else {
+        premapped
+    };
+    let ifindexes = handed
+        .iter()
+        .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))
+        .collect();
+    (handed, premapped, ifindexes)
+}
+
 /// What a dataplane hands the next kxp ([`Dataplane::hand_over`]).
 #[derive(Debug, Default)]
 pub struct HandedOver {
@@ -991,39 +1012,11 @@ impl Dataplane {
             steering,
             service,
         } = prepared;
-        let handed = usable(cfg, handed);
-        // Nothing to take up: the mappings ahead go (their sockets' references with them,
-        // before new sockets are bound to the same queues).
-        let premapped = if handed.is_empty() {
-            crate::xsk::Premapped::default()
-        } else {
-            premapped
-        };
-        let handed_ifindexes: HashSet<u32> = handed
-            .iter()
-            .flat_map(|h| h.state.ports.iter().skip(1).map(|p| p.ifindex))
-            .collect();
+        let (handed, premapped, handed_ifindexes) = handed_parts(cfg, handed, premapped);
         let locked = start::lock_state(cfg)?;
         let mut lap = Instant::now();
-        let service = match service {
-            Some(mut s) => {
-                s.own();
-                s
-            }
-            None => ServiceDevice::create(&cfg.service_device, cfg.workers as u32, settings.keep)?,
-        };
-        times.lap("service device", &mut lap);
-
-        // The node's own traffic: a program on the service device's kxp side, and
-        // routes of the Service addresses into its host side (see crate::servicedev).
-        // The steering program is loaded (and verified) once, here: every interface
-        // attached later shares it and its maps (see crate::xdp).
-        lap = Instant::now();
-        let mut service_prog = match steering {
-            Some(s) => s,
-            None => start::load_steering(lap, settings.keep)?,
-        };
-        times.lap("steering program", &mut lap);
+        let (service, mut service_prog) =
+            start::take_up(cfg, &settings, service, steering, &mut times, &mut lap)?;
         start::prepare_service_program(&mut service_prog, &service, cfg, settings.keep)?;
         // On sockets handed over, the previous kxp's routes and rules go on carrying the
         // node's traffic until the first publication: they are taken up after it, out of
@@ -1051,7 +1044,6 @@ impl Dataplane {
             handed,
             premapped,
         )?;
-        let mut started = Some(started);
         let taken_over = start::steer_service_device(&mut service_prog, &service, &settings)?;
         let prog = Programming::at_start(cfg, taken_over, service_prog, node_traffic);
         let links = LinkCtl::at_start(cfg, &settings, &service, &shared, &fib, prog);
@@ -1079,27 +1071,43 @@ impl Dataplane {
             dp.program(&Update::full(initial))?;
         }
         dp.start_times = times;
+        dp.attach_or_wait(cfg, links, handed_ifindexes, started)?;
+        Ok(dp)
+    }
+
+    /// The end of a start: attaches to the interfaces there now, or, on sockets handed
+    /// over (`handed_ifindexes`), leaves that for after the first publication; follows
+    /// the links from then on, and moves kxp's other threads off the workers' CPUs once
+    /// they run (`started`: their thread ids), now or after the first publication.
+    fn attach_or_wait(
+        &mut self,
+        cfg: &DataplaneConfig,
+        links: Arc<LinkCtl>,
+        handed_ifindexes: HashSet<u32>,
+        started: std::sync::mpsc::Receiver<libc::pid_t>,
+    ) -> Result<(), DataplaneError> {
+        let mut started = Some(started);
         if handed_ifindexes.is_empty() {
             // The interfaces there now; one named without a wildcard must attach.
-            dp.attach_now()?;
+            self.attach_now()?;
         } else {
             // On sockets handed over, the previous kxp's program goes on redirecting into
             // them, and the workers serve them from the first sync: attaching the
             // interfaces' own instances waits until then ([`Dataplane::attach_interfaces`]),
             // out of forwarding's pause. Where the workers transmit is the handed
             // interfaces that match until then.
-            links.publish_handed(&dp.fib.view().links(), &handed_ifindexes);
-            dp.handed = Some(handed_ifindexes);
-            dp.after_first = started.take().map(|started| AfterFirst {
+            links.publish_handed(&self.fib.view().links(), &handed_ifindexes);
+            self.handed = Some(handed_ifindexes);
+            self.after_first = started.take().map(|started| AfterFirst {
                 cfg: cfg.clone(),
                 started,
             });
         }
-        dp.follow_links(cfg, links)?;
+        self.follow_links(cfg, links)?;
         if let Some(started) = started {
             start::keep_others_off(cfg, &started);
         }
-        Ok(dp)
+        Ok(())
     }
 
     /// Started on sockets a previous kxp handed over ([`Dataplane::start_handed`]): to
@@ -1390,11 +1398,7 @@ impl Dataplane {
         drop(self.persistence.take());
         let _ = std::thread::Builder::new()
             .name("kxp-handed".into())
-            .spawn(move || {
-                // Behind the next kxp's start, which wants the CPUs now.
-                let _ = crate::sys::set_nice(0, 19);
-                drop(self);
-            });
+            .spawn(move || drop(self));
         handed
     }
 

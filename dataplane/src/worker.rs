@@ -855,13 +855,14 @@ impl<'id> Worker<'id> {
         }
         shared.hand_over.answered.fetch_add(1, Ordering::Release);
         // The rest of this worker (its rings unmapped, its table freed) goes after, off
-        // this CPU (where the next kxp starts now: where kxp's other threads run) and at
-        // the lowest priority. Not SCHED_IDLE: it may hold a lock (a log line's) that
-        // another thread waits for, and the next worker takes this CPU whole.
+        // this CPU (where the next kxp starts now: where kxp's other threads run), at the
+        // other threads' priority. Not lower: unmapping holds the process's mmap lock,
+        // which every other thread's page faults and allocations wait for (a thread at
+        // nice 19 or SCHED_IDLE holding it on a busy CPU stalled this kxp for seconds).
         if let Ok(rest) = crate::sys::affinity(std::process::id() as libc::pid_t) {
             let _ = crate::sys::set_affinity(0, &rest);
         }
-        let _ = crate::sys::set_nice(0, 19);
+        let _ = crate::sys::set_nice(0, 0);
         drop(self);
     }
 

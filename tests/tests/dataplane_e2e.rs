@@ -2991,10 +2991,16 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
         "the running kxp released the node to this one (generation 2)",
         "steering program taken up from the previous kxp",
         "took the sockets the running kxp handed over",
+        "mapped the running kxp's sockets ahead of the hand-over",
         "hand-over: forwarding resumed",
     ] {
         assert!(new_text.contains(line), "{line:?} in\n{new_text}");
     }
+    // Every socket was mapped ahead, while the running kxp forwarded.
+    assert!(
+        new_text.contains("not_mapped=0"),
+        "every socket mapped ahead\n{new_text}"
+    );
     // Nothing the running kxp held stays in the way: the sockets are taken up, the
     // localhost NodePorts bound.
     for line in [
@@ -3007,6 +3013,7 @@ fn a_newer_kxp_started_beside_the_running_one_takes_the_node_over() {
     for line in [
         "a newer kxp (generation 2, this one 1) announced itself",
         "asks for the node",
+        "lent the sockets to the newer kxp",
         "handed the sockets over to the newer kxp",
         "standing by until stopped",
     ] {

@@ -805,6 +805,48 @@ pub(crate) fn stand_by(why: &str) {
 mod tests {
     use super::*;
 
+    /// A worker's state for these tests (queue `queue`).
+    fn test_state(queue: u32) -> HandedState {
+        HandedState {
+            frames: 2,
+            frame_size: 2048,
+            ring_size: 64,
+            bind_flags: 8,
+            queue,
+            ports: ["kxp0-dp", "eth0"]
+                .iter()
+                .map(|n| dataplane::xsk::HandedPort {
+                    ifname: n.to_string(),
+                    ifindex: 3,
+                    queue,
+                    in_fill: 1,
+                    tx_in_flight: 0,
+                    warm: false,
+                    zero_copy: false,
+                    tx_budget: 64,
+                    tx_pending: Vec::new(),
+                })
+                .collect(),
+            free: vec![256],
+            ring_of: vec![3, 0],
+        }
+    }
+
+    /// Two workers' sockets for these tests (any descriptors travel).
+    fn test_handed() -> HandedOver {
+        let fd = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        HandedOver {
+            workers: (0..2)
+                .map(|q| Handed {
+                    memfd: fd(),
+                    sockets: vec![fd(), fd()],
+                    state: test_state(q),
+                })
+                .collect(),
+            stopped_ns: 12345,
+        }
+    }
+
     /// Asks for the loan on `s` and returns (workers, sockets) of what arrived.
     fn receive_lent_for_test(s: &mut Successor) -> (usize, usize) {
         writeln!(s.stream, "{LEND}").unwrap();
@@ -890,51 +932,69 @@ mod tests {
         assert!(stop.load(Ordering::Relaxed), "asked to stop");
         assert!(l.asked());
         // Any descriptors travel (the dataplane's tests take real sockets up).
-        let fd = || std::os::fd::OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
-        let state = |queue| HandedState {
-            frames: 2,
-            frame_size: 2048,
-            ring_size: 64,
-            bind_flags: 8,
-            queue,
-            ports: ["kxp0-dp", "eth0"]
-                .iter()
-                .map(|n| dataplane::xsk::HandedPort {
-                    ifname: n.to_string(),
-                    ifindex: 3,
-                    queue,
-                    in_fill: 1,
-                    tx_in_flight: 0,
-                    warm: false,
-                    zero_copy: false,
-                    tx_budget: 64,
-                    tx_pending: Vec::new(),
-                })
-                .collect(),
-            free: vec![256],
-            ring_of: vec![3, 0],
-        };
-        let handed: Vec<Handed> = (0..2)
-            .map(|q| Handed {
-                memfd: fd(),
-                sockets: vec![fd(), fd()],
-                state: state(q),
-            })
-            .collect();
-        let handed = HandedOver {
-            workers: handed,
-            stopped_ns: 12345,
-        };
+        let handed = test_handed();
         assert!(!l.finish(&handed), "signalled: no standing by");
         let (asked, got) = asker.join().unwrap();
         assert!(matches!(asked, Asked::Released(_)));
         assert_eq!(got.stopped_ns, 12345);
         assert_eq!(got.workers.len(), 2, "both workers' sockets arrived");
         for (q, h) in got.workers.iter().enumerate() {
-            assert_eq!(h.state, state(q as u32));
+            assert_eq!(h.state, test_state(q as u32));
             assert_eq!(h.sockets.len(), 2);
         }
         assert!(!socket_path(&dir).exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Between this build and one before loans (which announces `intend 1 G`, answers a
+    /// bare `ok`, and sends one socket per message), both ways: no loan is asked for or
+    /// made, and the sockets arrive one per message.
+    #[test]
+    fn a_kxp_before_loans_hands_over_and_takes_over_as_before() {
+        let dir = std::env::temp_dir().join(format!("kxp-release-old-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // This kxp runs, the one before is its successor.
+        let stop = Arc::new(AtomicBool::new(false));
+        let lender: Lender = Arc::new(|| panic!("no loan asked for"));
+        let l = ReleaseListener::start(&dir, Some(2), stop.clone(), Some(lender)).unwrap();
+        let mut s = UnixStream::connect(socket_path(&dir)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        writeln!(s, "intend 1 3").unwrap();
+        assert_eq!(read_line(&s).unwrap(), "ok");
+        writeln!(s, "release").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !l.asked() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(l.finish(&test_handed()), "asked, no signal: it stands by");
+        assert_eq!(read_line(&s).unwrap(), "released");
+        let got = receive_sockets(&s, false).unwrap();
+        assert_eq!(got.workers.len(), 2);
+        assert!(got.workers.iter().all(|h| h.sockets.len() == 2));
+        // The one before runs, this kxp is its successor.
+        let _ = std::fs::remove_file(socket_path(&dir));
+        let listener = UnixListener::bind(socket_path(&dir)).unwrap();
+        let before = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let intend = read_line(&s).unwrap();
+            writeln!(s, "ok").unwrap();
+            let ask = read_line(&s).unwrap();
+            writeln!(s, "released").unwrap();
+            send_sockets(&s, &test_handed(), false).unwrap();
+            (intend, ask)
+        });
+        let Announced::Successor(mut s) = Successor::announce(&dir, Some(3)) else {
+            panic!("taken as the successor");
+        };
+        assert!(!s.lends);
+        assert_eq!(s.premap().unwrap().sockets(), 0, "no loan asked for");
+        let (asked, got) = s.ask_release();
+        assert!(matches!(asked, Asked::Released(_)));
+        assert_eq!(got.workers.len(), 2);
+        assert!(got.workers.iter().all(|h| h.sockets.len() == 2));
+        let (intend, ask) = before.join().unwrap();
+        assert_eq!(intend, format!("intend {VERSION} 3 {LEND}"));
+        assert_eq!(ask, "release", "no loan asked for first");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -223,6 +223,35 @@ pub(super) fn load_steering(since: Instant, keep: bool) -> Result<Steering, Data
     Ok(service_prog)
 }
 
+/// The service device and the steering program: those taken up ahead of a hand-over
+/// ([`super::Prepared::take_up_ahead`]), or else taken up (or made, loaded) now. The
+/// steering program is loaded (and verified) once: every interface attached later shares
+/// it and its maps (see crate::xdp).
+pub(super) fn take_up(
+    cfg: &DataplaneConfig,
+    settings: &Settings,
+    service: Option<ServiceDevice>,
+    steering: Option<Steering>,
+    times: &mut super::StartTimes,
+    lap: &mut Instant,
+) -> Result<(ServiceDevice, Steering), DataplaneError> {
+    let service = match service {
+        Some(mut s) => {
+            s.own();
+            s
+        }
+        None => ServiceDevice::create(&cfg.service_device, cfg.workers as u32, settings.keep)?,
+    };
+    times.lap("service device", lap);
+    *lap = Instant::now();
+    let steering = match steering {
+        Some(s) => s,
+        None => load_steering(*lap, settings.keep)?,
+    };
+    times.lap("steering program", lap);
+    Ok((service, steering))
+}
+
 /// Readies the program for the service device's kxp side: its SNAT ports, 802.1Q
 /// steering and the service device's mode; with a state directory, it holds packets while
 /// no socket takes them, and the rules a previous kxp kept are put back in order.
