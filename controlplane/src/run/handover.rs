@@ -262,19 +262,9 @@ fn send_batched(s: &UnixStream, fds: &[OwnedFd]) -> std::io::Result<()> {
 
 /// `n` descriptors sent by [`send_batched`].
 fn receive_batched(s: &UnixStream, n: usize) -> Result<Vec<OwnedFd>, String> {
-    use std::os::fd::AsFd;
     let mut fds = Vec::with_capacity(n);
     while fds.len() < n {
-        let mut h = [0u8; 8];
-        let (got, batch) =
-            dataplane::sys::recv_with_fds(s.as_fd(), &mut h).map_err(|e| e.to_string())?;
-        if got == 0 {
-            return Err("the connection closed".into());
-        }
-        let mut r = s;
-        r.read_exact(&mut h[got..]).map_err(|e| e.to_string())?;
-        let kind = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
-        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+        let (kind, len, batch) = receive_header(s)?;
         if kind != MSG_SOCKETS || len != batch.len() || fds.len() + len > n {
             return Err(format!(
                 "a message of kind {kind} with {} of {len} descriptors where {} sockets \
@@ -292,20 +282,12 @@ fn receive_batched(s: &UnixStream, n: usize) -> Result<Vec<OwnedFd>, String> {
 /// could not be lent), then per worker its UMEM's memfd with its geometry, and each of
 /// its sockets, one descriptor per message.
 fn send_lent(s: &UnixStream, lent: Option<&[Lent]>) -> std::io::Result<()> {
-    use std::os::fd::AsFd;
     let mut w = s;
     let lent = lent.unwrap_or_default();
     writeln!(w, "lent {}", lent.len())?;
     for l in lent {
         let g = l.geometry.encode();
-        dataplane::sys::send_with_fd(
-            s.as_fd(),
-            &header(MSG_LENT, g.len()),
-            Some(l.memfd.as_fd()),
-            true,
-        )?;
-        w.write_all(&g)?;
-        send_batched(s, &l.sockets)?;
+        send_worker(s, (MSG_LENT, &g), &l.memfd, &l.sockets, true)?;
     }
     w.flush()
 }
@@ -347,46 +329,62 @@ const MAX_STATE: usize = 64 << 20;
 /// worker its UMEM's memfd with its state, and each of its sockets, one descriptor per
 /// message (SCM_RIGHTS).
 fn send_sockets(s: &UnixStream, handed: &HandedOver, batched: bool) -> std::io::Result<()> {
-    use std::os::fd::AsFd;
     let mut w = s;
     writeln!(w, "sockets {} {}", handed.workers.len(), handed.stopped_ns)?;
     for h in &handed.workers {
         let state = h.state.encode();
-        dataplane::sys::send_with_fd(
-            s.as_fd(),
-            &header(MSG_WORKER, state.len()),
-            Some(h.memfd.as_fd()),
-            true,
-        )?;
-        w.write_all(&state)?;
-        if batched {
-            send_batched(s, &h.sockets)?;
-            continue;
-        }
-        for sock in &h.sockets {
-            dataplane::sys::send_with_fd(
-                s.as_fd(),
-                &header(MSG_SOCKET, 0),
-                Some(sock.as_fd()),
-                true,
-            )?;
-        }
+        send_worker(s, (MSG_WORKER, &state), &h.memfd, &h.sockets, batched)?;
     }
     w.flush()
 }
 
-/// One message's header and the descriptor it carries.
-fn receive_fd(s: &UnixStream, kind: u32) -> Result<(usize, std::os::fd::OwnedFd), String> {
+/// One worker's part of [`send_sockets`] or [`send_lent`]: its UMEM's `memfd` in a
+/// message of kind `kind.0` followed by `kind.1` (its state or geometry), then its
+/// `sockets`, in batches or (for a kxp before loans) one per message.
+fn send_worker(
+    s: &UnixStream,
+    (kind, bytes): (u32, &[u8]),
+    memfd: &OwnedFd,
+    sockets: &[OwnedFd],
+    batched: bool,
+) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+    dataplane::sys::send_with_fd(
+        s.as_fd(),
+        &header(kind, bytes.len()),
+        Some(memfd.as_fd()),
+        true,
+    )?;
+    let mut w = s;
+    w.write_all(bytes)?;
+    if batched {
+        return send_batched(s, sockets);
+    }
+    for sock in sockets {
+        dataplane::sys::send_with_fd(s.as_fd(), &header(MSG_SOCKET, 0), Some(sock.as_fd()), true)?;
+    }
+    Ok(())
+}
+
+/// One message's header (its kind and length) and the descriptors it carries.
+fn receive_header(s: &UnixStream) -> Result<(u32, usize, Vec<OwnedFd>), String> {
     use std::os::fd::AsFd;
     let mut h = [0u8; 8];
-    let (n, fd) = dataplane::sys::recv_with_fd(s.as_fd(), &mut h).map_err(|e| e.to_string())?;
+    let (n, fds) = dataplane::sys::recv_with_fds(s.as_fd(), &mut h).map_err(|e| e.to_string())?;
     if n == 0 {
         return Err("the connection closed".into());
     }
     let mut r = s;
     r.read_exact(&mut h[n..]).map_err(|e| e.to_string())?;
-    let got = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let kind = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
     let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+    Ok((kind, len, fds))
+}
+
+/// One message's header and the descriptor it carries.
+fn receive_fd(s: &UnixStream, kind: u32) -> Result<(usize, std::os::fd::OwnedFd), String> {
+    let (got, len, fds) = receive_header(s)?;
+    let fd = fds.into_iter().next();
     if got != kind {
         return Err(format!("a message of kind {got} where {kind} was expected"));
     }

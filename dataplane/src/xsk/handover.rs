@@ -326,20 +326,23 @@ impl WorkerIo<'_> {
     /// descriptors of them) and what userspace holds are returned, and this process's
     /// mappings and descriptors closed. Every [`Frame`](super::Frame) should have been
     /// given back first (the type system makes sure none outlives `self`).
+    /// A copy of descriptor `fd`, to `what` (for the error).
+    fn dup(&self, fd: std::os::fd::BorrowedFd<'_>, what: &str) -> Result<OwnedFd, XskError> {
+        fd.try_clone_to_owned().map_err(|e| XskError::Socket {
+            ifname: String::new(),
+            queue: self.queue,
+            reason: format!("duplicating a descriptor to {what}: {e}"),
+            errno: e.raw_os_error(),
+        })
+    }
+
     /// Copies of the UMEM's and the sockets' descriptors, for the next kxp to map ahead
     /// of a hand-over while this worker goes on forwarding ([`Lent`]).
     ///
     /// # Errors
     /// A descriptor cannot be duplicated.
     pub fn lend(&self) -> Result<Lent, XskError> {
-        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
-            fd.try_clone_to_owned().map_err(|e| XskError::Socket {
-                ifname: String::new(),
-                queue: self.queue,
-                reason: format!("duplicating a descriptor to lend it: {e}"),
-                errno: e.raw_os_error(),
-            })
-        };
+        let dup = |fd| self.dup(fd, "lend it");
         Ok(Lent {
             memfd: dup(self.area.memfd())?,
             geometry: LentGeometry {
@@ -360,14 +363,7 @@ impl WorkerIo<'_> {
         for i in 0..self.ports.len() {
             self.flush_port(i);
         }
-        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
-            fd.try_clone_to_owned().map_err(|e| XskError::Socket {
-                ifname: String::new(),
-                queue: self.queue,
-                reason: format!("duplicating a descriptor to hand it over: {e}"),
-                errno: e.raw_os_error(),
-            })
-        };
+        let dup = |fd| self.dup(fd, "hand it over");
         let memfd = dup(self.area.memfd())?;
         let sockets = self
             .ports
