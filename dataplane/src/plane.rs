@@ -1121,14 +1121,15 @@ impl Dataplane {
         if self.handed.is_none() {
             return Ok(());
         }
-        self.take_up_node_traffic()?;
+        self.after_first_publication()?;
         self.attach_now()
     }
 
-    /// Started on sockets handed over: takes up the routes and rules of the node's own
-    /// traffic that the previous kxp kept, and brings them in line with what is
-    /// published.
-    fn take_up_node_traffic(&mut self) -> Result<(), DataplaneError> {
+    /// Started on sockets handed over, once the first state is published
+    /// ([`AfterFirst`]): moves kxp's other threads off the workers' CPUs, and takes up
+    /// the routes and rules of the node's own traffic that the previous kxp kept,
+    /// brought in line with what is published.
+    fn after_first_publication(&mut self) -> Result<(), DataplaneError> {
         let (Some(after), Some(service)) = (self.after_first.take(), self.service.as_ref()) else {
             return Ok(());
         };
