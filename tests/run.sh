@@ -15,6 +15,8 @@ echo "== cargo fmt --check"
 cargo fmt --all --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+# Before the workspace's build: the earlier build's kxp passes through target/debug/kxp.
+bash tests/build-previous.sh
 echo "== cargo build (the kxp binary the end-to-end tests run)"
 cargo build --workspace --bins
 echo "== cargo test"

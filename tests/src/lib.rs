@@ -26,6 +26,26 @@ pub fn kxp_bin() -> PathBuf {
     bin
 }
 
+/// The kxp of an earlier build (`tests/build-previous.sh`, which `tests/run.sh` runs), for
+/// the hand-over between two builds: its path, or why this clone cannot build it (its
+/// history lacks the commit).
+///
+/// # Panics
+/// When it was not built (the script was not run): the test cannot go on without it.
+pub fn previous_kxp_bin() -> Result<PathBuf, String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/kxp-previous");
+    if let Ok(why) = std::fs::read_to_string(dir.join("absent")) {
+        return Err(why.trim().to_string());
+    }
+    let bin = dir.join("kxp");
+    assert!(
+        bin.is_file(),
+        "the previous build's kxp is not at {}: run `bash tests/build-previous.sh` first",
+        bin.display()
+    );
+    Ok(bin)
+}
+
 /// The nftables forward chain of a node whose firewall drops conntrack-INVALID packets,
 /// as Calico, kube-proxy's KUBE-FORWARD and many host firewalls have it: a connection whose
 /// answers kxp took from the kernel would be dropped by it.

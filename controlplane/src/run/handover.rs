@@ -150,6 +150,10 @@ impl Successor {
     /// ask for the node on it.
     pub(crate) fn premap(&mut self) -> Result<Premapped, String> {
         if !self.lends {
+            tracing::info!(
+                "the running kxp lends no sockets ahead (a kxp before loans): they are mapped \
+                 at the hand-over"
+            );
             return Ok(Premapped::default());
         }
         let started = Instant::now();
