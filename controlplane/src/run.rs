@@ -190,8 +190,9 @@ fn take_over(
         ),
     }
     // This thread only waits until the running kxp's workers have stopped; from then on
-    // their CPUs are idle until this kxp's workers start.
+    // their CPUs are idle until this kxp's workers start, and forwarding waits for it.
     dataplane::plane::use_workers_cpus_until_they_start();
+    dataplane::priority::boost_start(start_nice(dp_cfg));
     // Room for the sockets that arrive in the pause (twice what was lent).
     if let Err(e) = dataplane::sys::reserve_fds(2 * prepared.premapped_sockets() + 256) {
         tracing::debug!("cannot grow the descriptor table ahead: {e}");
@@ -207,22 +208,35 @@ fn announce(
     dp_cfg: &DataplaneConfig,
     generation: Option<u64>,
 ) -> Result<Option<handover::Successor>, ()> {
-    let Some(dir) = dp_cfg.state_dir.as_deref() else {
-        return Ok(None);
+    let announced = match dp_cfg.state_dir.as_deref() {
+        Some(dir) => handover::Successor::announce(dir, generation),
+        None => handover::Announced::Nobody,
     };
-    match handover::Successor::announce(dir, generation) {
+    match announced {
         handover::Announced::Successor(s) => {
             // Off the workers' CPUs from here: the running kxp's workers use them while
             // this one reads the lists and prepares.
             dataplane::plane::keep_off_workers_cpus_ahead(dp_cfg);
             Ok(Some(s))
         }
-        handover::Announced::Nobody => Ok(None),
+        handover::Announced::Nobody => {
+            // No kxp forwards: the node's Service traffic waits for this one's start.
+            dataplane::priority::boost_start(start_nice(dp_cfg));
+            Ok(None)
+        }
         handover::Announced::Outranked(why) => {
             handover::stand_by(&format!("this node is another kxp's ({why})"));
             Err(())
         }
     }
+}
+
+/// The nice kxp's start runs at while the node's Service traffic waits for it (see
+/// [`dataplane::priority::boost_start`]): the workers'.
+fn start_nice(dp_cfg: &DataplaneConfig) -> i32 {
+    dp_cfg
+        .effective_worker_nice()
+        .unwrap_or(dataplane::priority::PINNED_WORKER_NICE)
 }
 
 /// Listens for a newer kxp (see [`handover`]), which `dp` lends its sockets to ahead of

@@ -473,6 +473,9 @@ pub struct Dataplane {
     /// Started on sockets handed over: their interfaces (see
     /// [`Dataplane::attach_interfaces`]).
     handed: Option<HashSet<u32>>,
+    /// The workers' thread ids once known (none when they are not pinned), for the end
+    /// of the start's priority ([`crate::priority::boost_start`]).
+    worker_tids: Option<Vec<libc::pid_t>>,
     /// See [`Dataplane::first_published_ns`].
     first_published_ns: u64,
     /// Started on sockets handed over: what is done after the first publication.
@@ -1059,6 +1062,7 @@ impl Dataplane {
             link_stop: Arc::new(AtomicBool::new(false)),
             handed: None,
             after_first: None,
+            worker_tids: None,
             first_published_ns: 0,
             service: Some(service),
         };
@@ -1105,7 +1109,7 @@ impl Dataplane {
         }
         self.follow_links(cfg, links)?;
         if let Some(started) = started {
-            start::keep_others_off(cfg, &started);
+            self.worker_tids = Some(start::keep_others_off(cfg, &started));
         }
         Ok(())
     }
@@ -1134,7 +1138,8 @@ impl Dataplane {
             return Ok(());
         };
         let cfg = &after.cfg;
-        start::keep_others_off(cfg, &after.started);
+        let workers = start::keep_others_off(cfg, &after.started);
+        crate::priority::end_start_boost(&workers, self.holder_pid());
         let (routes, nodeport_rules, kernel_policy) = start::node_traffic(cfg, service)?;
         let mut prog = self.links.lock();
         prog.routes = Some(routes);
@@ -1205,8 +1210,19 @@ impl Dataplane {
         self.shared.snapshot.store(update.snapshot.clone());
         if self.first_published_ns == 0 {
             self.first_published_ns = crate::sys::monotonic_ns();
+            // The workers forward: the start's priority ends (on sockets handed over,
+            // once the workers' thread ids are known, after this publication).
+            if let Some(workers) = &self.worker_tids {
+                crate::priority::end_start_boost(workers, self.holder_pid());
+            }
         }
         self.program(&update)
+    }
+
+    /// The socket holder's process id, if one runs.
+    fn holder_pid(&self) -> Option<libc::pid_t> {
+        let pid = self.shared.holder.as_ref()?.pid()?;
+        libc::pid_t::try_from(pid).ok()
     }
 
     /// When the first state was published (`CLOCK_MONOTONIC`, ns; 0: not yet): the

@@ -226,7 +226,16 @@ pub fn populate_huge(addr: usize, len: usize) -> io::Result<()> {
 
 /// The thread ids of this process.
 pub fn thread_ids() -> Vec<libc::pid_t> {
-    std::fs::read_dir("/proc/self/task")
+    tasks_in("/proc/self/task")
+}
+
+/// The thread ids of process `pid`.
+pub fn thread_ids_of(pid: libc::pid_t) -> Vec<libc::pid_t> {
+    tasks_in(&format!("/proc/{pid}/task"))
+}
+
+fn tasks_in(dir: &str) -> Vec<libc::pid_t> {
+    std::fs::read_dir(dir)
         .map(|d| {
             d.filter_map(Result::ok)
                 .filter_map(|t| t.file_name().to_str()?.parse().ok())

@@ -3499,6 +3499,33 @@ fn a_pinned_worker_has_its_cpu_to_itself() {
         let want = if name == "kxp-worker-0" { -20 } else { own };
         assert_eq!(*n, want, "thread {name}: {task_nice:?}");
     }
+    // Its start ran at the workers' nice until the first publication, then every thread
+    // went back, the socket holder's (started meanwhile) too.
+    assert!(
+        log.contains(&format!(
+            "start-up ran at nice -20 until the first publication (the node's Service \
+             traffic waits for it); kxp's threads are back at nice {own}"
+        )),
+        "{log}"
+    );
+    let children: Vec<u32> = proc_pids()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|st| {
+                st.lines()
+                    .any(|l| l.strip_prefix("PPid:").map(str::trim) == Some(&pid.to_string()))
+            })
+        })
+        .collect();
+    assert!(!children.is_empty(), "kxp's socket holder");
+    for child in children {
+        for t in std::fs::read_dir(format!("/proc/{child}/task"))
+            .unwrap()
+            .flatten()
+        {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            assert_eq!(stat_nice(&stat), own, "holder {child}'s thread {stat}");
+        }
+    }
     assert!(
         log.contains("worker 0 (thread") && log.contains("on CPU 1 runs at nice -20"),
         "{log}"

@@ -668,15 +668,18 @@ impl Dataplane {
 }
 
 /// With pinned workers, waits for each worker's thread id (up to 2 s for each) on
-/// `started` and moves kxp's other threads off the workers' CPUs.
+/// `started` and moves kxp's other threads off the workers' CPUs. The workers' thread
+/// ids (none when they are not pinned).
 pub(super) fn keep_others_off(
     cfg: &DataplaneConfig,
     started: &std::sync::mpsc::Receiver<libc::pid_t>,
-) {
-    if let Some(cpus) = &cfg.cpus {
-        let worker_tids: Vec<libc::pid_t> = (0..cpus.len())
-            .map_while(|_| started.recv_timeout(Duration::from_secs(2)).ok())
-            .collect();
-        keep_off_worker_cpus(cpus, &worker_tids);
-    }
+) -> Vec<libc::pid_t> {
+    let Some(cpus) = &cfg.cpus else {
+        return Vec::new();
+    };
+    let worker_tids: Vec<libc::pid_t> = (0..cpus.len())
+        .map_while(|_| started.recv_timeout(Duration::from_secs(2)).ok())
+        .collect();
+    keep_off_worker_cpus(cpus, &worker_tids);
+    worker_tids
 }
