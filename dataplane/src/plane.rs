@@ -708,14 +708,7 @@ impl Wanted {
         if sp.node_port != 0 {
             self.node_ports.bump((proto.number(), sp.node_port), by);
             for i in 0..self.np_addrs.len() {
-                let ip = self.np_addrs[i];
-                if ip.is_ipv4() == sp.cluster_ip.is_ipv4() {
-                    self.frontends.bump(key(ip, sp.node_port), by);
-                    if udp {
-                        self.udp_frontends
-                            .bump(SocketAddr::new(ip, sp.node_port), by);
-                    }
-                }
+                self.count_node_port_on(sp, self.np_addrs[i], by);
             }
         }
         self.cluster_ips.bump(sp.cluster_ip, by);
@@ -730,6 +723,50 @@ impl Wanted {
 }
 
 impl Wanted {
+    /// Counts (`by` = 1) or uncounts (-1) a port's NodePort on node address `ip` (one of
+    /// its family).
+    fn count_node_port_on(&mut self, sp: &ServicePort, ip: IpAddr, by: i32) {
+        if ip.is_ipv4() != sp.cluster_ip.is_ipv4() {
+            return;
+        }
+        let proto = sp.name.protocol;
+        self.frontends
+            .bump(SteerKey::new(ip, sp.node_port, proto), by);
+        if proto == Protocol::Udp {
+            self.udp_frontends
+                .bump(SocketAddr::new(ip, sp.node_port), by);
+        }
+    }
+
+    /// The node's addresses NodePorts are expanded with became `np_addrs` (an address
+    /// came or went: a pod's veth, or kxp's service device, getting its IPv6 link-local
+    /// one): only the NodePort keys of the addresses that came or went are counted in or
+    /// out, for the Service ports of `snap` (those counted). Programming every Service
+    /// anew for it took 1.6 s at 100,000 Services.
+    fn move_node_ports(&mut self, snap: &Snapshot, np_addrs: Vec<IpAddr>) {
+        let came: Vec<IpAddr> = np_addrs
+            .iter()
+            .filter(|a| !self.np_addrs.contains(a))
+            .copied()
+            .collect();
+        let gone: Vec<IpAddr> = self
+            .np_addrs
+            .iter()
+            .filter(|a| !np_addrs.contains(a))
+            .copied()
+            .collect();
+        for sp in snap.ports().filter(|sp| sp.node_port != 0) {
+            for &ip in &came {
+                self.count_node_port_on(sp, ip, 1);
+            }
+            for &ip in &gone {
+                self.count_node_port_on(sp, ip, -1);
+            }
+        }
+        self.np_addrs = np_addrs;
+        self.node_ports_changed = true;
+    }
+
     /// Changes are recorded from now on (after a refill).
     fn track_changes(&mut self) {
         self.frontends.tracking = true;
@@ -1921,7 +1958,10 @@ impl Programming {
     ) -> (GoneUdp, Option<DataplaneError>) {
         let snap = &*update.snapshot;
         let (local, np_addrs) = node_addresses(snap, view);
-        let full = update.full || self.needs_full || np_addrs != self.wanted.np_addrs;
+        let full = update.full || self.needs_full;
+        if full && !update.full {
+            tracing::info!("programming every Service anew: the last programming failed");
+        }
         let service_cidrs: HashSet<ipnet::IpNet> =
             snap.node.service_cidrs.iter().copied().collect();
         let mut first_err = None;
@@ -1945,7 +1985,8 @@ impl Programming {
             self.wanted
                 .refill(snap, np_addrs, &mut programs, view, &mut note)
         } else {
-            self.wanted.apply(update, &mut programs, view, &mut note)
+            self.wanted
+                .apply(update, np_addrs, &mut programs, view, &mut note)
         };
         let route_err = self.sync_node_traffic(&local, &service_cidrs);
         self.wanted.local = local;
@@ -2080,6 +2121,7 @@ impl Wanted {
     fn apply(
         &mut self,
         update: &Update,
+        np_addrs: Vec<IpAddr>,
         programs: &mut [&mut Steering],
         view: &crate::fib::FibView,
         note: &mut impl FnMut(Result<crate::xdp::SyncStats, crate::xdp::XdpError>),
@@ -2092,6 +2134,10 @@ impl Wanted {
         }
         for sp in &update.removed {
             self.count(sp, -1);
+        }
+        // Then the NodePorts moved, over what is counted now: the snapshot's ports.
+        if np_addrs != self.np_addrs {
+            self.move_node_ports(&update.snapshot, np_addrs);
         }
         let (fa, fr) = self.frontends.changes();
         let (ea, er) = self.endpoints.changes();

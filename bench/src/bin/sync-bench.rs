@@ -41,6 +41,10 @@ struct Args {
     /// (`--interface 'vp*'`) besides its uplink: a kubelet runs up to 110 pods.
     #[arg(long, default_value_t = 0)]
     pod_veths: u32,
+    /// Keep the big cluster's kxp log at this path (it goes with the run's directory
+    /// otherwise).
+    #[arg(long)]
+    keep_log: Option<PathBuf>,
 }
 
 struct Outcome {
@@ -103,6 +107,7 @@ fn run_one(
     services: u32,
     changes: u32,
     pod_veths: u32,
+    keep_log: Option<&std::path::Path>,
 ) -> anyhow::Result<Outcome> {
     let mut topo = Topology::new("kxs");
     let node = topo.add_ns("node")?;
@@ -222,6 +227,10 @@ fn run_one(
         }
     }
     kxp.terminate();
+    if let Some(to) = keep_log {
+        std::fs::copy(dir.join("kxp.log"), to)
+            .with_context(|| format!("keeping kxp's log at {}", to.display()))?;
+    }
     // A stopped kxp leaves its programs (pinned) and state for a successor; none comes.
     if let Err(e) = kxp.cleanup() {
         eprintln!("sync-bench: {e:#}");
@@ -245,8 +254,14 @@ fn main() -> anyhow::Result<()> {
         bail!("sync-bench creates network namespaces and runs kxp: run it as root");
     }
     let kxp = locate_kxp(args.kxp.as_ref())?;
-    let base = run_one(&kxp, 0, 0, args.pod_veths)?;
-    let big = run_one(&kxp, args.services, args.changes, args.pod_veths)?;
+    let base = run_one(&kxp, 0, 0, args.pod_veths, None)?;
+    let big = run_one(
+        &kxp,
+        args.services,
+        args.changes,
+        args.pod_veths,
+        args.keep_log.as_deref(),
+    )?;
     println!(
         "cluster: {} Services × 10 endpoints; {} idle pod veths attached",
         args.services, args.pod_veths
