@@ -580,8 +580,8 @@ fn busy_poll_knobs(ifnames: &[String]) -> Vec<(String, String)> {
 /// count moved since the last [`Counted::changes`] (with their count before).
 #[derive(Debug)]
 struct Counted<K> {
-    counts: HashMap<K, u32>,
-    touched: HashMap<K, u32>,
+    counts: HashMap<K, u32, foldhash::fast::RandomState>,
+    touched: HashMap<K, u32, foldhash::fast::RandomState>,
     /// Changes are recorded in `touched` (not while a refill counts everything afresh).
     tracking: bool,
 }
@@ -589,8 +589,8 @@ struct Counted<K> {
 impl<K> Default for Counted<K> {
     fn default() -> Self {
         Counted {
-            counts: HashMap::new(),
-            touched: HashMap::new(),
+            counts: HashMap::default(),
+            touched: HashMap::default(),
             tracking: true,
         }
     }
@@ -601,8 +601,8 @@ impl<K: std::hash::Hash + Eq + Copy> Counted<K> {
     /// refill, whose sets are then written in full.
     fn fresh(keys: usize) -> Self {
         Counted {
-            counts: HashMap::with_capacity(keys),
-            touched: HashMap::new(),
+            counts: HashMap::with_capacity_and_hasher(keys, Default::default()),
+            touched: HashMap::default(),
             tracking: false,
         }
     }
@@ -2090,13 +2090,14 @@ impl Wanted {
             self.count(sp, 1);
         }
         self.track_changes();
-        let frontends: HashSet<SteerKey> = self.frontends.keys().copied().collect();
-        let endpoints: HashSet<SteerKey> = self.endpoints.keys().copied().collect();
-        let cluster_ips: HashSet<IpAddr> = self.cluster_ips.keys().copied().collect();
+        let keys =
+            |c: &Counted<SteerKey>| -> crate::xdp::KeySet<SteerKey> { c.keys().copied().collect() };
+        let cluster_ips: crate::xdp::KeySet<IpAddr> = self.cluster_ips.keys().copied().collect();
+        // Each program (one for every interface) takes its sets whole: no other copy.
         for s in programs.iter_mut() {
-            note(s.sync_frontends(&frontends));
-            note(s.sync_endpoints(&endpoints));
-            note(s.sync_cluster_ips(&cluster_ips));
+            for r in s.refill(keys(&self.frontends), keys(&self.endpoints), &cluster_ips) {
+                note(r);
+            }
         }
         for sp in snap.ports() {
             resolve_next_hops(view, sp);

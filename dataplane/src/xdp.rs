@@ -77,8 +77,8 @@ pub use error::XdpError;
 use error::{attach_hint, detach_hint};
 pub use key::SteerKey;
 pub use stats::SteerStats;
-pub use sync::SyncStats;
 use sync::SyncedMap;
+pub use sync::{KeySet, SyncStats};
 
 /// The program's name in the kernel (`bpftool prog`, [`cleanup_interface`]).
 pub const PROG_NAME: &str = "kxp_steer";
@@ -992,6 +992,25 @@ impl Steering {
     /// As [`Steering::sync_frontends`].
     pub fn sync_endpoints(&mut self, want: &HashSet<SteerKey>) -> Result<SyncStats, XdpError> {
         self.sets().endpoints.sync(want)
+    }
+
+    /// A full programming: makes `frontends`, `endpoints` and `cluster_ips` hold exactly
+    /// these sets, as [`Steering::sync_frontends`], [`Steering::sync_endpoints`] and
+    /// [`Steering::sync_cluster_ips`] do, taking them whole: a set made anew keeps them
+    /// with no copy.
+    pub fn refill(
+        &mut self,
+        frontends: KeySet<SteerKey>,
+        endpoints: KeySet<SteerKey>,
+        cluster_ips: &KeySet<IpAddr>,
+    ) -> [Result<SyncStats, XdpError>; 3] {
+        let canonical: KeySet<IpAddr> = cluster_ips.iter().map(|a| a.to_canonical()).collect();
+        let mut sets = self.sets();
+        [
+            sets.frontends.sync_owned(frontends),
+            sets.endpoints.sync_owned(endpoints),
+            sets.cluster_ips.sync_owned(canonical),
+        ]
     }
 
     /// Makes `local_addrs` hold exactly the node addresses `want` (rules (b)-(d));
