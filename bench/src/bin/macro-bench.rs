@@ -1299,6 +1299,8 @@ struct Router<'a> {
     kxp_cmd: Option<(PathBuf, Vec<String>)>,
     /// The running kxp's `KXP_GENERATION`.
     generation: u64,
+    /// The log of the kxp the last hand-over took the node from.
+    handed_from_log: Option<String>,
 }
 
 impl<'a> Router<'a> {
@@ -1316,6 +1318,7 @@ impl<'a> Router<'a> {
     ) -> anyhow::Result<Router<'a>> {
         let mut r = Router {
             generation: 1,
+            handed_from_log: None,
             lab,
             case,
             kxp: None,
@@ -1489,6 +1492,7 @@ impl<'a> Router<'a> {
         self.generation += 1;
         if let Some(mut old) = self.kxp.replace(p) {
             old.stop(libc::SIGTERM, Duration::from_secs(10));
+            self.handed_from_log = Some(old.log_text());
         }
         let text = self.kxp.as_ref().map(Proc::log_text).unwrap_or_default();
         let released = text
@@ -3360,8 +3364,57 @@ fn restart_gaps(lab: &Lab, plan: &Plan, case: Case) -> anyhow::Result<()> {
         median_gap * 1e3,
         lat.summary()
     );
+    if let (Some(old), Some(new)) = (&router.handed_from_log, router.kxp.as_ref()) {
+        println!("{}", handover_drops(old, &new.log_text()));
+    }
     drop(router);
     Ok(())
+}
+
+/// What the AF_XDP sockets' kernel counters say the hand-over dropped: they count per
+/// socket since it was made, across the two kxp that held it, so the new kxp's first
+/// `totals:` line after it resumed forwarding, less the old kxp's last one before it
+/// handed the sockets over, is what the kernel dropped for want of a fill ring frame or
+/// of room in an RX ring in between (up to a second either side of the switch).
+fn handover_drops(old_log: &str, new_log: &str) -> String {
+    let drops = |line: &str| -> u64 {
+        let Some(list) = line.split("xsk_drops [").nth(1) else {
+            return 0;
+        };
+        list.split(['[', ']', ',', ' ', ':'])
+            .filter_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                matches!(k, "fill_ring_empty" | "rx_ring_full" | "other")
+                    .then(|| v.parse::<u64>().ok())?
+            })
+            .sum()
+    };
+    let before = old_log
+        .lines()
+        .take_while(|l| !l.contains("handed the sockets over to the newer kxp"))
+        .filter(|l| l.contains("totals:"))
+        .last();
+    let after = new_log
+        .lines()
+        .skip_while(|l| !l.contains("hand-over: forwarding resumed"))
+        .find(|l| l.contains("totals:"));
+    let paused = new_log
+        .lines()
+        .find_map(|l| l.split("paused_ms=").nth(1)?.split_whitespace().next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or_else(|| "not logged".to_string(), |ms| format!("{ms:.1} ms"));
+    match (before, after) {
+        (Some(b), Some(a)) => format!(
+            "Hand-over, the sockets' kernel drop counters (fill ring empty, RX ring full, \
+             other): {} before, {} after, so {} dropped across the switch; forwarding paused \
+             {paused} by the new kxp's log.",
+            drops(b),
+            drops(a),
+            drops(a).saturating_sub(drops(b))
+        ),
+        _ => "Hand-over: no totals line on one side to compare the sockets' drop counters."
+            .to_string(),
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -3389,6 +3442,20 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), Case::ALL.len());
         assert!(Case::parse("kxp-2m").is_err());
+    }
+
+    #[test]
+    fn the_hand_overs_drops_are_the_counters_difference_across_the_switch() {
+        let old = "x totals: rx 5 xsk_drops [kxp0-dp:fill_ring_empty=0,rx_ring_full=0,other=0 rg1:fill_ring_empty=3306,rx_ring_full=2,other=1]\n\
+                   x handed the sockets over to the newer kxp\n\
+                   x totals: rx 9 xsk_drops [kxp0-dp:fill_ring_empty=0,rx_ring_full=0,other=0]";
+        let new = "x totals: rx 1 xsk_drops [rg1:fill_ring_empty=1,rx_ring_full=0,other=0]\n\
+                   x hand-over: forwarding resumed paused_ms=9\n\
+                   x totals: rx 7 xsk_drops [kxp0-dp:fill_ring_empty=0,rx_ring_full=0,other=0 rg1:fill_ring_empty=3400,rx_ring_full=3,other=1]";
+        let s = super::handover_drops(old, new);
+        assert!(s.contains("3309 before, 3404 after, so 95 dropped"), "{s}");
+        assert!(s.contains("paused 9.0 ms"), "{s}");
+        assert!(super::handover_drops("", new).contains("no totals line"));
     }
 
     #[test]
