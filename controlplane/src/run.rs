@@ -774,8 +774,13 @@ fn shutdown(
         // resumes.
         hc.stop();
         stop_servers(health, metrics);
-        let handed = dp.hand_over();
-        let stand_by = release.is_some_and(|r| r.finish(&handed));
+        // From the workers' stop until the sockets are sent, forwarding waits for this
+        // thread: at the workers' priority.
+        let (handed, stand_by) = dataplane::priority::at_nice(start_nice(dp_cfg), || {
+            let handed = dp.hand_over();
+            let stand_by = release.is_some_and(|r| r.finish(&handed));
+            (handed, stand_by)
+        });
         // The successor has its own references to the sockets now: this kxp's go, so
         // that one that cannot take them up can bind new sockets on the same queues.
         drop(handed);
