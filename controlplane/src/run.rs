@@ -192,7 +192,7 @@ fn take_over(
     // This thread only waits until the running kxp's workers have stopped; from then on
     // their CPUs are idle until this kxp's workers start, and forwarding waits for it.
     dataplane::plane::use_workers_cpus_until_they_start();
-    dataplane::priority::boost_start(start_nice(dp_cfg));
+    dataplane::priority::boost_start(urgent_nice(dp_cfg));
     // Room for the sockets that arrive in the pause (twice what was lent).
     if let Err(e) = dataplane::sys::reserve_fds(2 * prepared.premapped_sockets() + 256) {
         tracing::debug!("cannot grow the descriptor table ahead: {e}");
@@ -221,7 +221,7 @@ fn announce(
         }
         handover::Announced::Nobody => {
             // No kxp forwards: the node's Service traffic waits for this one's start.
-            dataplane::priority::boost_start(start_nice(dp_cfg));
+            dataplane::priority::boost_start(urgent_nice(dp_cfg));
             Ok(None)
         }
         handover::Announced::Outranked(why) => {
@@ -231,9 +231,10 @@ fn announce(
     }
 }
 
-/// The nice kxp's start runs at while the node's Service traffic waits for it (see
+/// The nice kxp's threads run at while the node's Service traffic waits for them (a
+/// start, either side of a hand-over's switch; see
 /// [`dataplane::priority::boost_start`]): the workers'.
-fn start_nice(dp_cfg: &DataplaneConfig) -> i32 {
+fn urgent_nice(dp_cfg: &DataplaneConfig) -> i32 {
     dp_cfg
         .effective_worker_nice()
         .unwrap_or(dataplane::priority::PINNED_WORKER_NICE)
@@ -776,7 +777,7 @@ fn shutdown(
         stop_servers(health, metrics);
         // From the workers' stop until the sockets are sent, forwarding waits for this
         // thread: at the workers' priority.
-        let (handed, stand_by) = dataplane::priority::at_nice(start_nice(dp_cfg), || {
+        let (handed, stand_by) = dataplane::priority::at_nice(urgent_nice(dp_cfg), || {
             let handed = dp.hand_over();
             let stand_by = release.is_some_and(|r| r.finish(&handed));
             (handed, stand_by)

@@ -149,18 +149,23 @@ struct Boost {
 /// to nice `nice`, until [`end_start_boost`]; nothing if it already runs there or higher,
 /// or may not (no `CAP_SYS_NICE`: said at debug level).
 pub fn boost_start(nice: i32) {
-    let Some(before) = nice_of_thread() else {
-        return;
-    };
+    if let Some(before) = raise_calling_thread(nice) {
+        *START_BOOST.lock().unwrap_or_else(|e| e.into_inner()) = Some(Boost { before, nice });
+    }
+}
+
+/// Raises the calling thread to nice `nice`: its nice before, if it was raised (not if
+/// it already runs there or higher, or may not: no `CAP_SYS_NICE`, said at debug level).
+fn raise_calling_thread(nice: i32) -> Option<i32> {
+    let before = nice_of(crate::sys::gettid())?;
     if nice >= before {
-        return;
+        return None;
     }
     match crate::sys::set_nice(0, nice) {
-        Ok(()) => {
-            *START_BOOST.lock().unwrap_or_else(|e| e.into_inner()) = Some(Boost { before, nice });
-        }
+        Ok(()) => Some(before),
         Err(e) => {
-            tracing::debug!("the start runs at nice {before}: cannot raise it to {nice}: {e}")
+            tracing::debug!("a thread at nice {before} cannot raise itself to {nice}: {e}");
+            None
         }
     }
 }
@@ -200,18 +205,12 @@ pub fn end_start_boost(workers: &[libc::pid_t], child: Option<libc::pid_t>) {
 /// workers' stop and the sockets sent, which forwarding waits for (sent 3 ms after the
 /// stop at nice 0 beside the benchmark's generator, against 0.3 ms in most runs).
 pub fn at_nice<T>(nice: i32, f: impl FnOnce() -> T) -> T {
-    let before = nice_of_thread();
-    let raised = before.is_some_and(|b| nice < b && crate::sys::set_nice(0, nice).is_ok());
+    let before = raise_calling_thread(nice);
     let out = f();
-    if raised && let Some(b) = before {
+    if let Some(b) = before {
         let _ = crate::sys::set_nice(0, b);
     }
     out
-}
-
-/// The calling thread's nice value.
-fn nice_of_thread() -> Option<i32> {
-    parse_stat_nice(&fs::read_to_string("/proc/thread-self/stat").ok()?)
 }
 
 #[cfg(test)]
