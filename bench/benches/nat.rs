@@ -92,6 +92,7 @@ fn new_connection(c: &mut Criterion) {
                             f.port.scheduler,
                             &f.port.endpoints,
                             f.candidates,
+                            f.port.cat.equal_weights,
                             None,
                             &input,
                             &mut cursor,

@@ -1290,9 +1290,10 @@ impl<'id> Worker<'id> {
     /// are not flows (fragments, ICMP errors, other protocols) are left out.
     ///
     /// The packets that found no candidate flow, likely new connections, have their
-    /// decision and endpoint made now ([`Engine::prepare_new`]), and the index buckets
-    /// of the reply tuples that choice gives are warmed too
-    /// ([`conntrack::ConnTable::warm_tuples`]).
+    /// decision and endpoint made now ([`Engine::choose_ahead`]), the chosen endpoints
+    /// brought into the cache, and then the index buckets of the reply tuples those
+    /// choices give ([`Engine::reply_ahead`], [`conntrack::ConnTable::warm_tuples`]):
+    /// each stage over the whole batch, so that its misses overlap.
     ///
     /// Keeps each packet's parse and choice in `parsed` (one per frame, `None` for what
     /// is not a flow's packet), which `handle` then uses instead of parsing, deciding and
@@ -1336,15 +1337,20 @@ impl<'id> Worker<'id> {
         let in_name = self.port_names.get(port).map(String::as_str);
         // Bit k of `fresh` is the k-th flow packet's (keys were pushed in batch order).
         for w in parsed.iter_mut().flatten() {
-            if fresh & 1 == 1
-                && let Some((prepared, reply)) = self.engine.prepare_new(snap, &w.flow, in_name)
-            {
-                w.prepared = Some(prepared);
-                replies.extend(reply);
+            if fresh & 1 == 1 {
+                w.prepared = self.engine.choose_ahead(snap, &w.flow, in_name);
+                if let Some(p) = &w.prepared {
+                    engine::warm_endpoint(snap, p, crate::sys::prefetch);
+                }
             }
             fresh >>= 1;
             if fresh == 0 {
                 break;
+            }
+        }
+        for w in parsed.iter().flatten() {
+            if let Some(p) = &w.prepared {
+                replies.extend(self.engine.reply_ahead(snap, &w.flow, p, in_name));
             }
         }
         self.engine.table.warm_tuples(replies, crate::sys::prefetch);

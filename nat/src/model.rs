@@ -165,6 +165,9 @@ pub struct Categorized {
     pub local: Vec<u32>,
     /// The Service has a usable endpoint somewhere in the cluster.
     pub has_endpoints: bool,
+    /// Every endpoint of the port has the same weight (kube-proxy's case): the random
+    /// scheduler then picks among the candidates without reading an endpoint.
+    pub equal_weights: bool,
     /// Which topology mode kube-proxy chose (for `trace`).
     pub topology: Topology,
 }

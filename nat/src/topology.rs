@@ -23,7 +23,10 @@ pub fn categorize(
     node_name: &str,
     zone: Option<&str>,
 ) -> Categorized {
-    let mut out = Categorized::default();
+    let mut out = Categorized {
+        equal_weights: endpoints.windows(2).all(|w| w[0].weight == w[1].weight),
+        ..Categorized::default()
+    };
     let zone = zone.unwrap_or("");
 
     if policy.uses_cluster {
@@ -160,6 +163,18 @@ mod tests {
         assert_eq!(c.cluster, vec![0]);
         assert!(c.has_endpoints);
         assert!(c.local.is_empty());
+        assert!(c.equal_weights);
+    }
+
+    #[test]
+    fn one_other_weight_makes_the_weights_unequal() {
+        let mut eps = [
+            ep("10.0.0.1", false, true, true, false),
+            ep("10.0.0.2", false, true, true, false),
+        ];
+        eps[1].weight = 3;
+        assert!(!categorize(&eps, CLUSTER, "n", None).equal_weights);
+        assert!(categorize(&eps[..1], CLUSTER, "n", None).equal_weights);
     }
 
     #[test]

@@ -572,6 +572,7 @@ impl Engine {
                     sp.scheduler,
                     &sp.endpoints,
                     fwd.candidates,
+                    sp.cat.equal_weights,
                     Some(table),
                     &input,
                     cursor,
@@ -700,6 +701,22 @@ impl Engine {
         f: &rewrite::FlowPacket,
         in_interface: Option<&str>,
     ) -> Option<(Prepared, Option<Tuple>)> {
+        let prepared = self.choose_ahead(snap, f, in_interface)?;
+        let reply = self.reply_ahead(snap, f, &prepared, in_interface);
+        Some((prepared, reply))
+    }
+
+    /// The first half of [`Engine::prepare_new`]: the decision and the draw, which read
+    /// the Service port and its candidates but no endpoint. A worker makes them for the
+    /// whole batch, brings the chosen endpoints into the cache ([`warm_endpoint`]), then
+    /// asks for the reply tuples ([`Engine::reply_ahead`]): with thousands of Services
+    /// each chosen endpoint is a cache miss, and the batch's misses then overlap.
+    pub fn choose_ahead(
+        &mut self,
+        snap: &Snapshot,
+        f: &rewrite::FlowPacket,
+        in_interface: Option<&str>,
+    ) -> Option<Prepared> {
         let t = f.tuple();
         let Decision::Forward(fwd) = decide_tuple(snap, &t, in_interface) else {
             return None;
@@ -715,17 +732,28 @@ impl Engine {
             endpoint,
             masquerade: fwd.masquerade,
         });
-        let reply = choice.and_then(|c| {
-            let ep = &sp.endpoints[c.endpoint as usize];
-            (!self.is_host_interface(in_interface) && !c.masquerade_for(t.src, ep))
-                .then(|| Tuple::new(ep.addr, t.src_addr(), t.proto))
-        });
-        let prepared = Prepared {
+        Some(Prepared {
             random,
             snapshot: (std::ptr::from_ref(snap) as usize, snap.generation),
             choice,
-        };
-        Some((prepared, reply))
+        })
+    }
+
+    /// The second half of [`Engine::prepare_new`]: the reply tuple of the connection
+    /// `prepared` (made by [`Engine::choose_ahead`] for `f` on `snap`) would open, `None`
+    /// when it is masqueraded or there is no choice.
+    pub fn reply_ahead(
+        &self,
+        snap: &Snapshot,
+        f: &rewrite::FlowPacket,
+        prepared: &Prepared,
+        in_interface: Option<&str>,
+    ) -> Option<Tuple> {
+        let c = prepared.choice_on(snap)?;
+        let ep = snap.port(c.port_index).endpoints.get(c.endpoint as usize)?;
+        let t = f.tuple();
+        (!self.is_host_interface(in_interface) && !c.masquerade_for(t.src, ep))
+            .then(|| Tuple::new(ep.addr, t.src_addr(), t.proto))
     }
 
     /// Whether a packet that arrived on `in_interface` is one of the node's own
@@ -818,10 +846,20 @@ fn pick_stateless(
         sp.scheduler,
         &sp.endpoints,
         fwd.candidates,
+        sp.cat.equal_weights,
         Some(fwd.hash_table()),
         &input,
         &mut RrCursor::default(),
     )
+}
+
+/// Brings the endpoint `prepared` chose into the cache ([`Engine::choose_ahead`]).
+pub fn warm_endpoint(snap: &Snapshot, prepared: &Prepared, prefetch: impl Fn(*const u8)) {
+    if let Some(c) = prepared.choice_on(snap)
+        && let Some(ep) = snap.port(c.port_index).endpoints.get(c.endpoint as usize)
+    {
+        prefetch(std::ptr::from_ref(ep).cast());
+    }
 }
 
 /// Warms what deciding and picking an endpoint for a batch's likely new connections
@@ -849,12 +887,14 @@ pub fn warm_choices(snap: &Snapshot, keys: &[Tuple], fresh: u64, prefetch: impl 
         bits >>= 1;
     }
     let ports = &ports[..n];
+    // Every line of the port: deciding reads fields all over it (its size is the
+    // compiler's layout, over 320 bytes).
+    let size = std::mem::size_of::<nat::model::ServicePort>();
     for &i in ports {
         let sp: *const u8 = std::ptr::from_ref(snap.port(i)).cast();
-        prefetch(sp);
-        prefetch(sp.wrapping_add(64));
-        prefetch(sp.wrapping_add(128));
-        prefetch(sp.wrapping_add(192));
+        for off in (0..size).step_by(64).chain([size - 1]) {
+            prefetch(sp.wrapping_add(off));
+        }
     }
     for &i in ports {
         let sp = snap.port(i);
