@@ -29,6 +29,36 @@ fn sum16(data: &[u8]) -> u32 {
         .sum()
 }
 
+/// The macro benchmark's ClusterIPs, Service `k`'s: 198.19.0.10 up to 198.19.255.255
+/// (65,526, in the Service CIDR 198.19.0.0/16), then 198.18.112.0 up to 198.18.255.255
+/// (36,864, in 198.18.112.0/20 and 198.18.128.0/17), [`SERVICE_VIPS`] in all: so that
+/// 100,000 Services fit in 198.18.0.0/15 beside the lab's links (198.18.1.0/24,
+/// 198.18.2.0/24), the new connections' sources (198.18.64.0/19) and the scale cases'
+/// endpoints (198.18.96.0/20). `k` past the last wraps around.
+pub fn service_vip(k: u32) -> std::net::Ipv4Addr {
+    const FIRST: u32 = 0xC613_000A; // 198.19.0.10
+    const SECOND: u32 = 0xC612_7000; // 198.18.112.0
+    let k = k % SERVICE_VIPS;
+    let in_first = 0xC614_0000 - FIRST;
+    std::net::Ipv4Addr::from(if k < in_first {
+        FIRST + k
+    } else {
+        SECOND + (k - in_first)
+    })
+}
+
+/// How many ClusterIPs [`service_vip`] has.
+pub const SERVICE_VIPS: u32 = (0xC614_0000 - 0xC613_000A) + (0xC613_0000 - 0xC612_7000);
+
+/// The Service CIDRs [`service_vip`]'s first `n` addresses are in.
+pub fn service_cidrs(n: u32) -> &'static [&'static str] {
+    if n <= 0xC614_0000 - 0xC613_000A {
+        &["198.19.0.0/16"]
+    } else {
+        &["198.19.0.0/16", "198.18.112.0/20", "198.18.128.0/17"]
+    }
+}
+
 /// One 60-byte frame, as the benchmark's generators send: Ethernet, IPv4 (no options),
 /// UDP from `src` to `dst`, 18 bytes of payload, both checksums right.
 pub fn udp_frame(
@@ -419,6 +449,41 @@ pub fn locate_kxp(given: Option<&std::path::PathBuf>) -> anyhow::Result<std::pat
 
 #[cfg(test)]
 mod tests {
+    /// Every ClusterIP distinct, inside the Service CIDRs said, and outside the lab's
+    /// other ranges.
+    #[test]
+    fn the_cluster_ips_fit_beside_the_labs_addresses() {
+        use ipnet::Ipv4Net;
+        assert_eq!(super::service_vip(0).to_string(), "198.19.0.10");
+        const { assert!(super::SERVICE_VIPS >= 100_000) };
+        let cidrs: Vec<Ipv4Net> = super::service_cidrs(super::SERVICE_VIPS)
+            .iter()
+            .map(|c| c.parse().unwrap())
+            .collect();
+        let others: Vec<Ipv4Net> = [
+            "198.18.1.0/24",
+            "198.18.2.0/24",
+            "198.18.64.0/19",
+            "198.18.96.0/20",
+        ]
+        .iter()
+        .map(|c| c.parse().unwrap())
+        .collect();
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..super::SERVICE_VIPS {
+            let v = super::service_vip(k);
+            assert!(seen.insert(v), "{v} twice");
+            assert!(cidrs.iter().any(|c| c.contains(&v)), "{v}");
+            assert!(!others.iter().any(|c| c.contains(&v)), "{v}");
+        }
+        assert_eq!(super::service_cidrs(10_000), ["198.19.0.0/16"]);
+        assert!(super::service_cidrs(65_526).len() == 1 && super::service_cidrs(65_527).len() == 3);
+        assert_eq!(
+            super::service_vip(super::SERVICE_VIPS),
+            super::service_vip(0)
+        );
+    }
+
     #[test]
     fn a_line_transfer_between_two_cpus_is_timed() {
         if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {

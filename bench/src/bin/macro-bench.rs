@@ -50,9 +50,9 @@ const R_GEN_IP: &str = "198.18.1.1";
 const R_BACK_IP: &str = "198.18.2.1";
 const ENDPOINTS: [&str; 3] = ["198.18.2.2", "198.18.2.3", "198.18.2.4"];
 const CLUSTER_CIDR: &str = "198.18.0.0/16";
-/// Where the scale cases' endpoints are (routed to the backend).
-const SCALE_EP_NET: &str = "198.18.128.0/17";
-const SERVICE_CIDR: &str = "198.19.0.0/16";
+/// Where the scale cases' endpoints are (routed to the backend): 4,096 addresses, each
+/// serving several Services (the ClusterIPs are beside them: `kxp_bench::service_vip`).
+const SCALE_EP_NET: &str = "198.18.96.0/20";
 const GEN_CPU: usize = 0;
 const ROUTER_CPU: usize = 1;
 const HEALTHZ: &str = "127.0.0.1:10256";
@@ -97,7 +97,7 @@ struct Args {
     /// `--kxp-arg=--queue-budget=500`.
     #[arg(long = "kxp-arg", value_name = "ARG", allow_hyphen_values = true)]
     kxp_args: Vec<String>,
-    /// An earlier kxp binary, measured as cases `kxp-base`, `kxp-10k-base` and `kxp-1m-base` in the same run: a change on
+    /// An earlier kxp binary, measured as cases `kxp-base`, `kxp-10k-base`, `kxp-100k-base`, `kxp-1m-base` and `kxp-8q-base` in the same run: a change on
     /// the packet path reports its ratios before and after side by side.
     #[arg(long)]
     kxp_baseline: Option<PathBuf>,
@@ -196,6 +196,11 @@ enum Case {
     Kxp1mBase,
     /// Kxp10k with the --kxp-baseline binary.
     Kxp10kBase,
+    /// kxp at 100,000 Services (999,993 endpoints), traffic spread over all (no kernel
+    /// case: kube-proxy's ruleset would hold a million endpoint chains).
+    Kxp100k,
+    /// Kxp100k with the --kxp-baseline binary.
+    Kxp100kBase,
     /// kxp with 110 idle pod veths attached beside its two links (a kubelet's pods).
     KxpPods,
     /// kxp, 1 worker, the generator's link with 8 queues each way (flows spread over
@@ -228,7 +233,7 @@ const SCALE_ENDPOINTS: u32 = 10;
 
 impl Case {
     /// Every case, in the order the error message lists them.
-    const ALL: [Case; 19] = [
+    const ALL: [Case; 21] = [
         Case::Plain,
         Case::Nft,
         Case::Ipt,
@@ -240,6 +245,8 @@ impl Case {
         Case::Ipt10k,
         Case::Kxp10k,
         Case::Kxp10kBase,
+        Case::Kxp100k,
+        Case::Kxp100kBase,
         Case::Kxp1m,
         Case::Kxp1mBase,
         Case::KxpPods,
@@ -275,6 +282,8 @@ impl Case {
             Case::Kxp1m => "kxp-1m",
             Case::Kxp1mBase => "kxp-1m-base",
             Case::Kxp10kBase => "kxp-10k-base",
+            Case::Kxp100k => "kxp-100k",
+            Case::Kxp100kBase => "kxp-100k-base",
             Case::KxpPods => "kxp-110pods",
             Case::Kxp8q => "kxp-8q",
             Case::Kxp8qBase => "kxp-8q-base",
@@ -290,6 +299,8 @@ impl Case {
             Case::Ipt10k => Case::Ipt,
             Case::Kxp10k
             | Case::Kxp10kBase
+            | Case::Kxp100k
+            | Case::Kxp100kBase
             | Case::Kxp1m
             | Case::Kxp1mBase
             | Case::KxpPods
@@ -305,6 +316,7 @@ impl Case {
     fn services(self) -> u32 {
         match self {
             Case::Nft10k | Case::Ipt10k | Case::Kxp10k | Case::Kxp10kBase => SCALE_SERVICES,
+            Case::Kxp100k | Case::Kxp100kBase => 10 * SCALE_SERVICES,
             _ => 1,
         }
     }
@@ -313,6 +325,7 @@ impl Case {
         match self {
             Case::Kxp1m | Case::Kxp1mBase => 1_000_000,
             Case::Nft10k | Case::Ipt10k | Case::Kxp10k | Case::Kxp10kBase => 10_240,
+            Case::Kxp100k | Case::Kxp100kBase => 102_400,
             _ => 1024,
         }
     }
@@ -337,6 +350,8 @@ impl Case {
             Case::Kxp1m => "kxp, 1,000,000 established flows (table sized 1.2M)",
             Case::Kxp1mBase => "kxp-1m with the --kxp-baseline binary (before)",
             Case::Kxp10kBase => "kxp-10k with the --kxp-baseline binary (before)",
+            Case::Kxp100k => "kxp, 100,000 Services / 999,993 endpoints, traffic to all",
+            Case::Kxp100kBase => "kxp-100k with the --kxp-baseline binary (before)",
             Case::KxpPods => "kxp with 110 idle pod veths attached beside its two links",
             Case::Kxp8q => {
                 "kxp, 1 worker, the generator's link with 8 queues (flows spread over them)"
@@ -360,6 +375,8 @@ impl Case {
                 | Case::Kxp1m
                 | Case::Kxp1mBase
                 | Case::Kxp10kBase
+                | Case::Kxp100k
+                | Case::Kxp100kBase
                 | Case::KxpPods
                 | Case::Kxp8q
                 | Case::Kxp8qBase
@@ -371,7 +388,11 @@ impl Case {
     fn is_base(self) -> bool {
         matches!(
             self,
-            Case::KxpBase | Case::Kxp1mBase | Case::Kxp10kBase | Case::Kxp8qBase
+            Case::KxpBase
+                | Case::Kxp1mBase
+                | Case::Kxp10kBase
+                | Case::Kxp100kBase
+                | Case::Kxp8qBase
         )
     }
 }
@@ -653,7 +674,7 @@ impl Lab {
             perm(&router, ep, &back_mac, &rb)?;
         }
         perm(&back, R_BACK_IP, &rb_mac, "eth0")?;
-        // The scale cases' endpoints (198.18.128.0/17) are behind the backend.
+        // The scale cases' endpoints (198.18.96.0/20) are behind the backend.
         ip(&[
             "-n",
             &router,
@@ -666,7 +687,7 @@ impl Lab {
             &rb,
         ])?;
 
-        // The router accepts the new-connection sources (198.18.64.0/18, not on its link).
+        // The router accepts the new-connection sources (198.18.64.0/19, not on its link).
         sh_in(
             &router,
             &format!(
@@ -780,10 +801,10 @@ impl Lab {
             Mode::Est => format!(
                 "ipv4(sa={GEN_IP}, da={VIP}, ttl=64),\n  udp(sp=dinc(10000, 11023), dp={SINK_PORT}),"
             ),
-            // A new tuple every packet: 198.18.[64-127].[1-251] x ports 1024-65535
+            // A new tuple every packet: 198.18.[64-95].[1-251] x ports 1024-65535
             // (periods 64, 251 and 64512: 16.2 M distinct tuples before one repeats).
             Mode::New => format!(
-                "ipv4(sa=198.18.64.1, sa[2]=dinc(64, 127), sa[3]=dinc(1, 251), da={VIP}, ttl=64),\n  udp(sp=dinc(1024, 65535), dp={SINK_PORT}),"
+                "ipv4(sa=198.18.64.1, sa[2]=dinc(64, 95), sa[3]=dinc(1, 251), da={VIP}, ttl=64),\n  udp(sp=dinc(1024, 65535), dp={SINK_PORT}),"
             ),
         };
         let cfg = format!(
@@ -826,7 +847,7 @@ impl Lab {
             return Proc::spawn(cmd, "xsk-gen", &self.dir.join(format!("xsk-gen-{tag}.log")));
         }
         if *self.scale.lock().unwrap_or_else(|e| e.into_inner()) != (1, 1024) {
-            bail!("the scale cases (-10k, -1m) need --generator xsk");
+            bail!("the scale cases (-10k, -100k, -1m) need --generator xsk");
         }
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.genns, "taskset", "-c"])
@@ -963,25 +984,28 @@ struct BenchService {
 
 /// The benchmark's cluster of `n` Services: `sink` (VIP 198.19.0.10, ports sink 9000/UDP
 /// and probe 7000/UDP, the backend's three addresses), then `svc-1`… on the next
-/// ClusterIPs, port 9000/UDP, 10 endpoints each in 198.18.128.0/17 (an address serves
-/// about three Services: 32,768 addresses for 99,990 endpoints).
+/// ClusterIPs (`kxp_bench::service_vip`), port 9000/UDP, 10 endpoints each in
+/// 198.18.96.0/20 (an address serves several Services: 4,096 addresses for 99,990
+/// endpoints at 10,000 Services, 999,990 at 100,000).
 fn bench_services(n: u32) -> Vec<BenchService> {
-    let vip0 = u32::from(VIP.parse::<std::net::Ipv4Addr>().expect("VIP"));
-    let ep0 = u32::from(std::net::Ipv4Addr::new(198, 18, 128, 0));
+    debug_assert_eq!(kxp_bench::service_vip(0).to_string(), VIP);
+    let (ep0, len) = SCALE_EP_NET.split_once('/').expect("SCALE_EP_NET");
+    let ep0 = u32::from(ep0.parse::<std::net::Ipv4Addr>().expect("SCALE_EP_NET"));
+    let ep_count = 1u32 << (32 - len.parse::<u32>().expect("SCALE_EP_NET"));
     let mut v = vec![BenchService {
         name: "sink".into(),
-        vip: vip0.into(),
+        vip: kxp_bench::service_vip(0),
         ports: vec![("sink", SINK_PORT), ("probe", PROBE_PORT)],
         endpoints: ENDPOINTS.iter().map(|e| e.to_string()).collect(),
     }];
     for k in 1..n {
         v.push(BenchService {
             name: format!("svc-{k}"),
-            vip: (vip0 + k).into(),
+            vip: kxp_bench::service_vip(k),
             ports: vec![("sink", SINK_PORT)],
             endpoints: (0..SCALE_ENDPOINTS)
                 .map(|j| {
-                    std::net::Ipv4Addr::from(ep0 + (k * SCALE_ENDPOINTS + j) % 32_768).to_string()
+                    std::net::Ipv4Addr::from(ep0 + (k * SCALE_ENDPOINTS + j) % ep_count).to_string()
                 })
                 .collect(),
         });
@@ -997,6 +1021,7 @@ fn bench_services(n: u32) -> Vec<BenchService> {
 /// chain with the hairpin check and `dnat to`).
 fn kube_proxy_ruleset(services: u32) -> String {
     let mut r = String::new();
+    let service_cidrs = kxp_bench::service_cidrs(services).join(", ");
     let _ = write!(
         r,
         r#"add table ip kube-proxy {{ comment "rules for kube-proxy" ; }}
@@ -1024,7 +1049,7 @@ add chain ip kube-proxy reject-chain {{ comment "helper for @no-endpoint-service
 add chain ip kube-proxy services
 add chain ip kube-proxy service-endpoints-check
 add rule ip kube-proxy cluster-ips-check ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"
-add rule ip kube-proxy cluster-ips-check ip daddr {{ {SERVICE_CIDR} }} drop comment "Drop traffic to unallocated ClusterIPs"
+add rule ip kube-proxy cluster-ips-check ip daddr {{ {service_cidrs} }} drop comment "Drop traffic to unallocated ClusterIPs"
 add rule ip kube-proxy filter-prerouting-pre-dnat ct state new jump firewall-check
 add rule ip kube-proxy filter-forward ct state new jump service-endpoints-check
 add rule ip kube-proxy filter-forward ct state new jump cluster-ips-check
@@ -1280,13 +1305,20 @@ endpoints:
             eports.join("\n")
         );
     }
-    out.push_str(&format!(
-        r#"apiVersion: networking.k8s.io/v1
-kind: ServiceCIDR
-metadata: {{name: kubernetes}}
-spec: {{cidrs: [{SERVICE_CIDR}]}}
-"#
-    ));
+    // One ServiceCIDR per range (the API allows one per family in each).
+    for (i, cidr) in kxp_bench::service_cidrs(services).iter().enumerate() {
+        let name = if i == 0 {
+            "kubernetes".to_string()
+        } else {
+            format!("bench-{i}")
+        };
+        if i > 0 {
+            out.push_str("---\n");
+        }
+        out.push_str(&format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\nspec: {{cidrs: [{cidr}]}}\n"
+        ));
+    }
     out
 }
 
@@ -1606,7 +1638,10 @@ fn spawn_kxp_of(
 }
 
 fn wait_healthy(lab: &Lab, p: &mut Proc) -> anyhow::Result<()> {
-    let end = Instant::now() + Duration::from_secs(30);
+    // 30 s, and a second more per 1,000 Services (reading the state file).
+    let services = lab.scale.lock().unwrap_or_else(|e| e.into_inner()).0;
+    let limit = Duration::from_secs(30 + u64::from(services) / 1000);
+    let end = Instant::now() + limit;
     let addr: SocketAddr = HEALTHZ.parse()?;
     loop {
         lab.stop.check()?;
@@ -1618,7 +1653,7 @@ fn wait_healthy(lab: &Lab, p: &mut Proc) -> anyhow::Result<()> {
             return Ok(());
         }
         if Instant::now() > end {
-            bail!("kxp run not healthy after 30 s:\n{}", p.log_text());
+            bail!("kxp run not healthy after {limit:?}:\n{}", p.log_text());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -2612,27 +2647,27 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
     };
     println!();
     for k in results.iter().filter(|c| c.case.is_kxp()) {
-        let at_scale = k.case.services() > 1;
+        // The kernel's cases with as many Services (none at 100,000).
+        let kernel = |one: Case, at_10k: Case| match k.case.services() {
+            1 => Some(one),
+            SCALE_SERVICES => Some(at_10k),
+            _ => None,
+        };
         for (base, bname) in [
-            (
-                if at_scale { Case::Nft10k } else { Case::Nft },
-                "kernel nft DNAT",
-            ),
-            (
-                if at_scale { Case::Ipt10k } else { Case::Ipt },
-                "kernel iptables DNAT",
-            ),
-            (Case::Plain, "plain forwarding"),
+            (kernel(Case::Nft, Case::Nft10k), "kernel nft DNAT"),
+            (kernel(Case::Ipt, Case::Ipt10k), "kernel iptables DNAT"),
+            (Some(Case::Plain), "plain forwarding"),
             (
                 // A baseline case against the baseline binary's one-Service case.
-                if k.case.is_base() {
+                Some(if k.case.is_base() {
                     Case::KxpBase
                 } else {
                     Case::Kxp
-                },
+                }),
                 "kxp, 1 Service",
             ),
         ] {
+            let Some(base) = base else { continue };
             if base == k.case {
                 continue;
             }
@@ -2654,6 +2689,8 @@ fn report(results: &[CaseResult], modes: &[Mode], plan: &Plan, load: (&str, &str
         (Case::Kxp8q, Case::Plain8q),
         (Case::Kxp8q, Case::Kxp8qBase),
         (Case::Kxp, Case::KxpBase),
+        (Case::Kxp10k, Case::Kxp10kBase),
+        (Case::Kxp100k, Case::Kxp100kBase),
         (Case::KxpPol, Case::Kxp),
         (Case::KxpKernelPol, Case::Kxp),
         (Case::KxpKernelPol, Case::Nft),
@@ -2957,7 +2994,7 @@ fn real_main() -> anyhow::Result<()> {
     cases.sort_by_key(|c| *c == Case::KxpThreaded);
     if cases.iter().any(|c| c.is_base()) && args.kxp_baseline.is_none() {
         bail!(
-            "cases kxp-base, kxp-10k-base and kxp-1m-base measure an earlier binary: give --kxp-baseline PATH"
+            "cases kxp-base, kxp-10k-base, kxp-100k-base, kxp-1m-base and kxp-8q-base measure an earlier binary: give --kxp-baseline PATH"
         );
     }
     let modes: Vec<Mode> = args

@@ -1,7 +1,7 @@
 //! A packet generator on an AF_XDP socket, for the macro benchmark's `--generator xsk`:
 //! the same packets as its trafgen configs (60-byte frames, UDP to the VIP's sink port;
 //! `est`: 1,024 flows from one address, source ports 10000–11023; `new`: source
-//! 198.18.[64–127].[1–251] and ports 1024–65535 all changing, a new tuple every packet),
+//! 198.18.[64–95].[1–251] and ports 1024–65535 all changing, a new tuple every packet),
 //! sent in batches of 64 through kxp's own socket code (`dataplane::xsk`) instead of one
 //! `sendto` per packet. On a veth (copy mode) the kernel still builds one skb per frame;
 //! what it saves is the system call and the per-packet socket work, which is what limits
@@ -57,9 +57,9 @@ struct Args {
     /// Packets per burst when paced by `--rate`.
     #[arg(long, default_value_t = 8)]
     burst: u32,
-    /// Destinations: `--dst-ip` and the next N-1 addresses (Services' ClusterIPs), one
-    /// after another.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    /// Destinations: with 1, `--dst-ip`; with more, the benchmark's first N ClusterIPs
+    /// (`kxp_bench::service_vip`, `--dst-ip` the first of them), one after another.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(kxp_bench::SERVICE_VIPS)))]
     vips: u32,
     /// `est`: this many flows. Up to 50,000 they come from `--src-ip`, ports 10000 up;
     /// beyond, from 198.18.64.1 up (one address per 50,000 flows).
@@ -97,6 +97,14 @@ fn main() -> anyhow::Result<()> {
         "new" => true,
         m => bail!("unknown mode {m:?} (est, new)"),
     };
+    if a.vips > 1 && a.dst_ip != kxp_bench::service_vip(0) {
+        bail!(
+            "--vips {} sends to the benchmark's ClusterIPs, from {}: --dst-ip {} is not the first",
+            a.vips,
+            kxp_bench::service_vip(0),
+            a.dst_ip
+        );
+    }
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
@@ -111,10 +119,16 @@ fn main() -> anyhow::Result<()> {
         }
         let started = Instant::now();
         let mut sent = 0u64;
-        // Tuple counters, as trafgen's dinc(): periods --flows (est) or 64 × 251 × 64,512
+        // Tuple counters, as trafgen's dinc(): periods --flows (est) or 32 × 251 × 64,512
         // (new), and --vips for the destination (est: flow k goes to VIP k mod --vips).
         let (mut b2, mut b3, mut port, mut vip) = (0u32, 0u32, 0u32, 0u32);
-        let base = u32::from(a.dst_ip);
+        let dst_of = |k: u32| {
+            if a.vips == 1 {
+                a.dst_ip
+            } else {
+                kxp_bench::service_vip(k)
+            }
+        };
         // Paced: burst k leaves at start + k × burst / rate (busy-waiting on the clock;
         // the generator has its CPU to itself). A burst that is late goes at once, but
         // one more than 4 intervals late restarts the schedule from now: a moment the
@@ -140,20 +154,16 @@ fn main() -> anyhow::Result<()> {
                 let (source, dst, flow) = if new {
                     let src = Ipv4Addr::new(198, 18, 64 + b2 as u8, 1 + b3 as u8);
                     let sport = 1024 + port as u16;
-                    b2 = (b2 + 1) % 64;
+                    b2 = (b2 + 1) % 32;
                     b3 = (b3 + 1) % 251;
                     port = (port + 1) % 64_512;
-                    let dst = Ipv4Addr::from(base + vip);
+                    let dst = dst_of(vip);
                     vip = (vip + 1) % a.vips;
                     ((src, sport), dst, sent)
                 } else {
                     let k = port;
                     port = (port + 1) % a.flows;
-                    (
-                        est_source(&a, k),
-                        Ipv4Addr::from(base + k % a.vips),
-                        u64::from(k),
-                    )
+                    (est_source(&a, k), dst_of(k % a.vips), u64::from(k))
                 };
                 let bytes = kxp_bench::udp_frame(src_mac, dst_mac, source, (dst, a.dport));
                 io.set_len(&mut f, 60);
