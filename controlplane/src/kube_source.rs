@@ -21,7 +21,7 @@
 //! sync hands the change tracker only those ([`KubeSource::take_changes`]): the work of
 //! a sync follows the number of changes, not the number of objects.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::path::Path;
@@ -43,7 +43,10 @@ use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use translate::k8s::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use translate::k8s::{
+    ClusterState, KXP_ANNOTATIONS, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME,
+};
+use translate::tracker::ANNOTATION_TRIGGER_TIME;
 use translate::tracker::{ObjKey, Tracker};
 
 /// What the source watches for.
@@ -535,7 +538,7 @@ impl KubeSource {
             svc_cfg,
             0,
             &shared,
-            trim_meta,
+            trim_service,
         );
         let slices = spawn(
             &mut tasks,
@@ -864,13 +867,56 @@ fn trim_meta<K: Resource>(obj: &mut K) {
     }
 }
 
-/// As [`trim_meta`], and each endpoint's reference to its Pod and its deprecated
-/// topology (kube-proxy reads neither): at a million endpoints, the references alone
-/// were some 200 MB.
+/// Keeps of `map` the keys `keep` says, and none at all when none is left (an empty map
+/// allocates nothing).
+fn retain_keys(map: &mut Option<BTreeMap<String, String>>, keep: impl Fn(&str) -> bool) {
+    if let Some(m) = map.as_mut() {
+        m.retain(|k, _| keep(k));
+        if m.is_empty() {
+            *map = None;
+        }
+    }
+}
+
+/// As [`trim_meta`], and what kube-proxy's decisions do not read of a Service: its
+/// labels but the proxy-name and headless ones, its annotations but kxp's own
+/// (`kxp.dev/`), its owners, its selector (the EndpointSlice controller's business) and
+/// its status conditions. Helm and kubectl give every Service labels and annotations
+/// that each cost a map node and a few strings: at 100,000 Services some 100 MB.
+fn trim_service(svc: &mut Service) {
+    trim_meta(svc);
+    let meta = &mut svc.metadata;
+    retain_keys(&mut meta.labels, |k| {
+        k == LABEL_SERVICE_PROXY_NAME || k == LABEL_HEADLESS
+    });
+    retain_keys(&mut meta.annotations, |k| {
+        KXP_ANNOTATIONS.iter().any(|p| k.starts_with(p))
+    });
+    meta.owner_references = None;
+    if let Some(spec) = svc.spec.as_mut() {
+        spec.selector = None;
+    }
+    if let Some(status) = svc.status.as_mut() {
+        status.conditions = None;
+    }
+}
+
+/// As [`trim_meta`], and what kube-proxy does not read of an EndpointSlice: its labels
+/// but the Service's name (and the headless mark), its annotations but the trigger
+/// time, its owners, and of each endpoint its reference to its Pod, its hostname and
+/// its deprecated topology: at a million endpoints, the references alone were some
+/// 200 MB.
 fn trim_slice(slice: &mut EndpointSlice) {
     trim_meta(slice);
+    let meta = &mut slice.metadata;
+    retain_keys(&mut meta.labels, |k| {
+        k == LABEL_SERVICE_NAME || k == LABEL_HEADLESS
+    });
+    retain_keys(&mut meta.annotations, |k| k == ANNOTATION_TRIGGER_TIME);
+    meta.owner_references = None;
     for ep in &mut slice.endpoints {
         ep.target_ref = None;
+        ep.hostname = None;
         ep.deprecated_topology = None;
     }
 }
@@ -1001,19 +1047,17 @@ mod tests {
     use std::collections::BTreeMap;
 
     /// What is trimmed is what no decision reads: managed fields, kubectl's copy of the
-    /// applied configuration and the endpoints' Pod references go; every other
-    /// annotation (kxp's own included), the labels and the endpoints' fields stay.
+    /// applied configuration, owners, the labels and annotations kxp does not read, the
+    /// endpoints' Pod references and hostnames; the Service's name label, the trigger
+    /// time and the endpoints' fields stay.
     #[test]
-    fn trimming_keeps_what_decisions_read() {
+    fn trimming_a_slice_keeps_what_decisions_read() {
         let annotations = BTreeMap::from([
             (
                 "kubectl.kubernetes.io/last-applied-configuration".to_string(),
                 "{}".to_string(),
             ),
-            (
-                translate::k8s::ANNOTATION_WEIGHTS.to_string(),
-                "10.0.0.1=2".to_string(),
-            ),
+            ("example.com/note".to_string(), "x".to_string()),
             (
                 "endpoints.kubernetes.io/last-change-trigger-time".to_string(),
                 "2026-12-01T10:00:00Z".to_string(),
@@ -1021,12 +1065,17 @@ mod tests {
         ]);
         let meta = ObjectMeta {
             name: Some("web-abcde".into()),
-            labels: Some(BTreeMap::from([(
-                "kubernetes.io/service-name".to_string(),
-                "web".to_string(),
-            )])),
+            labels: Some(BTreeMap::from([
+                ("kubernetes.io/service-name".to_string(), "web".to_string()),
+                (
+                    "endpointslice.kubernetes.io/managed-by".to_string(),
+                    "endpointslice-controller.k8s.io".to_string(),
+                ),
+                ("app.kubernetes.io/name".to_string(), "web".to_string()),
+            ])),
             annotations: Some(annotations),
             managed_fields: Some(vec![ManagedFieldsEntry::default()]),
+            owner_references: Some(vec![Default::default()]),
             ..Default::default()
         };
         let mut slice = EndpointSlice {
@@ -1036,6 +1085,7 @@ mod tests {
                 addresses: vec!["10.0.0.1".into()],
                 node_name: Some("node-a".into()),
                 zone: Some("z1".into()),
+                hostname: Some("web-1".into()),
                 target_ref: Some(ObjectReference {
                     kind: Some("Pod".into()),
                     name: Some("web-1".into()),
@@ -1046,25 +1096,18 @@ mod tests {
             ports: None,
         };
         trim_slice(&mut slice);
-        assert!(slice.metadata.managed_fields.is_none());
-        let kept: Vec<&str> = slice
-            .metadata
-            .annotations
-            .as_ref()
-            .unwrap()
-            .keys()
-            .map(String::as_str)
-            .collect();
+        let meta = &slice.metadata;
+        assert!(meta.managed_fields.is_none() && meta.owner_references.is_none());
+        let keys = |m: &Option<BTreeMap<String, String>>| -> Vec<String> {
+            m.iter().flat_map(|m| m.keys().cloned()).collect()
+        };
         assert_eq!(
-            kept,
-            [
-                "endpoints.kubernetes.io/last-change-trigger-time",
-                translate::k8s::ANNOTATION_WEIGHTS
-            ]
+            keys(&meta.annotations),
+            ["endpoints.kubernetes.io/last-change-trigger-time"]
         );
-        assert_eq!(slice.metadata.labels.as_ref().unwrap().len(), 1);
+        assert_eq!(keys(&meta.labels), ["kubernetes.io/service-name"]);
         let ep = &slice.endpoints[0];
-        assert!(ep.target_ref.is_none());
+        assert!(ep.target_ref.is_none() && ep.hostname.is_none());
         assert_eq!(
             (
                 ep.addresses.len(),
@@ -1073,5 +1116,73 @@ mod tests {
             ),
             (1, Some("node-a"), Some("z1"))
         );
+    }
+
+    /// A Service keeps its proxy-name label, kxp's annotations, its spec but the
+    /// selector and its LoadBalancer ingress; the rest of its labels and annotations
+    /// go, and an emptied map goes whole.
+    #[test]
+    fn trimming_a_service_keeps_what_decisions_read() {
+        let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  namespace: default
+  labels: {app.kubernetes.io/name: web, helm.sh/chart: web-1.0.0, service.kubernetes.io/service-proxy-name: kxp}
+  annotations: {meta.helm.sh/release-name: web, kxp.dev/scheduler: maglev}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  selector: {app: web}
+  ports: [{port: 80, protocol: TCP}]
+status:
+  loadBalancer: {ingress: [{ip: 192.0.2.10}]}
+  conditions: [{type: Ready, status: "True", lastTransitionTime: "2026-12-01T10:00:00Z", reason: R, message: M}]
+"#;
+        let mut svc: Service = serde_yaml::from_str(yaml).unwrap();
+        let before = svc.clone();
+        trim_service(&mut svc);
+        let meta = &svc.metadata;
+        assert_eq!(
+            meta.labels,
+            Some(BTreeMap::from([(
+                LABEL_SERVICE_PROXY_NAME.to_string(),
+                "kxp".to_string()
+            )]))
+        );
+        assert_eq!(
+            meta.annotations,
+            Some(BTreeMap::from([(
+                translate::k8s::ANNOTATION_SCHEDULER.to_string(),
+                "maglev".to_string()
+            )]))
+        );
+        let spec = svc.spec.as_ref().unwrap();
+        assert!(spec.selector.is_none());
+        assert_eq!(
+            (
+                spec.ports.clone(),
+                spec.cluster_ip.clone(),
+                spec.type_.clone()
+            ),
+            {
+                let b = before.spec.as_ref().unwrap();
+                (b.ports.clone(), b.cluster_ip.clone(), b.type_.clone())
+            }
+        );
+        let status = svc.status.as_ref().unwrap();
+        assert!(status.conditions.is_none());
+        assert_eq!(
+            status.load_balancer,
+            before.status.as_ref().unwrap().load_balancer
+        );
+
+        // Nothing of kxp's left in a map: no map.
+        let mut plain = before.clone();
+        plain.metadata.labels = Some(BTreeMap::from([("app".to_string(), "web".to_string())]));
+        plain.metadata.annotations = None;
+        trim_service(&mut plain);
+        assert!(plain.metadata.labels.is_none());
     }
 }

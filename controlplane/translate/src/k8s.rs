@@ -35,6 +35,8 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 pub const ANNOTATION_SCHEDULER: &str = "kxp.dev/scheduler";
 /// kxp's per-Service endpoint weights: `IP=WEIGHT,IP=WEIGHT`.
 pub const ANNOTATION_WEIGHTS: &str = "kxp.dev/endpoint-weights";
+/// The prefixes of the annotations kxp reads on a Service (its own).
+pub const KXP_ANNOTATIONS: &[&str] = &["kxp.dev/"];
 
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
