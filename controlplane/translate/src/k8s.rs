@@ -412,11 +412,14 @@ pub(crate) fn index_slices<'a>(
     let mut index = SliceIndex::new();
     for slice in slices {
         let name = obj_name(&slice.metadata);
-        let labels = slice.metadata.labels.clone().unwrap_or_default();
-        if labels.contains_key(LABEL_HEADLESS) {
+        let labels = slice.metadata.labels.as_ref();
+        if labels.is_some_and(|l| l.contains_key(LABEL_HEADLESS)) {
             continue;
         }
-        let Some(svc) = labels.get(LABEL_SERVICE_NAME).filter(|s| !s.is_empty()) else {
+        let Some(svc) = labels
+            .and_then(|l| l.get(LABEL_SERVICE_NAME))
+            .filter(|s| !s.is_empty())
+        else {
             notes.push(format!(
                 "EndpointSlice {name}: no {LABEL_SERVICE_NAME} label, ignored"
             ));
@@ -907,11 +910,15 @@ fn join_endpoints(
         spn.protocol,
         family,
     );
-    let mut by_key: BTreeMap<String, Endpoint> = BTreeMap::new();
+    // Sorted by `IP:PORT` as text and deduplicated (kube-proxy's map keyed by
+    // `Endpoint.String()`): of one key, the first, replaced by any later one that is not
+    // terminating. The sort is stable, so a key's endpoints keep their slices' order.
+    let mut all: Vec<(TextKey, Endpoint)> = Vec::new();
     for (port, eps) in slices.get(&key).into_iter().flatten() {
         for e in eps {
+            let addr = std::net::SocketAddr::new(e.ip, *port);
             let ep = Endpoint {
-                addr: std::net::SocketAddr::new(e.ip, *port),
+                addr,
                 is_local: !node_name.is_empty() && e.node_name.as_deref() == Some(node_name),
                 ready: e.ready,
                 serving: e.serving,
@@ -920,11 +927,98 @@ fn join_endpoints(
                 node_hints: e.node_hints.clone(),
                 weight: weights.get(&e.ip).copied().unwrap_or(1),
             };
-            let k = ep.key();
-            if !by_key.contains_key(&k) || !ep.terminating {
-                by_key.insert(k, ep);
+            all.push((TextKey::of(addr), ep));
+        }
+    }
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out: Vec<Endpoint> = Vec::with_capacity(all.len());
+    let mut last: Option<TextKey> = None;
+    for (k, ep) in all {
+        match out.last_mut() {
+            Some(prev) if last.as_ref() == Some(&k) => {
+                if !ep.terminating {
+                    *prev = ep;
+                }
+            }
+            _ => {
+                out.push(ep);
+                last = Some(k);
             }
         }
     }
-    by_key.into_values().collect()
+    out
+}
+
+/// An endpoint's `IP:PORT` ([`Endpoint::key`]) as bytes on the stack, compared as the
+/// text is: sorting a million endpoints by it allocates nothing.
+#[derive(Clone, PartialEq, Eq)]
+struct TextKey {
+    /// The longest is an IPv6 address with a zone index: `[` 39 `%` 10 `]:` 5 = 58.
+    bytes: [u8; 64],
+    len: u8,
+}
+
+impl TextKey {
+    fn of(addr: std::net::SocketAddr) -> TextKey {
+        use std::io::Write as _;
+        let mut bytes = [0u8; 64];
+        let mut w = std::io::Cursor::new(&mut bytes[..]);
+        // Cannot fail: 64 bytes hold any socket address's text.
+        let _ = write!(w, "{addr}");
+        let len = w.position() as u8;
+        TextKey { bytes, len }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl Ord for TextKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+impl PartialOrd for TextKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+#[cfg(test)]
+mod text_key_tests {
+    use super::TextKey;
+    use std::net::SocketAddr;
+
+    /// Endpoints sort as their `IP:PORT` texts do (kube-proxy's order), whatever the
+    /// family, the lengths and the zone index.
+    #[test]
+    fn text_keys_order_as_the_texts_do() {
+        let addrs: Vec<SocketAddr> = [
+            "10.0.0.10:80",
+            "10.0.0.2:80",
+            "10.0.0.2:8080",
+            "10.0.0.2:8",
+            "9.255.255.255:65535",
+            "[fd00::1]:80",
+            "[fd00::10]:80",
+            "[::ffff:10.0.0.1]:443",
+            "[fe80::1%4294967295]:65535",
+            "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:1",
+        ]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+        for a in &addrs {
+            assert_eq!(TextKey::of(*a).as_bytes(), a.to_string().as_bytes());
+            for b in &addrs {
+                assert_eq!(
+                    TextKey::of(*a).cmp(&TextKey::of(*b)),
+                    a.to_string().cmp(&b.to_string()),
+                    "{a} {b}"
+                );
+            }
+        }
+    }
 }
