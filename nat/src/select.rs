@@ -364,53 +364,25 @@ mod tests {
                 6
             }
         };
-        let mut cur = RrCursor::default();
         let c = [0, 1, 2];
-        let inp = input(0, 1, &active);
-        assert_eq!(
+        let by = |sched, active: &dyn Fn(SocketAddr) -> u32| {
             pick(
-                Scheduler::LeastConnection,
+                sched,
                 &e,
                 &c,
                 false,
                 None,
-                &inp,
-                &mut cur
-            ),
-            Some(0)
-        );
+                &input(0, 1, active),
+                &mut RrCursor::default(),
+            )
+        };
+        assert_eq!(by(Scheduler::LeastConnection, &active), Some(0));
         // 9/3 = 3 < 5/1 and 6/1.
-        assert_eq!(
-            pick(
-                Scheduler::WeightedLeastConnection,
-                &e,
-                &c,
-                false,
-                None,
-                &inp,
-                &mut cur
-            ),
-            Some(1)
-        );
+        assert_eq!(by(Scheduler::WeightedLeastConnection, &active), Some(1));
         // (9+1)/3 = 3.3 < (5+1)/1.
-        assert_eq!(
-            pick(
-                Scheduler::ShortestExpectedDelay,
-                &e,
-                &c,
-                false,
-                None,
-                &inp,
-                &mut cur
-            ),
-            Some(1)
-        );
+        assert_eq!(by(Scheduler::ShortestExpectedDelay, &active), Some(1));
         let idle = move |x: SocketAddr| if x == a[2] { 0 } else { 7 };
-        let inp = input(0, 1, &idle);
-        assert_eq!(
-            pick(Scheduler::NeverQueue, &e, &c, false, None, &inp, &mut cur),
-            Some(2)
-        );
+        assert_eq!(by(Scheduler::NeverQueue, &idle), Some(2));
     }
 
     #[test]

@@ -627,7 +627,19 @@ fn prepared(
         panic!("a TCP segment parses as a flow")
     };
     let (prep, reply) = e.prepare_new(snap, &fl, None).expect("random scheduler");
-    let v = e.process_parsed(
+    (with_choice(e, snap, pkt, fl, prep, out), reply)
+}
+
+/// `pkt` (parsed as `fl`) processed on `snap` with the choice `prep` made ahead.
+fn with_choice(
+    e: &mut Engine,
+    snap: &Snapshot,
+    pkt: &mut [u8],
+    fl: rewrite::FlowPacket,
+    prep: Prepared,
+    out: &mut [u8],
+) -> Verdict {
+    e.process_parsed(
         snap,
         pkt,
         Ok(Parsed::Flow(fl)),
@@ -636,8 +648,7 @@ fn prepared(
         Ingress::default(),
         &MASQ,
         out,
-    );
-    (v, reply)
+    )
 }
 
 /// A likely new connection prepared ahead (its draw made and its reply tuple predicted,
@@ -715,16 +726,7 @@ fn a_choice_prepared_on_another_snapshot_is_made_again() {
             panic!("a TCP segment parses as a flow")
         };
         let (prep, _) = e.prepare_new(&before, &fl, None).expect("random scheduler");
-        let v = e.process_parsed(
-            &after,
-            &mut pkt,
-            Ok(Parsed::Flow(fl)),
-            Some(prep),
-            SEC,
-            Ingress::default(),
-            &MASQ,
-            &mut out,
-        );
+        let v = with_choice(&mut e, &after, &mut pkt, fl, prep, &mut out);
         assert!(
             matches!(v, Verdict::Forward { new_flow: true, .. }),
             "{v:?}"
@@ -939,16 +941,7 @@ fn a_choice_ahead_warms_its_endpoint_then_gives_its_reply() {
     );
     // The packet, handled with that choice, goes to that endpoint.
     let mut out = [0u8; 256];
-    let v = e.process_parsed(
-        &snap,
-        &mut pkt,
-        Ok(Parsed::Flow(fl)),
-        Some(prep),
-        SEC,
-        Ingress::default(),
-        &MASQ,
-        &mut out,
-    );
+    let v = with_choice(&mut e, &snap, &mut pkt, fl, prep, &mut out);
     assert!(matches!(v, Verdict::Forward { .. }), "{v:?}");
     assert_eq!(tuple_of(&pkt).dst_addr(), chosen.addr);
 
