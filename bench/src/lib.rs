@@ -103,6 +103,10 @@ pub fn cluster_ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0xAC10_0000u32 + 1 + i))
 }
 
+/// The Service CIDR [`cluster_ip`]'s addresses are in (up to a million Services), as an
+/// API server's default ServiceCIDR `kubernetes` has it.
+pub const CLUSTER_SERVICE_CIDR: &str = "172.16.0.0/12";
+
 /// The address of endpoint `j` of Service `i` (inside 10.0.0.0/8).
 pub fn endpoint_ip(i: u32, j: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0A00_0000u32 + 1 + i * 16 + j))
@@ -482,6 +486,14 @@ mod tests {
             super::service_vip(super::SERVICE_VIPS),
             super::service_vip(0)
         );
+    }
+
+    #[test]
+    fn the_cluster_ips_are_in_the_clusters_service_cidr() {
+        let cidr: ipnet::IpNet = super::CLUSTER_SERVICE_CIDR.parse().unwrap();
+        for i in [0, 1, 99_999, 999_999] {
+            assert!(cidr.contains(&super::cluster_ip(i)), "{i}");
+        }
     }
 
     #[test]

@@ -45,6 +45,13 @@ struct Args {
     /// otherwise).
     #[arg(long)]
     keep_log: Option<PathBuf>,
+    /// Serve no ServiceCIDR, as an API server before Kubernetes 1.33 (or with
+    /// MultiCIDRServiceAllocator off) does: kxp then routes each ClusterIP into its
+    /// service device one by one, 100,000 routes at 100,000 Services. By default the
+    /// API server serves its default ServiceCIDR `kubernetes` with the cluster's range,
+    /// as one of 1.33 or later does.
+    #[arg(long)]
+    no_service_cidr: bool,
 }
 
 struct Outcome {
@@ -107,6 +114,7 @@ fn run_one(
     services: u32,
     changes: u32,
     pod_veths: u32,
+    service_cidr: Option<&str>,
     keep_log: Option<&std::path::Path>,
 ) -> anyhow::Result<Outcome> {
     let mut topo = Topology::new("kxs");
@@ -126,6 +134,14 @@ fn run_one(
         "status": {"addresses": [{"type": "InternalIP", "address": "198.18.100.1"}]}
     });
     api.apply(&node_obj).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    if let Some(cidr) = service_cidr {
+        let obj = serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+            "metadata": {"name": "kubernetes"},
+            "spec": {"cidrs": [cidr]}
+        });
+        api.apply(&obj).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    }
     for s in &state.services {
         api.create(s).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     }
@@ -254,17 +270,21 @@ fn main() -> anyhow::Result<()> {
         bail!("sync-bench creates network namespaces and runs kxp: run it as root");
     }
     let kxp = locate_kxp(args.kxp.as_ref())?;
-    let base = run_one(&kxp, 0, 0, args.pod_veths, None)?;
+    let cidr = (!args.no_service_cidr).then_some(kxp_bench::CLUSTER_SERVICE_CIDR);
+    let base = run_one(&kxp, 0, 0, args.pod_veths, cidr, None)?;
     let big = run_one(
         &kxp,
         args.services,
         args.changes,
         args.pod_veths,
+        cidr,
         args.keep_log.as_deref(),
     )?;
     println!(
-        "cluster: {} Services × 10 endpoints; {} idle pod veths attached",
-        args.services, args.pod_veths
+        "cluster: {} Services × 10 endpoints; {} idle pod veths attached; ServiceCIDR {}",
+        args.services,
+        args.pod_veths,
+        cidr.unwrap_or("none")
     );
     for o in [&base, &big] {
         println!(
