@@ -29,30 +29,38 @@ fn sum16(data: &[u8]) -> u32 {
         .sum()
 }
 
-/// The macro benchmark's ClusterIPs, Service `k`'s: 198.19.0.10 up to 198.19.255.255
-/// (65,526, in the Service CIDR 198.19.0.0/16), then 198.18.112.0 up to 198.18.255.255
-/// (36,864, in 198.18.112.0/20 and 198.18.128.0/17), [`SERVICE_VIPS`] in all: so that
-/// 100,000 Services fit in 198.18.0.0/15 beside the lab's links (198.18.1.0/24,
-/// 198.18.2.0/24), the new connections' sources (198.18.64.0/19) and the scale cases'
-/// endpoints (198.18.96.0/20). `k` past the last wraps around.
+/// The macro benchmark's first ClusterIP block: 198.19.0.10 up to 198.19.255.255 (in the
+/// Service CIDR 198.19.0.0/16).
+const VIPS_FIRST: (u32, u32) = (0xC613_000A, 0xC614_0000);
+/// Its second: 198.18.112.0 up to 198.18.255.255 (198.18.112.0/20 and 198.18.128.0/17).
+const VIPS_SECOND: (u32, u32) = (0xC612_7000, 0xC613_0000);
+
+/// How many ClusterIPs [`service_vip`] has.
+pub const SERVICE_VIPS: u32 = (VIPS_FIRST.1 - VIPS_FIRST.0) + (VIPS_SECOND.1 - VIPS_SECOND.0);
+
+/// Where the macro benchmark's scale cases put their endpoints (routed to its backend).
+pub const SCALE_EP_NET: &str = "198.18.96.0/20";
+/// Where its new-connection sources are (198.18.64-95).
+pub const NEW_SOURCES_NET: &str = "198.18.64.0/19";
+
+/// The macro benchmark's ClusterIPs, Service `k`'s: the first block's 65,526, then the
+/// second's 36,864, [`SERVICE_VIPS`] in all: so that 100,000 Services fit in
+/// 198.18.0.0/15 beside the lab's links (198.18.1.0/24, 198.18.2.0/24), the
+/// new connections' sources ([`NEW_SOURCES_NET`]) and the scale cases' endpoints
+/// ([`SCALE_EP_NET`]). `k` past the last wraps around.
 pub fn service_vip(k: u32) -> std::net::Ipv4Addr {
-    const FIRST: u32 = 0xC613_000A; // 198.19.0.10
-    const SECOND: u32 = 0xC612_7000; // 198.18.112.0
     let k = k % SERVICE_VIPS;
-    let in_first = 0xC614_0000 - FIRST;
+    let in_first = VIPS_FIRST.1 - VIPS_FIRST.0;
     std::net::Ipv4Addr::from(if k < in_first {
-        FIRST + k
+        VIPS_FIRST.0 + k
     } else {
-        SECOND + (k - in_first)
+        VIPS_SECOND.0 + (k - in_first)
     })
 }
 
-/// How many ClusterIPs [`service_vip`] has.
-pub const SERVICE_VIPS: u32 = (0xC614_0000 - 0xC613_000A) + (0xC613_0000 - 0xC612_7000);
-
 /// The Service CIDRs [`service_vip`]'s first `n` addresses are in.
 pub fn service_cidrs(n: u32) -> &'static [&'static str] {
-    if n <= 0xC614_0000 - 0xC613_000A {
+    if n <= VIPS_FIRST.1 - VIPS_FIRST.0 {
         &["198.19.0.0/16"]
     } else {
         &["198.19.0.0/16", "198.18.112.0/20", "198.18.128.0/17"]
@@ -467,8 +475,8 @@ mod tests {
         let others: Vec<Ipv4Net> = [
             "198.18.1.0/24",
             "198.18.2.0/24",
-            "198.18.64.0/19",
-            "198.18.96.0/20",
+            super::NEW_SOURCES_NET,
+            super::SCALE_EP_NET,
         ]
         .iter()
         .map(|c| c.parse().unwrap())

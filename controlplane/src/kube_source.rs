@@ -44,7 +44,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use translate::k8s::{
-    ClusterState, KXP_ANNOTATIONS, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME,
+    ClusterState, KXP_ANNOTATION_PREFIX, LABEL_HEADLESS, LABEL_SERVICE_NAME,
+    LABEL_SERVICE_PROXY_NAME,
 };
 use translate::tracker::ANNOTATION_TRIGGER_TIME;
 use translate::tracker::{ObjKey, Tracker};
@@ -890,7 +891,7 @@ fn trim_service(svc: &mut Service) {
         k == LABEL_SERVICE_PROXY_NAME || k == LABEL_HEADLESS
     });
     retain_keys(&mut meta.annotations, |k| {
-        KXP_ANNOTATIONS.iter().any(|p| k.starts_with(p))
+        k.starts_with(KXP_ANNOTATION_PREFIX)
     });
     meta.owner_references = None;
     if let Some(spec) = svc.spec.as_mut() {

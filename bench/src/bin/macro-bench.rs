@@ -39,6 +39,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use hdrhistogram::Histogram;
+use kxp_bench::SCALE_EP_NET;
 use lab::{Topology, in_ns, ip};
 
 const VIP: &str = "198.19.0.10";
@@ -50,9 +51,6 @@ const R_GEN_IP: &str = "198.18.1.1";
 const R_BACK_IP: &str = "198.18.2.1";
 const ENDPOINTS: [&str; 3] = ["198.18.2.2", "198.18.2.3", "198.18.2.4"];
 const CLUSTER_CIDR: &str = "198.18.0.0/16";
-/// Where the scale cases' endpoints are (routed to the backend): 4,096 addresses, each
-/// serving several Services (the ClusterIPs are beside them: `kxp_bench::service_vip`).
-const SCALE_EP_NET: &str = "198.18.96.0/20";
 const GEN_CPU: usize = 0;
 const ROUTER_CPU: usize = 1;
 const HEALTHZ: &str = "127.0.0.1:10256";
@@ -1305,18 +1303,15 @@ endpoints:
             eports.join("\n")
         );
     }
-    // One ServiceCIDR per range (the API allows one per family in each).
+    // One ServiceCIDR per range (the API allows one per family in each): the API
+    // server's default `kubernetes`, then `bench-1`…
     for (i, cidr) in kxp_bench::service_cidrs(services).iter().enumerate() {
-        let name = if i == 0 {
-            "kubernetes".to_string()
-        } else {
-            format!("bench-{i}")
+        let (sep, name) = match i {
+            0 => ("", "kubernetes".to_string()),
+            _ => ("---\n", format!("bench-{i}")),
         };
-        if i > 0 {
-            out.push_str("---\n");
-        }
         out.push_str(&format!(
-            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\nspec: {{cidrs: [{cidr}]}}\n"
+            "{sep}apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\nspec: {{cidrs: [{cidr}]}}\n"
         ));
     }
     out

@@ -31,12 +31,12 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Node label with the node's zone.
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+/// The prefix of kxp's own annotations, the only ones it reads on a Service.
+pub const KXP_ANNOTATION_PREFIX: &str = "kxp.dev/";
 /// kxp's per-Service scheduler choice.
 pub const ANNOTATION_SCHEDULER: &str = "kxp.dev/scheduler";
 /// kxp's per-Service endpoint weights: `IP=WEIGHT,IP=WEIGHT`.
 pub const ANNOTATION_WEIGHTS: &str = "kxp.dev/endpoint-weights";
-/// The prefixes of the annotations kxp reads on a Service (its own).
-pub const KXP_ANNOTATIONS: &[&str] = &["kxp.dev/"];
 
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
