@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kxp_bench::{cluster, endpoint_ip, node_settings};
+use translate::slice::{Address, Slice};
 use translate::tracker::Tracker;
 
 const SERVICES: u32 = 10_000;
@@ -25,14 +25,18 @@ const ENDPOINTS_EACH: u32 = 10;
 
 struct Objects {
     services: Vec<Arc<Service>>,
-    slices: Vec<Arc<EndpointSlice>>,
+    slices: Vec<Arc<Slice>>,
 }
 
 fn objects() -> Objects {
     let c = cluster(SERVICES, ENDPOINTS_EACH);
     Objects {
         services: c.services.into_iter().map(Arc::new).collect(),
-        slices: c.endpoint_slices.into_iter().map(Arc::new).collect(),
+        slices: c
+            .endpoint_slices
+            .into_iter()
+            .map(|s| Arc::new(Slice::from(s)))
+            .collect(),
     }
 }
 
@@ -48,22 +52,22 @@ fn loaded(o: &Objects) -> Tracker {
 
 /// Slice `i` with its first endpoint moved to another address (a different one at each
 /// visit of the same slice).
-fn changed_slice(o: &Objects, i: usize, n: u32) -> Arc<EndpointSlice> {
+fn changed_slice(o: &Objects, i: usize, n: u32) -> Arc<Slice> {
     let mut s = (*o.slices[i]).clone();
     let visit = n as usize / o.slices.len();
-    s.endpoints[0].addresses = vec![endpoint_ip(i as u32, 10 + (visit % 6) as u32).to_string()];
+    s.endpoints[0].address = Some(Address::Ip(endpoint_ip(i as u32, 10 + (visit % 6) as u32)));
     Arc::new(s)
 }
 
 /// The next slice to change (spread over all of them) and its changed version.
-fn next_change(o: &Objects, n: &std::cell::Cell<u32>) -> ((String, String), Arc<EndpointSlice>) {
+fn next_change(o: &Objects, n: &std::cell::Cell<u32>) -> ((String, String), Arc<Slice>) {
     n.set(n.get() + 1);
     let i = (n.get() as usize * 7919) % o.slices.len();
     let s = changed_slice(o, i, n.get());
     (key(&s), s)
 }
 
-fn key(s: &EndpointSlice) -> (String, String) {
+fn key(s: &Slice) -> (String, String) {
     (
         s.metadata.namespace.clone().unwrap_or_default(),
         s.metadata.name.clone().unwrap_or_default(),

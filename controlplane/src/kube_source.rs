@@ -33,7 +33,6 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 
 /// The Pods watched for NetworkPolicy: those not finished.
 pub const POD_FIELDS: &str = "status.phase!=Succeeded,status.phase!=Failed";
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{NetworkPolicy, ServiceCIDR};
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
@@ -44,9 +43,9 @@ use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use translate::k8s::{
-    ClusterState, KXP_ANNOTATION_PREFIX, LABEL_HEADLESS, LABEL_SERVICE_NAME,
-    LABEL_SERVICE_PROXY_NAME,
+    KXP_ANNOTATION_PREFIX, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME,
 };
+use translate::slice::Slice;
 use translate::tracker::ANNOTATION_TRIGGER_TIME;
 use translate::tracker::{ObjKey, Tracker};
 
@@ -417,11 +416,24 @@ impl<K> Change<K> {
     }
 }
 
+/// A copy of what the watches hold ([`KubeSource::state`]): the objects of
+/// [`translate::k8s::ClusterState`], the EndpointSlices as kxp holds them.
+#[derive(Debug, Clone, Default)]
+pub struct Watched {
+    pub services: Vec<Service>,
+    pub endpoint_slices: Vec<Slice>,
+    pub nodes: Vec<Node>,
+    pub service_cidrs: Vec<ServiceCIDR>,
+    pub pods: Vec<Pod>,
+    pub namespaces: Vec<Namespace>,
+    pub network_policies: Vec<NetworkPolicy>,
+}
+
 /// What changed in every resource since the last look.
 #[derive(Debug)]
 pub struct Changes {
     pub services: Change<Service>,
-    pub slices: Change<EndpointSlice>,
+    pub slices: Change<Slice>,
     pub cidrs: Change<ServiceCIDR>,
     pub nodes: Change<Node>,
     /// Every Pod, Namespace and NetworkPolicy, when one of them changed (NetworkPolicy
@@ -499,7 +511,7 @@ struct PolicyStores {
 #[derive(Debug)]
 pub struct KubeSource {
     services: Store<Service>,
-    slices: Store<EndpointSlice>,
+    slices: Store<Slice>,
     cidrs: Store<ServiceCIDR>,
     nodes: Store<Node>,
     /// Pods, Namespaces, NetworkPolicies: watched when NetworkPolicy is enforced.
@@ -543,7 +555,7 @@ impl KubeSource {
         );
         let slices = spawn(
             &mut tasks,
-            Api::<EndpointSlice>::all(client.clone()),
+            Api::<Slice>::all(client.clone()),
             slice_cfg,
             1,
             &shared,
@@ -635,8 +647,8 @@ impl KubeSource {
     }
 
     /// A copy of the stores, each kind sorted by namespace and name.
-    pub fn state(&self) -> ClusterState {
-        ClusterState {
+    pub fn state(&self) -> Watched {
+        Watched {
             services: copy(&self.services),
             endpoint_slices: copy(&self.slices),
             nodes: copy(&self.nodes),
@@ -902,12 +914,10 @@ fn trim_service(svc: &mut Service) {
     }
 }
 
-/// As [`trim_meta`], and what kube-proxy does not read of an EndpointSlice: its labels
-/// but the Service's name (and the headless mark), its annotations but the trigger
-/// time, its owners, and of each endpoint its reference to its Pod, its hostname and
-/// its deprecated topology: at a million endpoints, the references alone were some
-/// 200 MB.
-fn trim_slice(slice: &mut EndpointSlice) {
+/// As [`trim_meta`], and what kube-proxy does not read of an EndpointSlice's metadata:
+/// its labels but the Service's name (and the headless mark), its annotations but the
+/// trigger time, its owners. Of its endpoints, a [`Slice`] decodes only what is read.
+fn trim_slice(slice: &mut Slice) {
     trim_meta(slice);
     let meta = &mut slice.metadata;
     retain_keys(&mut meta.labels, |k| {
@@ -915,11 +925,6 @@ fn trim_slice(slice: &mut EndpointSlice) {
     });
     retain_keys(&mut meta.annotations, |k| k == ANNOTATION_TRIGGER_TIME);
     meta.owner_references = None;
-    for ep in &mut slice.endpoints {
-        ep.target_ref = None;
-        ep.hostname = None;
-        ep.deprecated_topology = None;
-    }
 }
 
 /// Watches `api` (the objects `cfg` selects) into a store, each object `trim`med first,
@@ -1043,14 +1048,13 @@ fn error_text(e: &watcher::Error) -> String {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::ObjectReference;
-    use k8s_openapi::api::discovery::v1::Endpoint;
+    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectMeta};
     use std::collections::BTreeMap;
 
     /// What is trimmed is what no decision reads: managed fields, kubectl's copy of the
-    /// applied configuration, owners, the labels and annotations kxp does not read, the
-    /// endpoints' Pod references and hostnames; the Service's name label, the trigger
-    /// time and the endpoints' fields stay.
+    /// applied configuration, owners, the labels and annotations kxp does not read; the
+    /// Service's name label, the trigger time and the endpoints' read fields stay.
     #[test]
     fn trimming_a_slice_keeps_what_decisions_read() {
         let annotations = BTreeMap::from([
@@ -1079,7 +1083,7 @@ mod tests {
             owner_references: Some(vec![Default::default()]),
             ..Default::default()
         };
-        let mut slice = EndpointSlice {
+        let mut slice = Slice::from(EndpointSlice {
             metadata: meta,
             address_type: "IPv4".into(),
             endpoints: vec![Endpoint {
@@ -1095,7 +1099,7 @@ mod tests {
                 ..Default::default()
             }],
             ports: None,
-        };
+        });
         trim_slice(&mut slice);
         let meta = &slice.metadata;
         assert!(meta.managed_fields.is_none() && meta.owner_references.is_none());
@@ -1108,14 +1112,12 @@ mod tests {
         );
         assert_eq!(keys(&meta.labels), ["kubernetes.io/service-name"]);
         let ep = &slice.endpoints[0];
-        assert!(ep.target_ref.is_none() && ep.hostname.is_none());
         assert_eq!(
+            (ep.address.clone(), ep.node_name.as_deref()),
             (
-                ep.addresses.len(),
-                ep.node_name.as_deref(),
-                ep.zone.as_deref()
-            ),
-            (1, Some("node-a"), Some("z1"))
+                Some(translate::slice::Address::Ip("10.0.0.1".parse().unwrap())),
+                Some("node-a")
+            )
         );
     }
 

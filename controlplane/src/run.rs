@@ -134,7 +134,7 @@ pub fn run(opts: RunOptions) -> anyhow::Result<()> {
         false => early,
     };
     dp.attach_interfaces()?;
-    take_over_interfaces(&dp, listing, first_started.elapsed());
+    take_over_interfaces(&dp, listing, (translated, first_started.elapsed()));
     mark_programmed(&tracker, &dp, &health, &metrics, first_started, listed);
     // systemd's `Type=notify`; after a reload, this kxp is the service's main process now.
     reload::ready(released);
@@ -593,8 +593,9 @@ fn first_sync(
 
 /// Takes the interfaces over from the programs a previous kxp left, and removes
 /// kube-proxy's leftovers; then logs how long start-up took (`listing`: reading the
-/// state; `first_sync`: the first sync) and what was restored.
-fn take_over_interfaces(dp: &Dataplane, listing: Duration, first_sync: Duration) {
+/// state; `first_sync`: the first sync's translation and the whole of it) and what was
+/// restored.
+fn take_over_interfaces(dp: &Dataplane, listing: Duration, first_sync: (Duration, Duration)) {
     // Filled with the first state: the new programs replace the ones a previous kxp left
     // steering (and holding) the interfaces.
     let taking_over = Instant::now();
@@ -609,11 +610,12 @@ fn take_over_interfaces(dp: &Dataplane, listing: Duration, first_sync: Duration)
     crate::leftovers::log(&crate::leftovers::remove_all());
     tracing::info!(
         interfaces = dp.start_times.interfaces,
-        "start-up: reading the state {} ms, {}, first sync {} ms, take-over {} ms, \
-         kube-proxy's leftovers {} ms",
+        "start-up: reading the state {} ms, {}, first sync {} ms (translation {} ms), \
+         take-over {} ms, kube-proxy's leftovers {} ms",
         listing.as_millis(),
         dp.start_times.describe(),
-        first_sync.as_millis(),
+        first_sync.1.as_millis(),
+        first_sync.0.as_millis(),
         taken_over.as_millis(),
         leftovers.elapsed().as_millis()
     );

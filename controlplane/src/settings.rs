@@ -136,7 +136,7 @@ fn cluster_cidrs(
         if c.is_empty() {
             continue;
         }
-        let net = translate::k8s::parse_cidr_sloppy(c)
+        let net = translate::sloppy::parse_cidr_sloppy(c)
             .filter(|_| c.contains('/'))
             .ok_or_else(|| invalid(&field, format!("{c:?} is not a CIDR")))?;
         cluster_cidrs.push(net);
@@ -201,7 +201,7 @@ pub fn localhost_node_ports(cfg: Option<&KubeProxyConfiguration>) -> bool {
     let addrs = cfg.node_port_addresses.as_deref().unwrap_or_default();
     let loopback = addrs.is_empty()
         || addrs.iter().any(|a| {
-            translate::k8s::parse_cidr_sloppy(a)
+            translate::sloppy::parse_cidr_sloppy(a)
                 .is_some_and(|n| n.contains(&std::net::IpAddr::from([127, 0, 0, 1])))
         });
     iptables_mode && on && loopback

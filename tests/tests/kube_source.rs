@@ -6,11 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use controlplane::kube_source::{
-    KubeSource, RateLimit, SourceConfig, client_from, foreign_policy_groups,
+    KubeSource, RateLimit, SourceConfig, Watched, client_from, foreign_policy_groups,
 };
 use kxp_tests::fakeapi::{FakeApi, Kind};
 use serde_json::{Value, json};
-use translate::k8s::ClusterState;
 
 const PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 const HEADLESS: &str = "service.kubernetes.io/headless";
@@ -91,28 +90,36 @@ fn set(names: &[&str]) -> BTreeSet<String> {
     names.iter().map(|s| s.to_string()).collect()
 }
 
-fn svc_names(st: &ClusterState) -> BTreeSet<String> {
+fn svc_names(st: &Watched) -> BTreeSet<String> {
     st.services
         .iter()
         .map(|s| s.metadata.name.clone().unwrap())
         .collect()
 }
 
-fn slice_names(st: &ClusterState) -> BTreeSet<String> {
+/// An endpoint's first address as text.
+fn address(ep: &translate::slice::SliceEndpoint) -> String {
+    match &ep.address {
+        Some(translate::slice::Address::Ip(ip)) => ip.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn slice_names(st: &Watched) -> BTreeSet<String> {
     st.endpoint_slices
         .iter()
         .map(|s| s.metadata.name.clone().unwrap())
         .collect()
 }
 
-fn node_names(st: &ClusterState) -> BTreeSet<String> {
+fn node_names(st: &Watched) -> BTreeSet<String> {
     st.nodes
         .iter()
         .map(|s| s.metadata.name.clone().unwrap())
         .collect()
 }
 
-fn cidr_names(st: &ClusterState) -> BTreeSet<String> {
+fn cidr_names(st: &Watched) -> BTreeSet<String> {
     st.service_cidrs
         .iter()
         .map(|s| s.metadata.name.clone().unwrap())
@@ -154,16 +161,15 @@ async fn initial_sync_honours_selectors() {
         assert_eq!(r.relists, 0, "{r:?}");
     }
     assert_eq!(status.get("services").unwrap().objects, 1);
-    // The state builds a snapshot.
-    let built = translate::tracker::build(
-        &st,
-        &translate::k8s::NodeSettings {
-            node_name: "node-a".into(),
-            ..Default::default()
-        },
-        1,
-    );
-    assert!(built.is_ok(), "{:?}", built.err());
+    // What the watches hold builds a snapshot, handed over as `kxp run` hands it.
+    let mut tracker = translate::tracker::Tracker::new(translate::k8s::NodeSettings {
+        node_name: "node-a".into(),
+        ..Default::default()
+    });
+    src.take_changes().apply(&mut tracker);
+    let synced = tracker.sync(1);
+    assert!(synced.errors.is_empty(), "{:?}", synced.errors);
+    assert!(synced.update.snapshot.port_count() > 0);
     src.stop();
 
     // With serviceProxyName, only the Services labelled with it.
@@ -199,11 +205,7 @@ async fn changes_are_visible_and_bump_subscribers() {
         json!({"kubernetes.io/service-name": "web"}),
     ))
     .unwrap();
-    let addr = |st: &ClusterState| {
-        st.endpoint_slices
-            .first()
-            .map(|s| s.endpoints[0].addresses[0].clone())
-    };
+    let addr = |st: &Watched| st.endpoint_slices.first().map(|s| address(&s.endpoints[0]));
     wait_for("modify", within, || {
         addr(&src.state()).as_deref() == Some("10.0.0.9")
     })
@@ -333,7 +335,7 @@ async fn burst_of_slice_changes_converges() {
             .filter_map(|s| {
                 let name = s.metadata.name.as_deref()?;
                 let n: u32 = name.strip_prefix("burst-")?.parse().ok()?;
-                Some((n, s.endpoints[0].addresses[0].clone()))
+                Some((n, address(&s.endpoints[0])))
             })
             .collect();
         burst.len() == 90 && burst.iter().all(|(n, a)| n % 10 != 0 && *a == expect(*n))

@@ -23,6 +23,9 @@ use nat::select::{Scheduler, maglev_table};
 use nat::topology::{PolicyUse, categorize};
 use nat::tuple::Protocol;
 
+use crate::slice::{Address, Slice, SliceEndpoint};
+use crate::sloppy::{parse_cidr_sloppy, parse_ip_sloppy};
+
 /// Label that hands a Service to another proxy (kube-proxy's informer excludes it).
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 /// Label marking the EndpointSlices of headless Services.
@@ -121,40 +124,6 @@ pub(crate) fn obj_name(
         (Some(ns), Some(n)) => format!("{ns}/{n}"),
         (None, Some(n)) => n.clone(),
         _ => "(unnamed)".to_string(),
-    }
-}
-
-/// kube-proxy's `ParseIPSloppy`: like `IpAddr::from_str`, but IPv4 octets may carry
-/// leading zeros, read as decimal (legacy objects the API server no longer accepts).
-pub fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
-    let s = s.trim();
-    if let Ok(ip) = s.parse() {
-        return Some(ip);
-    }
-    let parts: Vec<&str> = s.split('.').collect();
-    if parts.len() != 4 {
-        return None;
-    }
-    let mut octets = [0u8; 4];
-    for (o, p) in octets.iter_mut().zip(&parts) {
-        if p.is_empty() || p.len() > 3 || !p.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        *o = p.parse().ok()?;
-    }
-    Some(IpAddr::from(octets))
-}
-
-/// kube-proxy's `ParseCIDRSloppy`, masked to its network; a bare address is a host route.
-pub fn parse_cidr_sloppy(s: &str) -> Option<IpNet> {
-    let s = s.trim();
-    match s.split_once('/') {
-        Some((ip, len)) => {
-            let ip = parse_ip_sloppy(ip)?;
-            let len: u8 = len.parse().ok()?;
-            IpNet::new(ip, len).ok().map(|n| n.trunc())
-        }
-        None => parse_ip_sloppy(s).map(IpNet::from),
     }
 }
 
@@ -389,42 +358,63 @@ fn service_cidrs<'a>(
     Ok(service_cidrs)
 }
 
-/// One endpoint of a slice as read, before it is joined to a Service port.
-#[derive(Debug, Clone)]
-pub(crate) struct SliceEndpoint {
-    ip: IpAddr,
-    node_name: Option<String>,
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    zone_hints: Vec<String>,
-    node_hints: Vec<String>,
+/// One Service's slices, by port: each slice's endpoints (as they are held, read in
+/// place when joined) at each of its ports, in the slices' order.
+#[derive(Debug, Default)]
+pub(crate) struct SliceIndex<'a> {
+    entries: Vec<SlicePortEntry<'a>>,
 }
 
-/// Endpoints by (namespace, service, port name, protocol, family): list of (port, endpoints).
-pub(crate) type SliceIndex =
-    BTreeMap<(String, String, String, Protocol, Family), Vec<(u16, Vec<SliceEndpoint>)>>;
+#[derive(Debug)]
+struct SlicePortEntry<'a> {
+    port_name: &'a str,
+    protocol: Protocol,
+    family: Family,
+    port: u16,
+    endpoints: &'a [SliceEndpoint],
+}
 
+impl<'a> SliceIndex<'a> {
+    /// The (port number, endpoints) of every slice port of this name, protocol and
+    /// family, in the slices' order.
+    fn ports<'s>(
+        &'s self,
+        port_name: &'s str,
+        protocol: Protocol,
+        family: Family,
+    ) -> impl Iterator<Item = (u16, &'a [SliceEndpoint])> + 's {
+        self.entries
+            .iter()
+            .filter(move |e| {
+                e.port_name == port_name && e.protocol == protocol && e.family == family
+            })
+            .map(|e| (e.port, e.endpoints))
+    }
+}
+
+/// Indexes the slices of one Service (those its `kubernetes.io/service-name` joins to
+/// it), as kube-proxy's `EndpointSliceCache` reads them.
 pub(crate) fn index_slices<'a>(
-    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    slices: impl IntoIterator<Item = &'a Slice>,
     notes: &mut Vec<String>,
-) -> Result<SliceIndex, ModelError> {
-    let mut index = SliceIndex::new();
+) -> Result<SliceIndex<'a>, ModelError> {
+    let mut index = SliceIndex::default();
     for slice in slices {
-        let name = obj_name(&slice.metadata);
+        let name = || obj_name(&slice.metadata);
         let labels = slice.metadata.labels.as_ref();
         if labels.is_some_and(|l| l.contains_key(LABEL_HEADLESS)) {
             continue;
         }
-        let Some(svc) = labels
+        if labels
             .and_then(|l| l.get(LABEL_SERVICE_NAME))
-            .filter(|s| !s.is_empty())
-        else {
+            .is_none_or(|s| s.is_empty())
+        {
             notes.push(format!(
-                "EndpointSlice {name}: no {LABEL_SERVICE_NAME} label, ignored"
+                "EndpointSlice {}: no {LABEL_SERVICE_NAME} label, ignored",
+                name()
             ));
             continue;
-        };
+        }
         let family = match slice.address_type.as_str() {
             "IPv4" => Family::V4,
             "IPv6" => Family::V6,
@@ -432,96 +422,82 @@ pub(crate) fn index_slices<'a>(
             other => {
                 return Err(ModelError {
                     kind: "EndpointSlice",
-                    object: name,
+                    object: name(),
                     field: "addressType".into(),
                     message: format!("{other:?} is not IPv4, IPv6 or FQDN"),
                 });
             }
         };
-        let ns = slice.metadata.namespace.clone().unwrap_or_default();
-        let eps = slice_endpoints(slice, &name, family, notes)?;
-        for (i, p) in slice.ports.iter().flatten().enumerate() {
-            let Some(port_name) = p.name.clone() else {
+        check_endpoints(slice, &name, family, notes)?;
+        for (i, p) in slice.ports.iter().enumerate() {
+            let Some(port_name) = p.name.as_deref() else {
                 continue;
             };
             let port = match p.port {
                 None | Some(0) => continue,
                 Some(n) => u16::try_from(n).map_err(|_| ModelError {
                     kind: "EndpointSlice",
-                    object: name.clone(),
+                    object: name(),
                     field: format!("ports[{i}].port"),
                     message: format!("{n} is not a port number"),
                 })?,
             };
             let proto_s = p.protocol.as_deref().unwrap_or("TCP");
-            let proto = Protocol::parse(proto_s).ok_or_else(|| ModelError {
+            let protocol = Protocol::parse(proto_s).ok_or_else(|| ModelError {
                 kind: "EndpointSlice",
-                object: name.clone(),
+                object: name(),
                 field: format!("ports[{i}].protocol"),
                 message: format!("{proto_s:?} is not TCP, UDP or SCTP"),
             })?;
-            index
-                .entry((ns.clone(), svc.clone(), port_name, proto, family))
-                .or_default()
-                .push((port, eps.clone()));
+            index.entries.push(SlicePortEntry {
+                port_name,
+                protocol,
+                family,
+                port,
+                endpoints: &slice.endpoints,
+            });
         }
     }
     Ok(index)
 }
 
-/// A slice's endpoints of `family` (its first address each; another family's said in
-/// `notes` and left out), with their conditions and topology hints.
-fn slice_endpoints(
-    slice: &EndpointSlice,
-    name: &str,
+/// Whether a slice's endpoints can be read: each first address is an address (else the
+/// slice is in error); one of another family than the slice's is said in `notes`, and
+/// left out when joined ([`slice_ip`]).
+fn check_endpoints(
+    slice: &Slice,
+    name: &dyn Fn() -> String,
     family: Family,
     notes: &mut Vec<String>,
-) -> Result<Vec<SliceEndpoint>, ModelError> {
-    let mut eps = Vec::with_capacity(slice.endpoints.len());
+) -> Result<(), ModelError> {
     for (i, ep) in slice.endpoints.iter().enumerate() {
-        let Some(first) = ep.addresses.first() else {
-            continue;
-        };
-        let ip = parse_ip(
-            "EndpointSlice",
-            name,
-            &format!("endpoints[{i}].addresses[0]"),
-            first,
-        )?;
-        if Family::of(&ip) != family {
-            notes.push(format!(
-                "EndpointSlice {name}: endpoints[{i}] address {ip} is not {}, ignored",
+        match &ep.address {
+            None => {}
+            Some(Address::Invalid(text)) => {
+                return Err(ModelError {
+                    kind: "EndpointSlice",
+                    object: name(),
+                    field: format!("endpoints[{i}].addresses[0]"),
+                    message: format!("{text:?} is not an IP address"),
+                });
+            }
+            Some(Address::Ip(ip)) if Family::of(ip) != family => notes.push(format!(
+                "EndpointSlice {}: endpoints[{i}] address {ip} is not {}, ignored",
+                name(),
                 family.as_k8s()
-            ));
-            continue;
+            )),
+            Some(Address::Ip(_)) => {}
         }
-        let c = ep.conditions.clone().unwrap_or_default();
-        let hints = ep.hints.clone().unwrap_or_default();
-        let mut zone_hints: Vec<String> = hints
-            .for_zones
-            .unwrap_or_default()
-            .into_iter()
-            .map(|z| z.name)
-            .collect();
-        let mut node_hints: Vec<String> = hints
-            .for_nodes
-            .unwrap_or_default()
-            .into_iter()
-            .map(|n| n.name)
-            .collect();
-        zone_hints.sort();
-        node_hints.sort();
-        eps.push(SliceEndpoint {
-            ip,
-            node_name: ep.node_name.clone(),
-            ready: c.ready.unwrap_or(true),
-            serving: c.serving.unwrap_or(true),
-            terminating: c.terminating.unwrap_or(false),
-            zone_hints,
-            node_hints,
-        });
     }
-    Ok(eps)
+    Ok(())
+}
+
+/// An endpoint's address when it is one of `family` (the endpoints joined).
+fn slice_ip(ep: &SliceEndpoint, family: Family) -> Option<IpAddr> {
+    match ep.address {
+        Some(Address::Ip(ip)) if Family::of(&ip) == family => Some(ip),
+        _ => None,
+    }
 }
 
 /// kube-proxy's `GetClusterIPByFamily`.
@@ -903,29 +879,26 @@ fn join_endpoints(
     node_name: &str,
     weights: &BTreeMap<IpAddr, u32>,
 ) -> Vec<Endpoint> {
-    let key = (
-        spn.namespace.clone(),
-        spn.name.clone(),
-        spn.port.clone(),
-        spn.protocol,
-        family,
-    );
     // Sorted by `IP:PORT` as text and deduplicated (kube-proxy's map keyed by
     // `Endpoint.String()`): of one key, the first, replaced by any later one that is not
     // terminating. The sort is stable, so a key's endpoints keep their slices' order.
     let mut all: Vec<(TextKey, Endpoint)> = Vec::new();
-    for (port, eps) in slices.get(&key).into_iter().flatten() {
+    for (port, eps) in slices.ports(&spn.port, spn.protocol, family) {
         for e in eps {
-            let addr = std::net::SocketAddr::new(e.ip, *port);
+            let Some(ip) = slice_ip(e, family) else {
+                continue;
+            };
+            let addr = std::net::SocketAddr::new(ip, port);
+            let hints = e.hints.as_deref();
             let ep = Endpoint {
                 addr,
                 is_local: !node_name.is_empty() && e.node_name.as_deref() == Some(node_name),
                 ready: e.ready,
                 serving: e.serving,
                 terminating: e.terminating,
-                zone_hints: e.zone_hints.clone(),
-                node_hints: e.node_hints.clone(),
-                weight: weights.get(&e.ip).copied().unwrap_or(1),
+                zone_hints: hints.map(|h| h.zones.clone()).unwrap_or_default(),
+                node_hints: hints.map(|h| h.nodes.clone()).unwrap_or_default(),
+                weight: weights.get(&ip).copied().unwrap_or(1),
             };
             all.push((TextKey::of(addr), ep));
         }
@@ -962,16 +935,55 @@ impl TextKey {
     fn of(addr: std::net::SocketAddr) -> TextKey {
         use std::io::Write as _;
         let mut bytes = [0u8; 64];
-        let mut w = std::io::Cursor::new(&mut bytes[..]);
-        // Cannot fail: 64 bytes hold any socket address's text.
-        let _ = write!(w, "{addr}");
-        let len = w.position() as u8;
-        TextKey { bytes, len }
+        let len = match addr {
+            // Digits written directly: a million of them through `fmt` were a twentieth
+            // of a full sync.
+            std::net::SocketAddr::V4(a) => {
+                let mut n = 0;
+                for (i, o) in a.ip().octets().into_iter().enumerate() {
+                    if i > 0 {
+                        bytes[n] = b'.';
+                        n += 1;
+                    }
+                    n += put_decimal(&mut bytes[n..], u32::from(o));
+                }
+                bytes[n] = b':';
+                n += 1;
+                n + put_decimal(&mut bytes[n..], u32::from(a.port()))
+            }
+            std::net::SocketAddr::V6(_) => {
+                let mut w = std::io::Cursor::new(&mut bytes[..]);
+                // Cannot fail: 64 bytes hold any socket address's text.
+                let _ = write!(w, "{addr}");
+                w.position() as usize
+            }
+        };
+        TextKey {
+            bytes,
+            len: len as u8,
+        }
     }
 
     fn as_bytes(&self) -> &[u8] {
         &self.bytes[..usize::from(self.len)]
     }
+}
+
+/// Writes `v` in decimal at the start of `out` (room for its digits); how many bytes.
+fn put_decimal(out: &mut [u8], mut v: u32) -> usize {
+    let mut digits = [0u8; 10];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    let n = digits.len() - i;
+    out[..n].copy_from_slice(&digits[i..]);
+    n
 }
 
 impl Ord for TextKey {
@@ -1001,6 +1013,8 @@ mod text_key_tests {
             "10.0.0.2:8080",
             "10.0.0.2:8",
             "9.255.255.255:65535",
+            "0.0.0.0:0",
+            "100.20.3.0:10",
             "[fd00::1]:80",
             "[fd00::10]:80",
             "[::ffff:10.0.0.1]:443",

@@ -11,17 +11,21 @@
 //! A node change (labels, addresses, ServiceCIDRs, settings) rebuilds every Service, as
 //! in kube-proxy.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+// Seeded at random per process: keys are the cluster's names, hashed a million times
+// in a full sync (SipHash was a tenth of it).
+use foldhash::{HashMap, HashSet};
+
 use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
 use crate::k8s::{
     ClusterState, LABEL_SERVICE_NAME, ModelError, NodeSettings, index_slices, node_context,
     obj_name, service_ports,
 };
+use crate::slice::Slice;
 use nat::model::{NodeContext, ServicePort};
 use nat::snapshot::{Indexer, Op, Snapshot, Update};
 
@@ -49,14 +53,18 @@ fn unchanged<T: PartialEq>(held: Option<&Arc<T>>, new: Option<&Arc<T>>) -> bool 
 
 /// The changes that make a kind's objects `objs`: each of them (applying an unchanged
 /// one is a no-op), then a deletion for every `held` key not among them.
-fn replacement<K: Ord + Clone, T>(
+fn replacement<'h, K: std::hash::Hash + Eq + Clone + 'h, T>(
     objs: impl IntoIterator<Item = Arc<T>>,
     key: impl Fn(&T) -> K,
-    held: impl Iterator<Item = K>,
+    held: impl Iterator<Item = &'h K>,
 ) -> Vec<(K, Option<Arc<T>>)> {
     let mut out: Vec<(K, Option<Arc<T>>)> = objs.into_iter().map(|o| (key(&o), Some(o))).collect();
-    let seen: BTreeSet<K> = out.iter().map(|(k, _)| k.clone()).collect();
-    out.extend(held.filter(|k| !seen.contains(k)).map(|k| (k, None)));
+    let mut held = held.peekable();
+    if held.peek().is_some() {
+        let seen: HashSet<&K> = out.iter().map(|(k, _)| k).collect();
+        let gone: Vec<K> = held.filter(|k| !seen.contains(k)).cloned().collect();
+        out.extend(gone.into_iter().map(|k| (k, None)));
+    }
     out
 }
 
@@ -85,24 +93,26 @@ pub struct Synced {
 pub struct Tracker {
     settings: NodeSettings,
     services: HashMap<ObjKey, Arc<Service>>,
-    slices: HashMap<ObjKey, Arc<EndpointSlice>>,
+    slices: HashMap<ObjKey, Arc<Slice>>,
     /// Slice → the Service it belongs to (its `kubernetes.io/service-name`).
     slice_owner: HashMap<ObjKey, ObjKey>,
-    /// Service → names of its slices (same namespace).
-    service_slices: HashMap<ObjKey, BTreeSet<String>>,
+    /// Service → its slices (same namespace), sorted by name: the order kube-proxy's
+    /// endpoint join reads them in.
+    service_slices: HashMap<ObjKey, Vec<(String, Arc<Slice>)>>,
     nodes: BTreeMap<String, Arc<Node>>,
     cidrs: BTreeMap<String, Arc<ServiceCIDR>>,
     node: Arc<NodeContext>,
     node_dirty: bool,
-    dirty: BTreeSet<ObjKey>,
+    /// Services to rebuild (in the order of their keys, at the sync).
+    dirty: HashSet<ObjKey>,
     /// Slots of each Service's ports.
     built: HashMap<ObjKey, Vec<u32>>,
     indexer: Indexer,
     current: Option<Arc<Snapshot>>,
     /// The snapshot published before `current`, and the ops it lacks.
     spare: Option<(Arc<Snapshot>, Vec<Op>)>,
-    changed_services: BTreeSet<ObjKey>,
-    changed_slices: BTreeSet<ObjKey>,
+    changed_services: HashSet<ObjKey>,
+    changed_slices: HashSet<ObjKey>,
     trigger_times: Vec<String>,
     pending_notes: Vec<String>,
     /// What NetworkPolicy decisions are made of, and the view built from them: built
@@ -131,25 +141,25 @@ impl Tracker {
                 ..Default::default()
             }),
             settings,
-            services: HashMap::new(),
-            slices: HashMap::new(),
-            slice_owner: HashMap::new(),
-            service_slices: HashMap::new(),
+            services: HashMap::default(),
+            slices: HashMap::default(),
+            slice_owner: HashMap::default(),
+            service_slices: HashMap::default(),
             nodes: BTreeMap::new(),
             cidrs: BTreeMap::new(),
             node_dirty: true,
-            dirty: BTreeSet::new(),
-            built: HashMap::new(),
+            dirty: HashSet::default(),
+            built: HashMap::default(),
             indexer: Indexer::default(),
             current: None,
             spare: None,
-            changed_services: BTreeSet::new(),
-            changed_slices: BTreeSet::new(),
+            changed_services: HashSet::default(),
+            changed_slices: HashSet::default(),
             trigger_times: Vec::new(),
             pending_notes: Vec::new(),
-            pods: HashMap::new(),
-            namespaces: HashMap::new(),
-            policies: HashMap::new(),
+            pods: HashMap::default(),
+            namespaces: HashMap::default(),
+            policies: HashMap::default(),
             policy_dirty: false,
             dirty_policy_ns: BTreeSet::new(),
             dirty_namespaces: BTreeSet::new(),
@@ -199,15 +209,15 @@ impl Tracker {
     }
 
     /// An EndpointSlice added or changed (`Some`) or deleted (`None`).
-    pub fn apply_slice(&mut self, key: ObjKey, slice: Option<Arc<EndpointSlice>>) {
+    pub fn apply_slice(&mut self, key: ObjKey, slice: Option<Arc<Slice>>) {
         if unchanged(self.slices.get(&key), slice.as_ref()) {
             return;
         }
         self.changed_slices.insert(key.clone());
         if let Some(old) = self.slice_owner.remove(&key) {
-            if let Some(set) = self.service_slices.get_mut(&old) {
-                set.remove(&key.1);
-                if set.is_empty() {
+            if let Some(list) = self.service_slices.get_mut(&old) {
+                list.retain(|(name, _)| *name != key.1);
+                if list.is_empty() {
                     self.service_slices.remove(&old);
                 }
             }
@@ -233,10 +243,9 @@ impl Tracker {
                 match owner {
                     Some(svc) => {
                         let owner = (key.0.clone(), svc);
-                        self.service_slices
-                            .entry(owner.clone())
-                            .or_default()
-                            .insert(key.1.clone());
+                        let list = self.service_slices.entry(owner.clone()).or_default();
+                        let at = list.partition_point(|(name, _)| *name < key.1);
+                        list.insert(at, (key.1.clone(), s.clone()));
                         self.slice_owner.insert(key.clone(), owner.clone());
                         self.dirty.insert(owner);
                     }
@@ -282,15 +291,15 @@ impl Tracker {
     /// Makes the tracked Services what `objs` holds: new and changed ones applied,
     /// missing ones deleted. Unchanged objects (same `Arc`, or equal) cost a comparison.
     pub fn replace_services(&mut self, objs: impl IntoIterator<Item = Arc<Service>>) {
-        let held = self.services.keys().cloned();
+        let held = self.services.keys();
         for (k, o) in replacement(objs, |o| key_of(&o.metadata), held) {
             self.apply_service(k, o);
         }
     }
 
     /// As [`Self::replace_services`], for EndpointSlices.
-    pub fn replace_slices(&mut self, objs: impl IntoIterator<Item = Arc<EndpointSlice>>) {
-        let held = self.slices.keys().cloned();
+    pub fn replace_slices(&mut self, objs: impl IntoIterator<Item = Arc<Slice>>) {
+        let held = self.slices.keys();
         for (k, o) in replacement(objs, |o| key_of(&o.metadata), held) {
             self.apply_slice(k, o);
         }
@@ -298,7 +307,7 @@ impl Tracker {
 
     /// As [`Self::replace_services`], for Nodes.
     pub fn replace_nodes(&mut self, objs: impl IntoIterator<Item = Arc<Node>>) {
-        let held = self.nodes.keys().cloned();
+        let held = self.nodes.keys();
         for (k, o) in replacement(objs, |o| o.metadata.name.clone().unwrap_or_default(), held) {
             self.apply_node(k, o);
         }
@@ -306,7 +315,7 @@ impl Tracker {
 
     /// As [`Self::replace_services`], for ServiceCIDRs.
     pub fn replace_service_cidrs(&mut self, objs: impl IntoIterator<Item = Arc<ServiceCIDR>>) {
-        let held = self.cidrs.keys().cloned();
+        let held = self.cidrs.keys();
         for (k, o) in replacement(objs, |o| o.metadata.name.clone().unwrap_or_default(), held) {
             self.apply_service_cidr(k, o);
         }
@@ -315,7 +324,12 @@ impl Tracker {
     /// Makes the tracked objects those of `state` (copies them).
     pub fn replace_all(&mut self, state: &ClusterState) {
         self.replace_services(state.services.iter().cloned().map(Arc::new));
-        self.replace_slices(state.endpoint_slices.iter().cloned().map(Arc::new));
+        self.replace_slices(
+            state
+                .endpoint_slices
+                .iter()
+                .map(|s| Arc::new(Slice::from(s))),
+        );
         self.replace_nodes(state.nodes.iter().cloned().map(Arc::new));
         self.replace_service_cidrs(state.service_cidrs.iter().cloned().map(Arc::new));
         self.replace_policy_inputs(
@@ -508,7 +522,9 @@ impl Tracker {
     ) -> (Vec<Arc<ServicePort>>, Vec<Arc<ServicePort>>) {
         let mut removed = Vec::new();
         let mut added = Vec::new();
-        for key in std::mem::take(&mut self.dirty) {
+        let mut dirty: Vec<ObjKey> = std::mem::take(&mut self.dirty).into_iter().collect();
+        dirty.sort_unstable();
+        for key in dirty {
             let ports = match self.services.get(&key) {
                 None => Ok(Vec::new()),
                 Some(svc) => self.ports_of(&key, svc, notes),
@@ -590,8 +606,7 @@ impl Tracker {
             .get(key)
             .into_iter()
             .flatten()
-            .filter_map(|name| self.slices.get(&(key.0.clone(), name.clone())))
-            .map(|s| &**s);
+            .map(|(_, s)| &**s);
         let index = index_slices(slices, notes)?;
         service_ports(
             svc,

@@ -39,13 +39,16 @@ fn one_changed_service_rebuilds_only_that_service() {
         );
         t.apply_slice(
             ("ns".into(), format!("s{i}-x")),
-            Some(Arc::new(slice(
-                "ns",
-                &format!("s{i}-x"),
-                &format!("s{i}"),
-                &["10.1.0.1", "10.1.0.2"],
-                "node-b",
-            ))),
+            Some(Arc::new(
+                slice(
+                    "ns",
+                    &format!("s{i}-x"),
+                    &format!("s{i}"),
+                    &["10.1.0.1", "10.1.0.2"],
+                    "node-b",
+                )
+                .into(),
+            )),
         );
     }
     let first = t.sync(1);
@@ -57,7 +60,9 @@ fn one_changed_service_rebuilds_only_that_service() {
 
     t.apply_slice(
         ("ns".into(), "s7-x".into()),
-        Some(Arc::new(slice("ns", "s7-x", "s7", &["10.1.0.9"], "node-b"))),
+        Some(Arc::new(
+            slice("ns", "s7-x", "s7", &["10.1.0.9"], "node-b").into(),
+        )),
     );
     let s = t.sync(2);
     assert!(!s.update.full);
@@ -246,7 +251,7 @@ fn trigger_times_of_changed_slices_are_reported_once() {
         ANNOTATION_TRIGGER_TIME.to_string(),
         "2026-11-30T01:00:00Z".to_string(),
     )]));
-    t.apply_slice(("ns".into(), "a-1".into()), Some(Arc::new(sl)));
+    t.apply_slice(("ns".into(), "a-1".into()), Some(Arc::new(sl.into())));
     assert_eq!(t.sync(1).trigger_times, vec!["2026-11-30T01:00:00Z"]);
     assert!(t.sync(2).trigger_times.is_empty());
 }

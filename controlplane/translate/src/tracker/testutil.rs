@@ -287,7 +287,7 @@ pub fn random_changes_match_a_fresh_build(rng: &mut dyn Choices, rounds: usize) 
                         .endpoint_slices
                         .retain(|x| x.metadata.name.as_deref() != Some(&sl));
                     state.endpoint_slices.push(o.clone());
-                    t.apply_slice(("ns".into(), sl), Some(Arc::new(o)));
+                    t.apply_slice(("ns".into(), sl), Some(Arc::new(o.into())));
                 }
                 5 => {
                     let sl = format!("{name}-{}", rng.next(2));
