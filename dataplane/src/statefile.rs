@@ -88,20 +88,25 @@ impl StateDir {
 
     /// Connection-table files present, by worker number.
     pub fn conntrack_files(&self) -> Vec<(usize, PathBuf)> {
-        let Ok(dir) = std::fs::read_dir(&self.path) else {
-            return Vec::new();
-        };
-        let mut v: Vec<(usize, PathBuf)> = dir
-            .filter_map(Result::ok)
-            .filter_map(|e| {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let n = name.strip_prefix("conntrack-")?.strip_suffix(".state")?;
-                Some((n.parse().ok()?, e.path()))
-            })
-            .collect();
-        v.sort();
-        v
+        conntrack_files_in(&self.path)
     }
+}
+
+/// The connection-table files in state directory `dir` (locked or not), by worker.
+pub fn conntrack_files_in(dir: &Path) -> Vec<(usize, PathBuf)> {
+    let Ok(dir) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(usize, PathBuf)> = dir
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n = name.strip_prefix("conntrack-")?.strip_suffix(".state")?;
+            Some((n.parse().ok()?, e.path()))
+        })
+        .collect();
+    v.sort();
+    v
 }
 
 /// The file of worker `i`'s connection table in state directory `dir`.
@@ -203,6 +208,7 @@ pub fn boot_id() -> io::Result<[u8; 16]> {
 #[derive(Debug)]
 pub struct OldFile {
     pub header: Header,
+    file: File,
     map: Mapping,
     /// The file's byte ranges that hold data (the rest are holes: records never written).
     data: Vec<(usize, usize)>,
@@ -272,13 +278,27 @@ impl OldFile {
             .to_string());
         }
         let data = data_ranges(&file, len);
-        Ok(Some(OldFile { header, map, data }))
+        Ok(Some(OldFile {
+            header,
+            file,
+            map,
+            data,
+        }))
     }
 
     /// Every record: its payload if whole, `Err` if torn or corrupt, skipping empty ones.
     pub fn records(
         &self,
     ) -> impl Iterator<Item = Result<[u64; RECORD_WORDS - 1], StateError>> + '_ {
+        self.slots()
+            // Slots in a page with data that were never written: one load to skip each.
+            .filter(|&(_, seq)| seq != 0)
+            .filter_map(|(i, _)| self.record(i))
+    }
+
+    /// The index and first word (its sequence, 0 if never written) of every record in
+    /// the pages that held data when the file was read or last [`OldFile::refreshed`].
+    pub fn slots(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
         let words = self.map.words();
         let records = self.header.records as usize;
         // The records that overlap a range with data (in whole records).
@@ -292,27 +312,48 @@ impl OldFile {
                 first..last.min(records)
             })
             .map(move |i| {
-                let at = HEADER_WORDS + i * RECORD_WORDS;
-                &words[at..at + RECORD_WORDS]
+                (
+                    i,
+                    words[HEADER_WORDS + i * RECORD_WORDS].load(Ordering::Acquire),
+                )
             })
-            // Slots in a page with data that were never written (or were cleared): one
-            // load to skip each.
-            .filter(|r| r[0].load(Ordering::Relaxed) != 0)
-            .filter_map(|r| {
-                let mut rec = [0u64; RECORD_WORDS];
-                for (d, w) in rec.iter_mut().zip(r) {
-                    *d = w.load(Ordering::Relaxed);
-                }
-                persist::open_record(&rec)
-                    .map(|p| {
-                        p.map(|p| {
-                            let mut out = [0u64; RECORD_WORDS - 1];
-                            out.copy_from_slice(p);
-                            out
-                        })
-                    })
-                    .transpose()
+    }
+
+    /// Record `index`: its payload if whole, `Err` if torn or corrupt, `None` if empty,
+    /// cleared or out of range.
+    pub fn record(&self, index: usize) -> Option<Result<[u64; RECORD_WORDS - 1], StateError>> {
+        if index >= self.header.records as usize {
+            return None;
+        }
+        let at = HEADER_WORDS + index * RECORD_WORDS;
+        let r = &self.map.words()[at..at + RECORD_WORDS];
+        let mut rec = [0u64; RECORD_WORDS];
+        for (d, w) in rec.iter_mut().zip(r) {
+            *d = w.load(Ordering::Acquire);
+        }
+        persist::open_record(&rec)
+            .map(|p| {
+                p.map(|p| {
+                    let mut out = [0u64; RECORD_WORDS - 1];
+                    out.copy_from_slice(p);
+                    out
+                })
             })
+            .transpose()
+    }
+
+    /// The file as mapped now, its pages with data looked up again (the process that
+    /// writes it may have filled holes since): `None` when the path no longer names the
+    /// file that was read (removed, or replaced by another process's).
+    pub fn refreshed(mut self, path: &Path) -> Option<OldFile> {
+        use std::os::unix::fs::MetadataExt;
+        let now = std::fs::metadata(path).ok()?;
+        let was = self.file.metadata().ok()?;
+        if (now.dev(), now.ino()) != (was.dev(), was.ino()) {
+            return None;
+        }
+        self.data = data_ranges(&self.file, self.map.words.saturating_mul(8));
+        Some(self)
     }
 }
 

@@ -182,22 +182,26 @@ pub(super) fn shared_state(
     Ok((rxs, shared))
 }
 
-/// With a state directory, locks it (waiting for a previous kxp still stopping): before
-/// anything of the node is touched, since what the previous kxp left (the steering
-/// program, its maps, the service device) is taken up next.
 /// With a state directory, this process's new state files and affinity table, made
-/// before the lock (see [`Persistence::prepare`]), the tables' journals on.
+/// before the lock, and the previous process's flows read ahead into `tables` (see
+/// [`Persistence::prepare`]).
 pub(super) fn prepare_state(
     cfg: &DataplaneConfig,
     tables: &mut [ConnTable],
 ) -> Result<Option<crate::persistence::PreparedFiles>, DataplaneError> {
     cfg.state_dir
         .as_deref()
-        .map(|dir| Persistence::prepare(dir, tables, cfg.affinity_capacity))
+        .map(|dir| {
+            let now = crate::sys::monotonic_ns();
+            Persistence::prepare(dir, tables, cfg.affinity_capacity, now)
+        })
         .transpose()
         .map_err(|e| DataplaneError::State(e.to_string()))
 }
 
+/// With a state directory, locks it (waiting for a previous kxp still stopping): before
+/// anything of the node is touched, since what the previous kxp left (the steering
+/// program, its maps, the service device) is taken up next.
 pub(super) fn lock_state(cfg: &DataplaneConfig) -> Result<Option<StateDir>, DataplaneError> {
     cfg.state_dir
         .as_deref()
@@ -385,6 +389,8 @@ pub(super) fn restore_state(
                 affinity = r.affinity,
                 bad_records = r.bad_records,
                 flows_dropped = r.flows_dropped,
+                read_ahead_ms = r.read_ahead.as_millis() as u64,
+                caught_up = r.caught_up,
                 read_ms = r.took[0].as_millis() as u64,
                 files_ms = r.took[1].as_millis() as u64,
                 affinity_ms = r.took[2].as_millis() as u64,
