@@ -853,12 +853,16 @@ fn pick_stateless(
     )
 }
 
-/// Brings the endpoint `prepared` chose into the cache ([`Engine::choose_ahead`]).
+/// Brings the endpoint `prepared` chose into the cache ([`Engine::choose_ahead`]): its
+/// first and last bytes' lines (an endpoint is 88 bytes, so one in three straddles two
+/// lines, and which fields the reply reads is the compiler's layout).
 pub fn warm_endpoint(snap: &Snapshot, prepared: &Prepared, prefetch: impl Fn(*const u8)) {
     if let Some(c) = prepared.choice_on(snap)
         && let Some(ep) = snap.port(c.port_index).endpoints.get(c.endpoint as usize)
     {
-        prefetch(std::ptr::from_ref(ep).cast());
+        let at: *const u8 = std::ptr::from_ref(ep).cast();
+        prefetch(at);
+        prefetch(at.wrapping_add(std::mem::size_of::<nat::model::Endpoint>() - 1));
     }
 }
 

@@ -930,11 +930,15 @@ fn a_choice_ahead_warms_its_endpoint_then_gives_its_reply() {
     warm_endpoint(&snap, &prep, record);
     let got = taken();
     let sp = snap.port(snap.port_for(syn.dst, syn.proto, syn.dport).unwrap());
+    let size = std::mem::size_of::<nat::model::Endpoint>();
     let chosen = sp
         .endpoints
         .iter()
-        .find(|ep| got == [std::ptr::from_ref(*ep) as usize])
-        .expect("the chosen endpoint, alone");
+        .find(|ep| {
+            let at = std::ptr::from_ref(*ep) as usize;
+            got == [at, at + size - 1]
+        })
+        .expect("the chosen endpoint's first and last bytes, alone");
     assert_eq!(
         e.reply_ahead(&snap, &fl, &prep, None),
         Some(Tuple::new(chosen.addr, syn.src_addr(), Protocol::Tcp))
