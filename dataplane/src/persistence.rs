@@ -299,13 +299,13 @@ enum Placed {
     Bad,
 }
 
-/// A previous connection-table file at `path`, if it is one (else why not, in `r`).
-fn read_conntrack(path: &Path, id: FileId, r: &mut Restored) -> Option<OldFile> {
+/// A previous file of `kind` at `path` (`what` it is, for the reason it is not used,
+/// in `r`).
+fn read_old(path: &Path, id: FileId, kind: Kind, what: &str, r: &mut Restored) -> Option<OldFile> {
     match OldFile::read(path, id.boot, id.netns) {
-        Ok(Some(f)) if f.header.kind == Kind::Conntrack => Some(f),
+        Ok(Some(f)) if f.header.kind == kind => Some(f),
         Ok(Some(_)) => {
-            r.bad_files
-                .push(format!("{}: not a connection table", path.display()));
+            r.bad_files.push(format!("{}: not {what}", path.display()));
             None
         }
         Ok(None) => None,
@@ -314,6 +314,11 @@ fn read_conntrack(path: &Path, id: FileId, r: &mut Restored) -> Option<OldFile> 
             None
         }
     }
+}
+
+/// A previous connection-table file at `path`, if it is one.
+fn read_conntrack(path: &Path, id: FileId, r: &mut Restored) -> Option<OldFile> {
+    read_old(path, id, Kind::Conntrack, "a connection table", r)
 }
 
 /// Puts what a record holds into `tables` (its flow to the worker that owns both its
@@ -500,19 +505,7 @@ fn start_affinity(
     r: &mut Restored,
 ) -> io::Result<()> {
     let path = sd.affinity();
-    let old = match OldFile::read(&path, id.boot, id.netns) {
-        Ok(Some(f)) if f.header.kind == Kind::Affinity => Some(f),
-        Ok(Some(_)) => {
-            r.bad_files
-                .push(format!("{}: not an affinity table", path.display()));
-            None
-        }
-        Ok(None) => None,
-        Err(e) => {
-            r.bad_files.push(format!("{}: {e}", path.display()));
-            None
-        }
-    };
+    let old = read_old(&path, id, Kind::Affinity, "an affinity table", r);
     if let Some(old) = &old {
         if old.header.seed == table.seed() {
             for rec in old.records() {

@@ -177,14 +177,24 @@ pub fn end_start_boost(workers: &[libc::pid_t], child: Option<libc::pid_t>) {
     let Some(b) = START_BOOST.lock().unwrap_or_else(|e| e.into_inner()).take() else {
         return;
     };
-    let mine = crate::sys::thread_ids()
-        .into_iter()
-        .filter(|t| !workers.contains(t));
-    let theirs = child.map(crate::sys::thread_ids_of).unwrap_or_default();
     let mut failed = 0;
-    for tid in mine.chain(theirs) {
-        if crate::sys::set_nice(tid, b.before).is_err() {
-            failed += 1;
+    // Threads started while this runs (the socket holder starts a lane when a socket
+    // comes, from a thread still at the start's nice) are looked for again, until a
+    // look finds none new.
+    let mut done = std::collections::HashSet::new();
+    for _ in 0..8 {
+        let mine = crate::sys::thread_ids()
+            .into_iter()
+            .filter(|t| !workers.contains(t));
+        let theirs = child.map(crate::sys::thread_ids_of).unwrap_or_default();
+        let new: Vec<libc::pid_t> = mine.chain(theirs).filter(|t| done.insert(*t)).collect();
+        if new.is_empty() {
+            break;
+        }
+        for tid in new {
+            if crate::sys::set_nice(tid, b.before).is_err() {
+                failed += 1;
+            }
         }
     }
     tracing::info!(
