@@ -1321,7 +1321,14 @@ mod tests {
                 io.tx_budget(port),
             )
         });
-        assert_eq!(sent, BATCH as u64);
+        // Every frame left. The interface's count may also hold a frame or two of the
+        // kernel's own, sent in the same window after the link came up (IPv6 MLD
+        // reports, router solicitations): CI saw 65 for 64 twice.
+        let batch = BATCH as u64;
+        assert!(
+            (batch..batch + 8).contains(&sent),
+            "{sent} sent for {batch}"
+        );
         // Linux 6.17 and later take the budget; before, the kernel's 32 per call stay.
         let want = if budget == KERNEL_TX_BUDGET { 2 } else { 1 };
         assert!(
